@@ -1,0 +1,15 @@
+"""The typed contract of each plugin kind. A plugin implements one of these and registers it through a hook."""
+
+from rtxcore.contracts.backend import BackendCapabilities, BackendOptions, ExecutionBackend, ForwardBatch
+from rtxcore.contracts.eviction import EvictionPolicy
+from rtxcore.contracts.quantizer import QuantizedTensor, Quantizer
+from rtxcore.contracts.sampler import Sampler, SamplerOutput, SamplingBatch
+from rtxcore.contracts.scheduler import KVCacheAllocator, Scheduler, SchedulerConfig, SchedulerOutput
+
+__all__ = [
+    "BackendCapabilities", "BackendOptions", "ExecutionBackend", "ForwardBatch",
+    "EvictionPolicy",
+    "QuantizedTensor", "Quantizer",
+    "Sampler", "SamplerOutput", "SamplingBatch",
+    "KVCacheAllocator", "Scheduler", "SchedulerConfig", "SchedulerOutput",
+]

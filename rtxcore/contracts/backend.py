@@ -1,0 +1,129 @@
+"""Execution-backend contract: run the model's forward pass over a batch laid out for a paged KV cache.
+
+The batch description is plain tensors (token ids, positions, block tables, slot mapping), so an in-process torch
+model can read and write its paged cache directly while a graph runtime (ONNX Runtime, TensorRT) can gather the
+blocks into its own inputs and scatter the new entries back.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from rtxcore.contracts.quantizer import Quantizer
+    from rtxcore.models.config import ModelConfig
+    from rtxcore.models.source import ModelSource
+
+
+@dataclass(frozen=True, slots=True)
+class BackendCapabilities:
+    # Devices the backend can run on ("cpu", "cuda").
+    devices: tuple[str, ...]
+    # Compute dtypes it accepts ("float32", "bfloat16", ...).
+    dtypes: tuple[str, ...]
+    # Whether it reads and writes the engine's paged KV cache (prefix caching needs it).
+    paged_kv: bool
+    # Quantization methods whose weights it can run.
+    quantization_formats: tuple[str, ...] = ()
+    # Largest batch (requests per step) it can run; None for no limit of its own.
+    max_batch_size: int | None = None
+    # False when a runtime it needs is missing; ``unavailable_reason`` then says why.
+    available: bool = True
+    unavailable_reason: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class BackendOptions:
+    # "auto" picks cuda when present, else cpu.
+    device: str = "auto"
+    # "auto" picks bfloat16 on cuda and float32 on cpu.
+    dtype: str = "auto"
+    # Weight quantizer, or None for the checkpoint's precision.
+    quantizer: Quantizer | None = None
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    # Token ids of every scheduled token, request after request: [num_tokens] int64.
+    input_ids: torch.Tensor
+    # Position of each token in its sequence: [num_tokens] int64.
+    positions: torch.Tensor
+    # Where each request's tokens start in ``input_ids``, with the total at the end (host list, num_reqs + 1).
+    query_start_loc: list[int]
+    # Each request's context length once this step's tokens are in (host list, num_reqs).
+    seq_lens: list[int]
+    # KV block ids of each request, padded with 0 past its last block: [num_reqs, max_num_blocks] int32.
+    block_tables: torch.Tensor
+    # Cache slot (block_id * block_size + offset) where each new token's K and V go: [num_tokens] int64.
+    slot_mapping: torch.Tensor
+    # Rows of ``input_ids`` whose logits are wanted (each sampling request's last token): [num_logits] int64.
+    logits_indices: torch.Tensor
+    block_size: int = 16
+    # Requests in the batch with exactly one new token, placed first by the batch builder.
+    num_decodes: int = 0
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc[-1]
+
+
+class ExecutionBackend(ABC):
+    """Loads a model and runs forward passes; one instance per engine."""
+
+    def __init__(self, options: BackendOptions):
+        self.options = options
+
+    @classmethod
+    @abstractmethod
+    def capabilities(cls) -> BackendCapabilities:
+        """What this backend supports here, including whether it can run at all (without instantiating it)."""
+
+    @classmethod
+    def describe(cls) -> dict[str, Any]:
+        return cls.capabilities().as_dict()
+
+    @abstractmethod
+    def load(self, source: ModelSource) -> None:
+        """Build the model and load its weights. Raises :class:`~rtxcore.errors.ModelLoadError` on failure."""
+
+    @property
+    @abstractmethod
+    def model_config(self) -> ModelConfig:
+        """The loaded model's shape."""
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device:
+        """Where logits come back."""
+
+    @abstractmethod
+    def kv_cache_bytes_per_token(self) -> int:
+        """Bytes of KV cache one token takes across all layers."""
+
+    @abstractmethod
+    def available_kv_cache_bytes(self) -> int:
+        """Bytes the backend can give to the KV cache on its device when no size is configured."""
+
+    @abstractmethod
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """Preallocate the paged KV cache: ``num_blocks`` blocks of ``block_size`` tokens."""
+
+    @abstractmethod
+    def execute(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run one step: write the new tokens' K/V into their slots and return logits [num_logits, vocab_size]."""
+
+    def embed(self, batch: ForwardBatch) -> torch.Tensor:
+        """Last hidden states of every token [num_tokens, hidden_size] (no cache reads). Optional."""
+        raise NotImplementedError(f"backend {type(self).__name__} does not compute embeddings")

@@ -1,0 +1,48 @@
+"""Sampler contract: turn one row of logits per request into its next token."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from rtxcore.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    # One entry per logits row, in row order.
+    params: list[SamplingParams]
+    # Prompt tokens per row (repetition penalty looks at them).
+    prompt_token_ids: list[list[int]]
+    # Tokens generated so far per row (penalties look at them).
+    output_token_ids: list[list[int]]
+    # Per-row generator for seeded requests, None for unseeded; a row's generator advances only when it is sampled,
+    # so the same seed gives the same tokens whatever else is in the batch.
+    generators: list[torch.Generator | None]
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(p.greedy for p in self.params)
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    # Chosen token per row, shape [num_rows], on the logits' device (the engine reads it with one sync).
+    token_ids: torch.Tensor
+    # Log-probability of each chosen token, shape [num_rows]; None when no row asked for logprobs.
+    logprobs: torch.Tensor | None = None
+    # Top-n alternatives per row: ids and log-probabilities, shape [num_rows, max_n]; None when no row asked.
+    top_token_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+
+class Sampler(ABC):
+    @abstractmethod
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """:param logits: float tensor [num_rows, vocab_size] from the backend (may be modified in place).
+        :returns: the chosen tokens, honouring each row's :class:`SamplingParams`."""

@@ -1,0 +1,107 @@
+"""Scheduler contract: decide which requests run this step and how many of their tokens to compute.
+
+A scheduler never touches KV blocks. It asks a :class:`KVCacheAllocator` for room and gets ``True`` or ``False``
+back ("does not fit: preempt someone or wait"); block ids stay inside the cache manager.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from rtxcore.errors import ConfigError
+from rtxcore.request import Request
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    # Most tokens (prefill chunks plus decodes) computed in one step.
+    max_num_batched_tokens: int = 2048
+    # Most requests running at once.
+    max_num_seqs: int = 256
+    # A prompt longer than what is left of the budget is prefilled in chunks instead of stalling decodes.
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+
+class KVCacheAllocator(Protocol):
+    """What a scheduler may ask of the KV-cache manager."""
+
+    def lookup_prefix(self, req: Request) -> int:
+        """Find cached blocks for the request's prefix and hold them; returns the number of tokens they cover.
+
+        Called once, before the request's first allocation; a later :meth:`free` releases the hold.
+        """
+
+    def allocate(self, req: Request, num_new_tokens: int) -> bool:
+        """Make room for ``num_new_tokens`` more tokens of ``req``; ``False`` (and nothing changed) if it does not fit."""
+
+    def free(self, req: Request) -> None:
+        """Release every block the request holds; full blocks stay in the prefix cache as evictable."""
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now, evictable cached blocks included."""
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    # Requests that run this step, in batch order.
+    scheduled: list[Request] = field(default_factory=list)
+    # Tokens to compute per scheduled request (a prefill chunk, or 1 for a decode), same order as ``scheduled``.
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    # Requests preempted this step (their KV freed; they will recompute from the start).
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler(ABC):
+    """Continuous-batching policy. The engine calls :meth:`schedule` once per step."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheAllocator):
+        self.config = config
+        self.kv_cache = kv_cache
+
+    @abstractmethod
+    def add_request(self, req: Request) -> None:
+        """Queue a new request (status WAITING)."""
+
+    @abstractmethod
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work within ``config``'s budget, allocating KV space through ``kv_cache``.
+
+        Every scheduled request must have room for its scheduled tokens when this returns.
+        """
+
+    @abstractmethod
+    def finish_request(self, req: Request) -> None:
+        """Forget a request that finished or was aborted (the engine has set its final status).
+
+        Must free its KV space through ``kv_cache.free``.
+        """
+
+    @property
+    @abstractmethod
+    def num_waiting(self) -> int:
+        """Requests queued and not running (preempted ones included)."""
+
+    @property
+    @abstractmethod
+    def num_running(self) -> int:
+        """Requests holding KV space."""
+
+    def has_unfinished_requests(self) -> bool:
+        return self.num_waiting + self.num_running > 0

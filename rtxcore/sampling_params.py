@@ -1,0 +1,68 @@
+"""Per-request generation options, validated once when the request is made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rtxcore.errors import InvalidRequestError
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    # 0 means greedy; temperature scales logits before top-k / top-p / min-p filtering.
+    temperature: float = 1.0
+    top_k: int = 0  # 0 disables
+    top_p: float = 1.0
+    min_p: float = 0.0
+    # HF-style: logits of tokens already in prompt or output are divided (positive) / multiplied (negative) by it.
+    repetition_penalty: float = 1.0
+    # OpenAI-style, applied to tokens of the output: presence once, frequency per occurrence.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    # Number of most likely alternatives returned with each sampled token's log-probability; None returns none.
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        _check(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool),
+               "max_tokens must be an integer", "max_tokens")
+        _check(self.max_tokens > 0, f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        _check(_is_number(self.temperature) and self.temperature >= 0,
+               f"temperature must be >= 0, got {self.temperature}", "temperature")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0,
+               f"top_k must be an integer >= 0 (0 disables it), got {self.top_k}", "top_k")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+               f"repetition_penalty must be > 0, got {self.repetition_penalty}", "repetition_penalty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value}", name)
+        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+               f"seed must be a non-negative integer below 2**63, got {self.seed}", "seed")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings", "stop")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+               "stop_token_ids must be non-negative integers", "stop_token_ids")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+               f"logprobs must be an integer in [0, 20], got {self.logprobs}", "logprobs")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # rejects NaN
+
+
+def _check(ok: bool, message: str, param: str) -> None:
+    if not ok:
+        raise InvalidRequestError(message, param=param)

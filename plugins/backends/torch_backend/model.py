@@ -1,0 +1,128 @@
+"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a paged KV cache."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from rtxcore.models.config import ModelConfig
+from rtx_plugins.backends.torch_backend.layers import (
+    ColumnParallelLinear,
+    ParallelContext,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    silu_and_mul,
+)
+
+AttentionFn = Callable[..., torch.Tensor]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, rotary: RotaryEmbedding):
+        super().__init__()
+        d = cfg.head_dim
+        self.num_heads = ctx.shard(cfg.num_heads, "attention heads")
+        self.num_kv_heads = ctx.shard(cfg.num_kv_heads, "KV heads")
+        self.head_dim = d
+        self.scale = d ** -0.5
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size, [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d], cfg.attention_bias, ctx)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, False, ctx)
+        self.rotary = rotary
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: object, attention: AttentionFn) -> torch.Tensor:
+        n = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(n, q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext):
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, ctx)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, ctx)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, rotary: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, ctx, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, ctx)
+
+    def forward(self, x, residual, positions, kv_cache, meta, attention):
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, kv_cache, meta, attention)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint names (Hugging Face layout) that land in a merged parameter: name -> (merged name, shard index).
+    packed_modules = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext = ParallelContext()):
+        super().__init__()
+        self.config = cfg
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ctx, rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else VocabParallelEmbedding(
+            cfg.vocab_size, cfg.hidden_size, ctx)
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta: object,
+                      attention: AttentionFn) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, positions, kv_cache, meta, attention)
+        return self.norm(x, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.logits(hidden)
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
+        """Copy one checkpoint tensor (Hugging Face name) into its place; False if the name is not a parameter."""
+        name = name.removeprefix("model.")
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return True  # tied: the embedding already holds it
+        shard_index = 0
+        for ckpt_name, (merged, index) in self.packed_modules.items():
+            if f".{ckpt_name}." in name:
+                name, shard_index = name.replace(f".{ckpt_name}.", f".{merged}."), index
+                break
+        module_name, _, param_name = name.rpartition(".")
+        try:
+            module = self.get_submodule(module_name)
+            param = getattr(module, param_name)
+        except AttributeError:
+            return False
+        if not isinstance(param, torch.Tensor):
+            return False
+        loader = getattr(module, "load_shard", None)
+        with torch.no_grad():
+            if loader is not None:
+                loader(param, tensor.to(param.dtype), shard_index)
+            else:
+                param.copy_(tensor.to(param.dtype))
+        return True

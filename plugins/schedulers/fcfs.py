@@ -1,0 +1,110 @@
+"""First-come, first-served continuous batching with chunked prefill and recompute preemption."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from rtxcore.contracts import Scheduler, SchedulerConfig, SchedulerOutput
+from rtxcore.contracts.scheduler import KVCacheAllocator
+from rtxcore.hookspecs import hookimpl
+from rtxcore.request import Request, RequestStatus
+
+
+class FCFSScheduler(Scheduler):
+    """Running requests first (oldest first), then waiting ones in arrival order.
+
+    When KV space runs out, the most recently admitted running request is preempted: its blocks are freed and it
+    goes back to the front of the queue to be recomputed (its prefix is usually still in the prefix cache).
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheAllocator):
+        super().__init__(config, kv_cache)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    @classmethod
+    def describe(cls) -> dict[str, object]:
+        return {"policy": "first-come first-served", "chunked_prefill": True, "preemption": "recompute"}
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def add_request(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def finish_request(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv_cache.free(req)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            req = self.running[index]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(req, num_new, out):
+                break  # req itself was preempted: everything after it already was too
+            out.scheduled.append(req)
+            out.num_scheduled_tokens.append(num_new)
+            budget -= num_new
+            index += 1
+
+        # Admitting new work right after a preemption would only preempt again.
+        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            if req.num_computed_tokens == 0:
+                req.num_computed_tokens = self.kv_cache.lookup_prefix(req)
+            num_new = req.num_tokens - req.num_computed_tokens
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                self._release(req)
+                break
+            num_new = min(num_new, budget)
+            if not self.kv_cache.allocate(req, num_new):
+                self._release(req)
+                break
+            self.waiting.popleft()
+            if req.status is RequestStatus.WAITING:
+                req.num_cached_tokens = req.num_computed_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(req)
+            out.num_scheduled_tokens.append(num_new)
+            budget -= num_new
+        return out
+
+    def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
+        while not self.kv_cache.allocate(req, num_new):
+            victim = self.running.pop()
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.kv_cache.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+        out.preempted.append(req)
+
+    def _release(self, req: Request) -> None:
+        # Drop the prefix-cache hold taken by lookup_prefix; the lookup is redone when the request is retried.
+        self.kv_cache.free(req)
+        req.num_computed_tokens = 0
+
+
+@hookimpl
+def register_schedulers(register) -> None:
+    register("fcfs", FCFSScheduler)

@@ -1,0 +1,60 @@
+"""The Hugging Face transformers baseline: eager ``generate`` on the same weights, whole batch at once, padded."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from rtxcore.bench.offline import ThroughputResult
+from rtxcore.bench.workloads import BenchRequest
+from rtxcore.errors import RtxError
+from rtxcore.models.source import ModelSource
+
+
+def load_hf_model(source: ModelSource, device: str, dtype: torch.dtype):
+    """Build ``LlamaForCausalLM`` from the source's config and load the very same tensors our backend loads."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as exc:
+        raise RtxError(f"the HF baseline needs transformers: pip install 'rtx-serve[hf]' ({exc})") from None
+    config = LlamaConfig(**source.config.to_hf())
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    state = {name: t.to(device=device, dtype=dtype) for name, t in source.weights(device=device, dtype=dtype)}
+    if config.tie_word_embeddings:
+        state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+    model.load_state_dict(state, assign=True, strict=True)
+    model.tie_weights()
+    # Every request runs to its requested length, as ignore_eos does in the engine.
+    model.generation_config.eos_token_id = None
+    # Rotary buffers are not in the state dict; rebuild them on the real device.
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=config, device=device)
+    return model.to(device).eval()
+
+
+@torch.inference_mode()
+def run_hf_static(model, requests: list[BenchRequest], pad_token_id: int = 0,
+                  batch_size: int | None = None) -> ThroughputResult:
+    """Static batching: each batch is left-padded to its longest prompt and runs to its longest output; only the
+    tokens each request asked for count as output."""
+    device = next(model.parameters()).device
+    batch_size = batch_size or len(requests)
+    start = time.perf_counter()
+    for i in range(0, len(requests), batch_size):
+        chunk = requests[i:i + batch_size]
+        width = max(len(r.prompt_token_ids) for r in chunk)
+        ids = torch.full((len(chunk), width), pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for row, r in enumerate(chunk):
+            ids[row, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+            mask[row, width - len(r.prompt_token_ids):] = 1
+        steps = max(r.output_len for r in chunk)
+        model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=steps,
+                       do_sample=False, pad_token_id=pad_token_id)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    return ThroughputResult("hf eager (static)", len(requests), sum(r.output_len for r in requests),
+                            sum(len(r.prompt_token_ids) for r in requests), elapsed)

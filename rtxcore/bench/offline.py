@@ -1,0 +1,62 @@
+"""Offline throughput of the engine on a list of requests (continuous or static batching)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from rtxcore.bench.workloads import BenchRequest
+from rtxcore.engine.llm_engine import LLMEngine
+from rtxcore.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ThroughputResult:
+    label: str
+    num_requests: int
+    output_tokens: int
+    prompt_tokens: int
+    elapsed_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.elapsed_s
+
+    @property
+    def ms_per_token_per_request(self) -> float:
+        """Mean time per output token of one stream (W3's figure when there is one request)."""
+        return 1000 * self.elapsed_s * self.num_requests / self.output_tokens
+
+
+def _params(r: BenchRequest) -> SamplingParams:
+    return SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+
+
+def run_engine(engine: LLMEngine, requests: list[BenchRequest], label: str = "rtx engine",
+               static_batching: bool = False) -> ThroughputResult:
+    """:param static_batching: admit the next batch only when the whole previous one finished (the classic
+    baseline), with batches as large as the engine's max_num_seqs."""
+    start = time.perf_counter()
+    produced = 0
+    if static_batching:
+        size = engine.config.scheduling.max_num_seqs
+        for i in range(0, len(requests), size):
+            produced += _drain(engine, requests[i:i + size])
+    else:
+        produced = _drain(engine, requests)
+    elapsed = time.perf_counter() - start
+    return ThroughputResult(label, len(requests), produced, sum(len(r.prompt_token_ids) for r in requests), elapsed)
+
+
+def _drain(engine: LLMEngine, requests: list[BenchRequest]) -> int:
+    for r in requests:
+        engine.add_request(r.prompt_token_ids, _params(r))
+    produced = 0
+    while engine.has_unfinished_requests():
+        produced += sum(len(o.new_token_ids) for o in engine.step())
+    return produced
+
+
+def warm_up(engine: LLMEngine) -> None:
+    engine.generate([[100 + i for i in range(16)]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    engine.kv_cache.reset_prefix_cache()

@@ -1,0 +1,86 @@
+"""``rtx bench``: offline throughput on a standard workload, with its baseline measured in the same run."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+
+import torch
+
+from rtxcore.bench.offline import ThroughputResult, run_engine, warm_up
+from rtxcore.bench.workloads import WORKLOADS, get_workload, make_requests
+from rtxcore.cli.common import add_engine_options, engine_config, load_engine
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="measure offline throughput on a workload (shared/WORKLOADS.md)")
+    p.add_argument("--workload", default="cpu", choices=sorted(WORKLOADS), help="workload name (default: cpu)")
+    p.add_argument("--num-requests", type=int, default=None, help="override the workload's request count")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and lengths")
+    p.add_argument("--baseline", choices=["none", "hf", "static"], default="none",
+                   help="hf: HF transformers eager generate with static batching; static: this engine with static "
+                        "batching")
+    p.add_argument("--json", dest="json_path", default=None, help="also write the results as JSON to this file")
+    add_engine_options(p)
+    p.set_defaults(run=run)
+
+
+def machine_description() -> str:
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()} ({platform.machine()}, torch {torch.__version__})"
+    return f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def run(args: argparse.Namespace) -> int:
+    workload = get_workload(args.workload)
+    config = engine_config(args)
+    engine = load_engine(config)
+    requests = make_requests(workload, engine.model_config.vocab_size, seed=args.seed, num_requests=args.num_requests)
+    sys.stderr.write(f"workload {workload.name}: {workload.description} ({len(requests)} requests)\n")
+    warm_up(engine)
+    results: list[ThroughputResult] = [run_engine(engine, requests)]
+    if args.baseline == "static":
+        engine.kv_cache.reset_prefix_cache()
+        results.append(run_engine(engine, requests, label="rtx engine (static batching)", static_batching=True))
+    elif args.baseline == "hf":
+        from rtxcore.bench.hf_baseline import load_hf_model, run_hf_static
+
+        device, dtype = engine.backend.device, engine.backend.dtype
+        source = engine.source
+        del engine  # free the engine's KV cache before the baseline allocates its own
+        sys.stderr.write("loading the HF transformers baseline on the same weights...\n")
+        model = load_hf_model(source, device, dtype)
+        run_hf_static(model, requests[:1])  # warm-up
+        results.append(run_hf_static(model, requests))
+    _report(args, workload.name, results)
+    return 0
+
+
+def _report(args: argparse.Namespace, workload: str, results: list[ThroughputResult]) -> None:
+    ours = results[0]
+    base = results[1] if len(results) > 1 else None
+    lines = [f"{'system':32} {'output tok/s':>12} {'ms/token/stream':>16} {'elapsed s':>10} {'vs baseline':>12}"]
+    for r in results:
+        ratio = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base and r is ours else ("1.00x" if base else "-")
+        lines.append(f"{r.label:32} {r.tokens_per_s:12.1f} {r.ms_per_token_per_request:16.2f} {r.elapsed_s:10.2f} "
+                     f"{ratio:>12}")
+    command = "rtx " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("rtx") else "rtx bench"
+    meta = {
+        "command": command,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine_description(),
+        "workload": workload,
+    }
+    print(f"# {meta['command']}\n# {meta['date']} on {meta['machine']}")
+    print("\n".join(lines))
+    if args.json_path:
+        payload = {**meta, "results": [
+            {"label": r.label, "tokens_per_s": r.tokens_per_s, "output_tokens": r.output_tokens,
+             "prompt_tokens": r.prompt_tokens, "elapsed_s": r.elapsed_s,
+             "ms_per_token_per_request": r.ms_per_token_per_request} for r in results],
+            "ratio_vs_baseline": ours.tokens_per_s / base.tokens_per_s if base else None}
+        with open(args.json_path, "w") as fh:
+            json.dump(payload, fh, indent=2)

@@ -1,0 +1,55 @@
+"""Options shared by the commands that load a model."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from rtxcore.cli.progress import Progress
+from rtxcore.engine.config import EngineConfig
+
+
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and engine")
+    g.add_argument("--model", default=None,
+                   help="smollm2-135m (default), a .gguf file, a Hugging Face directory, or dummy:<shape>")
+    g.add_argument("--backend", default="torch", help="execution backend plugin (default: torch)")
+    g.add_argument("--scheduler", default="fcfs", help="scheduler plugin (default: fcfs)")
+    g.add_argument("--sampler", default="default", help="sampler plugin (default: default)")
+    g.add_argument("--eviction-policy", default="lru", help="KV-cache eviction policy plugin (default: lru)")
+    g.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    g.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
+    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output accepted")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks (default: sized from memory)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    from rtxcore.contracts.scheduler import SchedulerConfig
+
+    return EngineConfig(
+        model=args.model, backend=args.backend, scheduler=args.scheduler, sampler=args.sampler,
+        eviction_policy=args.eviction_policy, device=args.device, dtype=args.dtype,
+        max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
+        enable_prefix_caching=not args.no_prefix_caching,
+        scheduling=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs),
+    )
+
+
+def load_engine(config: EngineConfig, quiet: bool = False):
+    from rtxcore.engine.llm_engine import LLMEngine
+
+    start = time.monotonic()
+    name = config.model or "smollm2-135m"
+    if not quiet:
+        sys.stderr.write(f"loading {name} on backend {config.backend}...\n")
+    engine = LLMEngine(config, progress=None if quiet else Progress("weights"))
+    if not quiet:
+        sys.stderr.write(f"loaded {engine.source.name} ({engine.model_config.num_params / 1e6:.0f}M parameters) on "
+                         f"{engine.backend.device} in {time.monotonic() - start:.1f}s; KV cache: "
+                         f"{engine.kv_cache.num_blocks} blocks of {config.block_size} tokens\n")
+    return engine

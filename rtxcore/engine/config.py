@@ -1,0 +1,41 @@
+"""Engine settings: which plugins to use and how big the KV cache and batches are."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rtxcore.contracts.scheduler import SchedulerConfig
+from rtxcore.errors import ConfigError
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    # None or "smollm2-135m" for the default model; a .gguf file, a Hugging Face directory or "dummy:<shape>".
+    model: str | None = None
+    backend: str = "torch"
+    scheduler: str = "fcfs"
+    sampler: str = "default"
+    eviction_policy: str = "lru"
+    # Quantizer plugin applied to linear weights at load, or None.
+    quantization: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    # Tokens per KV block.
+    block_size: int = 16
+    # KV blocks to allocate; None sizes the cache from kv_cache_bytes or what the backend can spare.
+    num_kv_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    # Longest sequence (prompt + output) accepted; None uses the model's context length.
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    scheduling: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ConfigError(f"num_kv_blocks must be at least 2, got {self.num_kv_blocks}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ConfigError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")

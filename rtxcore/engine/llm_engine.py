@@ -1,0 +1,196 @@
+"""The engine: requests flow scheduler -> backend -> sampler -> detokenizer -> outputs, one step at a time."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from rtxcore.contracts.backend import BackendOptions, ExecutionBackend
+from rtxcore.engine.batch_builder import build_step
+from rtxcore.engine.config import EngineConfig
+from rtxcore.engine.output_processor import OutputProcessor
+from rtxcore.engine.outputs import CompletionResult, RequestOutput
+from rtxcore.errors import CapacityError, InvalidRequestError, PluginError
+from rtxcore.kv.manager import KVCacheManager
+from rtxcore.models.source import ModelSource, resolve_model
+from rtxcore.registry import PluginRegistry, load_plugins
+from rtxcore.request import Request, RequestStatus
+from rtxcore.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, *, registry: PluginRegistry | None = None,
+                 source: ModelSource | None = None, progress: Callable[[int, int], None] | None = None):
+        self.config = config = config or EngineConfig()
+        # Plugins are resolved once here; nothing on the per-token path goes through the plugin manager.
+        self.registry = registry or load_plugins()
+        self.source = source or resolve_model(config.model)
+        self.backend = self._make_backend()
+        self.backend.load(self.source, progress=progress)
+        self.model_config = self.backend.model_config
+        self.tokenizer = self.source.tokenizer()
+        self.max_model_len = min(config.max_model_len or self.model_config.max_position, self.model_config.max_position)
+
+        num_blocks = config.num_kv_blocks or self._num_blocks_from_memory()
+        policy = self.registry.create("eviction_policy", config.eviction_policy, num_blocks)
+        self.kv_cache = KVCacheManager(num_blocks, config.block_size, policy, config.enable_prefix_caching)
+        self.backend.allocate_kv_cache(num_blocks, config.block_size)
+        self.scheduler = self.registry.create("scheduler", config.scheduler, config.scheduling, self.kv_cache)
+        self.sampler = self.registry.create("sampler", config.sampler)
+        eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else self.model_config.eos_token_ids
+        self.output_processor = OutputProcessor(self.tokenizer, list(eos), self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        self._ids = itertools.count()
+
+    def _make_backend(self) -> ExecutionBackend:
+        record = self.registry.get("backend", self.config.backend)
+        caps = record.cls.capabilities()
+        if not caps.available:
+            raise PluginError(f"backend {self.config.backend!r} is unavailable: {caps.unavailable_reason}")
+        quantizer = None
+        if self.config.quantization:
+            quantizer = self.registry.create("quantizer", self.config.quantization)
+            if self.config.quantization not in caps.quantization_formats:
+                raise PluginError(f"backend {self.config.backend!r} cannot run {self.config.quantization!r} "
+                                  f"weights (it accepts: {', '.join(caps.quantization_formats) or 'none'})")
+        return record.cls(BackendOptions(self.config.device, self.config.dtype, quantizer))
+
+    def _num_blocks_from_memory(self) -> int:
+        budget = self.config.kv_cache_bytes or self.backend.available_kv_cache_bytes()
+        per_block = self.backend.kv_cache_bytes_per_token() * self.config.block_size
+        # No point holding more than every sequence at full length could use.
+        most = self.config.scheduling.max_num_seqs * -(-self.max_model_len // self.config.block_size) + 1
+        return max(2, min(budget // per_block, most))
+
+    # -- requests -------------------------------------------------------------------------------------------------
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, req_id: str | None = None,
+                    cache_salt: str | None = None) -> str:
+        """Validate and queue a request; raises :class:`InvalidRequestError` naming the problem, changing nothing."""
+        params = params or SamplingParams()
+        token_ids = self.encode(prompt)
+        req_id = req_id if req_id is not None else f"req-{next(self._ids)}"
+        if req_id in self.requests:
+            raise InvalidRequestError(f"request id {req_id!r} is already in use", param="request_id")
+        total = len(token_ids) + params.max_tokens
+        if len(token_ids) >= self.max_model_len:
+            raise CapacityError(f"prompt is {len(token_ids)} tokens, longer than the model's context of "
+                                f"{self.max_model_len} tokens (at least one must be left to generate)", param="prompt")
+        if total > self.max_model_len:
+            raise CapacityError(f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) is {total}, "
+                                f"more than the model's context of {self.max_model_len} tokens", param="max_tokens")
+        if self.kv_cache.blocks_needed(total) > self.kv_cache.num_usable_blocks:
+            raise CapacityError(f"request needs up to {total} tokens of KV cache but the whole cache holds "
+                                f"{self.kv_cache.num_usable_blocks * self.config.block_size}", param="max_tokens")
+        req = Request(req_id, token_ids, params, cache_salt=cache_salt)
+        if params.seed is not None:
+            self._generators[req_id] = torch.Generator(device=self.backend.device).manual_seed(params.seed)
+        self.requests[req_id] = req
+        self.output_processor.add(req)
+        self.scheduler.add_request(req)
+        return req_id
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty", param="prompt")
+            if self.tokenizer is None:
+                raise InvalidRequestError(f"model {self.source.name} has no tokenizer: give the prompt as token ids",
+                                          param="prompt")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}); got {bad[0]!r}",
+                                          param="prompt")
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty", param="prompt")
+        return token_ids
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        if self.tokenizer is None:
+            raise InvalidRequestError(f"model {self.source.name} has no tokenizer and no chat template")
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    def abort(self, req_id: str) -> RequestOutput | None:
+        req = self.requests.get(req_id)
+        if req is None:
+            return None
+        req.status = RequestStatus.FINISHED_ABORTED
+        return self._finish(req, [], "")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- the loop -------------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        plan = build_step(sched, self.kv_cache.block_ids, self.config.block_size, self._generators)
+        now = time.monotonic()
+        logits = self.backend.execute(plan.batch)
+        for req, n in zip(plan.reqs, plan.num_tokens):
+            req.num_computed_tokens += n
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+        if not plan.sampling_reqs:
+            return []
+        sampled = self.sampler.sample(logits, plan.sampling)
+        outputs = self.output_processor.process(plan.sampling_reqs, sampled)
+        for out in outputs:
+            if out.finished:
+                self._finish(self.requests[out.req_id], None, None)
+        return outputs
+
+    def _finish(self, req: Request, new_token_ids: list[int] | None, text: str | None) -> RequestOutput | None:
+        self.scheduler.finish_request(req)
+        self.output_processor.remove(req.req_id)
+        self._generators.pop(req.req_id, None)
+        del self.requests[req.req_id]
+        if new_token_ids is None:
+            return None
+        return self.output_processor.make_output(req, new_token_ids, text)
+
+    # -- offline helpers ------------------------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[CompletionResult]:
+        """Run prompts to completion with continuous batching; results in prompt order."""
+        params_list = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        results = {i: CompletionResult(i, self.requests[i].prompt_token_ids, [], "", None) for i in ids}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                _accumulate(results[out.req_id], out)
+        return [results[i] for i in ids]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        req_id = self.add_request(prompt, params)
+        try:
+            while req_id in self.requests:
+                for out in self.step():
+                    if out.req_id == req_id:
+                        yield out
+        finally:
+            self.abort(req_id)
+
+
+def _accumulate(result: CompletionResult, out: RequestOutput) -> None:
+    result.token_ids.extend(out.new_token_ids)
+    result.text += out.new_text
+    result.num_cached_tokens = out.num_cached_tokens
+    if out.logprobs is not None:
+        result.logprobs = (result.logprobs or []) + out.logprobs
+    if out.finished:
+        result.finish_reason = out.finish_reason

@@ -1,0 +1,45 @@
+"""What the engine hands back for each request after each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    # The most likely alternatives at this position: (token_id, logprob), best first.
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    req_id: str
+    # Tokens generated this step (usually one; none while a prompt is still being prefilled).
+    new_token_ids: list[int]
+    # Text finalized this step (may lag tokens while a character or a possible stop string is incomplete).
+    new_text: str
+    finished: bool = False
+    # "stop" (EOS, stop token or stop string), "length" (max_tokens or context) or "abort"; None while running.
+    finish_reason: str | None = None
+    # The stop string or stop token id that ended the request, if any.
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    # Prompt tokens served from the prefix cache.
+    num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class CompletionResult:
+    """A finished request, assembled from its stream (offline use)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None

@@ -1,0 +1,52 @@
+"""Shared fixtures: engines on the real default model and on a tiny random-weight model."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Tests must never reach a model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from rtxcore.contracts.scheduler import SchedulerConfig  # noqa: E402
+from rtxcore.engine.config import EngineConfig  # noqa: E402
+from rtxcore.engine.llm_engine import LLMEngine  # noqa: E402
+from rtxcore.models.source import default_model_path, resolve_model  # noqa: E402
+from rtxcore.registry import load_plugins  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def registry():
+    return load_plugins()
+
+
+@pytest.fixture(scope="session")
+def default_source():
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def default_model_file():
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def default_engine(registry, default_source):
+    """One engine on the real model for the whole session; tests must leave it idle."""
+    engine = LLMEngine(EngineConfig(), registry=registry, source=default_source)
+    yield engine
+    assert not engine.has_unfinished_requests()
+
+
+def make_engine(model: str = "dummy:tiny", *, registry=None, source=None, **kwargs) -> LLMEngine:
+    scheduling = SchedulerConfig(**{k: kwargs.pop(k) for k in ("max_num_batched_tokens", "max_num_seqs")
+                                    if k in kwargs})
+    config = EngineConfig(model=model, scheduling=scheduling, **kwargs)
+    return LLMEngine(config, registry=registry, source=source)
+
+
+@pytest.fixture
+def tiny_engine(registry):
+    return make_engine(registry=registry)

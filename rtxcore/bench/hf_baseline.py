@@ -30,7 +30,8 @@ def load_hf_model(source: ModelSource, device: str, dtype: torch.dtype):
     # Every request runs to its requested length, as ignore_eos does in the engine.
     model.generation_config.eos_token_id = None
     # Rotary buffers are not in the state dict; rebuild them on the real device.
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=config, device=device)
+    with torch.device(device):
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
     return model.to(device).eval()
 
 

@@ -42,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
     sys.stderr.write(f"workload {workload.name}: {workload.description} ({len(requests)} requests)\n")
     warm_up(engine)
     results: list[ThroughputResult] = [run_engine(engine, requests)]
+    sys.stderr.write(f"{results[0].label}: {results[0].tokens_per_s:.1f} output tok/s\n")
     if args.baseline == "static":
         engine.kv_cache.reset_prefix_cache()
         results.append(run_engine(engine, requests, label="rtx engine (static batching)", static_batching=True))

@@ -68,6 +68,8 @@ class ForwardBatch:
     block_size: int = 16
     # Requests in the batch with exactly one new token, placed first by the batch builder.
     num_decodes: int = 0
+    # False for work that must leave the KV cache untouched (embeddings): nothing is written to the slots.
+    write_kv: bool = True
     extras: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -125,5 +127,6 @@ class ExecutionBackend(ABC):
         """Run one step: write the new tokens' K/V into their slots and return logits [num_logits, vocab_size]."""
 
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
-        """Last hidden states of every token [num_tokens, hidden_size] (no cache reads). Optional."""
+        """Final hidden states of every token, [num_tokens, hidden_size] float32, for a batch of whole prompts with
+        ``write_kv=False`` (the cache is neither read nor written). Optional."""
         raise NotImplementedError(f"backend {type(self).__name__} does not compute embeddings")

@@ -26,10 +26,11 @@ class StepPlan:
 def build_step(sched: SchedulerOutput, block_ids_of, block_size: int,
                generators: dict[str, torch.Generator]) -> StepPlan:
     """:param block_ids_of: ``req_id -> list[int]`` from the KV-cache manager."""
-    # Decodes first: the backend handles them in one batched attention call.
-    order = sorted(range(len(sched.scheduled)), key=lambda i: sched.num_scheduled_tokens[i] != 1)
+    # Decodes first, shortest context first: backends attend over them in batches of similar length.
+    scheduled, counts = sched.scheduled, sched.num_scheduled_tokens
+    order = sorted(range(len(scheduled)), key=lambda i: (counts[i] != 1, scheduled[i].num_tokens if counts[i] == 1 else 0))
     reqs = [sched.scheduled[i] for i in order]
-    counts = [sched.num_scheduled_tokens[i] for i in order]
+    counts = [counts[i] for i in order]
 
     input_ids: list[int] = []
     positions: list[int] = []
@@ -75,3 +76,23 @@ def build_step(sched: SchedulerOutput, block_ids_of, block_size: int,
         generators=[generators.get(r.req_id) for r in sampling_reqs],
     )
     return StepPlan(batch, reqs, counts, sampling_reqs, sampling)
+
+
+def build_embedding_batch(token_lists: list[list[int]], block_size: int) -> ForwardBatch:
+    """Whole prompts, no cache: each attends causally to itself only."""
+    lengths = [len(ids) for ids in token_lists]
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    return ForwardBatch(
+        input_ids=torch.tensor([t for ids in token_lists for t in ids], dtype=torch.long),
+        positions=torch.tensor([p for n in lengths for p in range(n)], dtype=torch.long),
+        query_start_loc=starts,
+        seq_lens=lengths,
+        block_tables=torch.zeros((len(lengths), 1), dtype=torch.int32),
+        slot_mapping=torch.empty(0, dtype=torch.long),
+        logits_indices=torch.empty(0, dtype=torch.long),
+        block_size=block_size,
+        num_decodes=0,
+        write_kv=False,
+    )

@@ -9,7 +9,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from rtxcore.contracts.backend import BackendOptions, ExecutionBackend
-from rtxcore.engine.batch_builder import build_step
+from rtxcore.engine.batch_builder import build_embedding_batch, build_step
 from rtxcore.engine.config import EngineConfig
 from rtxcore.engine.output_processor import OutputProcessor
 from rtxcore.engine.outputs import CompletionResult, RequestOutput
@@ -162,6 +162,23 @@ class LLMEngine:
             return None
         return self.output_processor.make_output(req, new_token_ids, text)
 
+    @torch.inference_mode()
+    def embed(self, inputs: Sequence[Prompt]) -> list[list[float]]:
+        """Normalized mean-pooled final hidden states of each input, computed without touching the KV cache."""
+        token_lists = [self.encode(x) for x in inputs]
+        for ids in token_lists:
+            if len(ids) > self.max_model_len:
+                raise CapacityError(f"input is {len(ids)} tokens, longer than the model's context of "
+                                    f"{self.max_model_len} tokens", param="input")
+        vectors: list[list[float]] = []
+        for group in _token_groups(token_lists, self.config.scheduling.max_num_batched_tokens):
+            hidden = self.backend.embed(build_embedding_batch(group, self.config.block_size))
+            starts = itertools.accumulate((len(ids) for ids in group), initial=0)
+            for start, ids in zip(starts, group):
+                pooled = hidden[start:start + len(ids)].mean(dim=0)
+                vectors.append(torch.nn.functional.normalize(pooled, dim=0).tolist())
+        return vectors
+
     # -- offline helpers ------------------------------------------------------------------------------------------
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
@@ -184,6 +201,19 @@ class LLMEngine:
                         yield out
         finally:
             self.abort(req_id)
+
+
+def _token_groups(token_lists: list[list[int]], budget: int) -> Iterator[list[list[int]]]:
+    group: list[list[int]] = []
+    size = 0
+    for ids in token_lists:
+        if group and size + len(ids) > budget:
+            yield group
+            group, size = [], 0
+        group.append(ids)
+        size += len(ids)
+    if group:
+        yield group
 
 
 def _accumulate(result: CompletionResult, out: RequestOutput) -> None:

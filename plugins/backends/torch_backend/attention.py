@@ -30,12 +30,25 @@ class PrefillSlice:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    # Rows [start, end) of the flat batch: one query token each.
+    start: int
+    end: int
+    # Block tables trimmed to the group's longest context, and which key positions are real.
+    block_tables: torch.Tensor
+    key_mask: torch.Tensor
+
+
+# Decodes arrive sorted by context length; attending in groups of similar length gathers little padding.
+DECODE_GROUP_SIZE = 16
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
-    slot_mapping: torch.Tensor
+    # None when the step must not write the cache (embeddings).
+    slot_mapping: torch.Tensor | None
     num_decodes: int
-    # Decode rows: block tables trimmed to the longest context, and a mask of valid key positions.
-    decode_block_tables: torch.Tensor | None
-    decode_key_mask: torch.Tensor | None
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillSlice]
     # Causal masks for chunks that attend to a cached prefix, keyed by (chunk length, seq_len).
     prefix_masks: dict[tuple[int, int], torch.Tensor]
@@ -44,13 +57,14 @@ class AttentionMetadata:
     def from_batch(cls, batch: ForwardBatch, device: torch.device) -> "AttentionMetadata":
         bs = batch.block_size
         nd = batch.num_decodes
-        decode_tables = decode_mask = None
-        if nd:
-            max_len = max(batch.seq_lens[:nd])
-            num_blocks = -(-max_len // bs)
-            decode_tables = batch.block_tables[:nd, :num_blocks].to(device=device, dtype=torch.long)
-            lens = torch.tensor(batch.seq_lens[:nd], device=device)
-            decode_mask = torch.arange(num_blocks * bs, device=device)[None, :] < lens[:, None]
+        groups = []
+        for start in range(0, nd, DECODE_GROUP_SIZE):
+            end = min(start + DECODE_GROUP_SIZE, nd)
+            num_blocks = -(-max(batch.seq_lens[start:end]) // bs)
+            tables = batch.block_tables[start:end, :num_blocks].to(device=device, dtype=torch.long)
+            lens = torch.tensor(batch.seq_lens[start:end], device=device)
+            mask = torch.arange(num_blocks * bs, device=device)[None, :] < lens[:, None]
+            groups.append(DecodeGroup(start, end, tables, mask))
         prefills, masks = [], {}
         qsl = batch.query_start_loc
         for i in range(nd, batch.num_reqs):
@@ -63,7 +77,8 @@ class AttentionMetadata:
                 # Query i (absolute position seq_len - n + i) may see keys at positions <= its own.
                 q_pos = torch.arange(seq_len - n, seq_len, device=device)
                 masks[(n, seq_len)] = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
-        return cls(batch.slot_mapping.to(device), nd, decode_tables, decode_mask, prefills, masks)
+        slots = batch.slot_mapping.to(device) if batch.write_kv else None
+        return cls(slots, nd, groups, prefills, masks)
 
 
 def paged_attention(
@@ -75,49 +90,49 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q: [tokens, heads, d]; k, v: [tokens, kv_heads, d]; caches: [num_blocks, block_size, kv_heads, d].
+    """q: [tokens, heads, d]; k, v: [tokens, kv_heads, d]; caches: [kv_heads, num_blocks, block_size, d].
 
-    Returns [tokens, heads, d].
+    The cache is head-major so that gathering a request's blocks along dim 1 gives [kv_heads, context, d] directly
+    in the layout the matmuls want, with no second copy. Returns [tokens, heads, d].
     """
-    num_blocks, block_size, kv_heads, d = k_cache.shape
-    k_cache.view(-1, kv_heads, d).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, kv_heads, d).index_copy_(0, meta.slot_mapping, v)
+    kv_heads, num_blocks, block_size, d = k_cache.shape
+    if meta.slot_mapping is not None:
+        k_cache.view(kv_heads, -1, d).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        v_cache.view(kv_heads, -1, d).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     out = torch.empty_like(q)
-    nd = meta.num_decodes
-    if nd:
-        out[:nd] = _decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_key_mask, scale)
+    for g in meta.decode_groups:
+        out[g.start:g.end] = _decode(q[g.start:g.end], k_cache, v_cache, g.block_tables, g.key_mask, scale)
     for p in meta.prefills:
-        qs = q[p.start:p.end]
+        qs = q[p.start:p.end].transpose(0, 1)
         if p.has_prefix:
-            keys = k_cache[p.block_ids].flatten(0, 1)[: p.seq_len]
-            values = v_cache[p.block_ids].flatten(0, 1)[: p.seq_len]
+            keys = k_cache.index_select(1, p.block_ids).flatten(1, 2)[:, : p.seq_len]
+            values = v_cache.index_select(1, p.block_ids).flatten(1, 2)[:, : p.seq_len]
             mask = meta.prefix_masks[(p.end - p.start, p.seq_len)]
-            out[p.start:p.end] = _sdpa(qs, keys, values, scale, mask=mask)
+            o = _sdpa(qs, keys, values, scale, mask=mask)
         else:
             # The chunk is the whole context: attend to the fresh K/V directly, no gather needed.
-            out[p.start:p.end] = _sdpa(qs, k[p.start:p.end], v[p.start:p.end], scale, causal=True)
+            o = _sdpa(qs, k[p.start:p.end].transpose(0, 1), v[p.start:p.end].transpose(0, 1), scale, causal=True)
+        out[p.start:p.end] = o.transpose(0, 1)
     return out
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
           mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-        attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
-    )
-    return out.transpose(0, 1)
+    """Head-first tensors: q [heads, n, d], k/v [kv_heads, L, d]."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
             key_mask: torch.Tensor, scale: float) -> torch.Tensor:
     """One query per request against its paged context: q [B, heads, d] -> [B, heads, d]."""
     b, heads, d = q.shape
-    kv_heads = k_cache.shape[2]
+    kv_heads = k_cache.shape[0]
     group = heads // kv_heads
-    keys = k_cache[block_tables].flatten(1, 2)  # [B, L, kv_heads, d]
-    values = v_cache[block_tables].flatten(1, 2)
-    qg = q.view(b, kv_heads, group, d)
-    scores = torch.einsum("bkgd,blkd->bkgl", qg, keys) * scale
-    scores.masked_fill_(~key_mask[:, None, None, :], float("-inf"))
+    flat = block_tables.reshape(-1)
+    keys = k_cache.index_select(1, flat).view(kv_heads, b, -1, d)  # [kv_heads, B, L, d]
+    values = v_cache.index_select(1, flat).view(kv_heads, b, -1, d)
+    qg = q.view(b, kv_heads, group, d).transpose(0, 1)  # [kv_heads, B, group, d]
+    scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # [kv_heads, B, group, L]
+    scores.masked_fill_(~key_mask[None, :, None, :], float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    return torch.einsum("bkgl,blkd->bkgd", probs, values).reshape(b, heads, d)
+    return torch.matmul(probs, values).permute(1, 0, 2, 3).reshape(b, heads, d)

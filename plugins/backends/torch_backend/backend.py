@@ -8,6 +8,7 @@ from rtxcore.contracts.backend import BackendCapabilities, BackendOptions, Execu
 from rtxcore.errors import ConfigError, ModelLoadError
 from rtxcore.models.config import ModelConfig
 from rtxcore.models.source import ModelSource
+from rtx_plugins.backends.torch_backend.cpu_tuning import tune_allocator
 from rtx_plugins.backends.torch_backend.attention import AttentionMetadata, paged_attention
 from rtx_plugins.backends.torch_backend.model import LlamaForCausalLM
 
@@ -37,6 +38,8 @@ class TorchBackend(ExecutionBackend):
         if dtype not in _DTYPES:
             raise ConfigError(f"dtype {dtype!r} is not supported by the torch backend; use one of {', '.join(_DTYPES)}")
         self.dtype = _DTYPES[dtype]
+        if self._device.type == "cpu":
+            tune_allocator()
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
@@ -84,7 +87,7 @@ class TorchBackend(ExecutionBackend):
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         cfg = self.model_config
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self._device),
              torch.zeros(shape, dtype=self.dtype, device=self._device))

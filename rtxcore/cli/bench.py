@@ -31,7 +31,18 @@ def add_parser(sub) -> None:
 def machine_description() -> str:
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_name()} ({platform.machine()}, torch {torch.__version__})"
-    return f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    return f"CPU {_cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def run(args: argparse.Namespace) -> int:

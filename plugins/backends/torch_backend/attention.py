@@ -7,6 +7,7 @@ their slots before attention reads, so a chunk sees its own tokens and every cac
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,14 @@ DECODE_GROUP_SIZE = 16
 
 
 @dataclass(slots=True)
+class FusedDecode:
+    # A kernel that walks block tables itself: f(q, k_cache, v_cache, block_tables, seq_lens, scale).
+    kernel: Callable[..., torch.Tensor]
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     # None when the step must not write the cache (embeddings).
     slot_mapping: torch.Tensor | None
@@ -52,13 +61,21 @@ class AttentionMetadata:
     prefills: list[PrefillSlice]
     # Causal masks for chunks that attend to a cached prefix, keyed by (chunk length, seq_len).
     prefix_masks: dict[tuple[int, int], torch.Tensor]
+    # Set when a fused decode kernel replaces the grouped torch path.
+    fused_decode: FusedDecode | None = None
 
     @classmethod
-    def from_batch(cls, batch: ForwardBatch, device: torch.device) -> "AttentionMetadata":
+    def from_batch(cls, batch: ForwardBatch, device: torch.device,
+                   decode_kernel: Callable[..., torch.Tensor] | None = None) -> "AttentionMetadata":
         bs = batch.block_size
         nd = batch.num_decodes
         groups = []
-        for start in range(0, nd, DECODE_GROUP_SIZE):
+        fused = None
+        if nd and decode_kernel is not None:
+            num_blocks = -(-max(batch.seq_lens[:nd]) // bs)
+            fused = FusedDecode(decode_kernel, batch.block_tables[:nd, :num_blocks].to(device, torch.long),
+                                torch.tensor(batch.seq_lens[:nd], dtype=torch.long, device=device))
+        for start in range(0, nd if fused is None else 0, DECODE_GROUP_SIZE):
             end = min(start + DECODE_GROUP_SIZE, nd)
             num_blocks = -(-max(batch.seq_lens[start:end]) // bs)
             tables = batch.block_tables[start:end, :num_blocks].to(device=device, dtype=torch.long)
@@ -78,7 +95,7 @@ class AttentionMetadata:
                 q_pos = torch.arange(seq_len - n, seq_len, device=device)
                 masks[(n, seq_len)] = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
         slots = batch.slot_mapping.to(device) if batch.write_kv else None
-        return cls(slots, nd, groups, prefills, masks)
+        return cls(slots, nd, groups, prefills, masks, fused)
 
 
 def paged_attention(
@@ -100,6 +117,10 @@ def paged_attention(
         k_cache.view(kv_heads, -1, d).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         v_cache.view(kv_heads, -1, d).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     out = torch.empty_like(q)
+    if meta.fused_decode is not None:
+        f = meta.fused_decode
+        out[: meta.num_decodes] = f.kernel(q[: meta.num_decodes].contiguous(), k_cache, v_cache, f.block_tables,
+                                           f.seq_lens, scale)
     for g in meta.decode_groups:
         out[g.start:g.end] = _decode(q[g.start:g.end], k_cache, v_cache, g.block_tables, g.key_mask, scale)
     for p in meta.prefills:

@@ -8,6 +8,7 @@ from rtxcore.contracts.backend import BackendCapabilities, BackendOptions, Execu
 from rtxcore.errors import ConfigError, ModelLoadError
 from rtxcore.models.config import ModelConfig
 from rtxcore.models.source import ModelSource
+from rtx_kernels.cpu_ops import paged_decode_kernel
 from rtx_plugins.backends.torch_backend.cpu_tuning import tune_allocator
 from rtx_plugins.backends.torch_backend.attention import AttentionMetadata, paged_attention
 from rtx_plugins.backends.torch_backend.model import LlamaForCausalLM
@@ -38,8 +39,11 @@ class TorchBackend(ExecutionBackend):
         if dtype not in _DTYPES:
             raise ConfigError(f"dtype {dtype!r} is not supported by the torch backend; use one of {', '.join(_DTYPES)}")
         self.dtype = _DTYPES[dtype]
+        self._decode_kernel = None
         if self._device.type == "cpu":
             tune_allocator()
+            if self.dtype == torch.float32:
+                self._decode_kernel = paged_decode_kernel()
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
@@ -105,7 +109,7 @@ class TorchBackend(ExecutionBackend):
         return self._hidden_states(batch).float()
 
     def _hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
-        meta = AttentionMetadata.from_batch(batch, self._device)
+        meta = AttentionMetadata.from_batch(batch, self._device, self._decode_kernel)
         return self.model.hidden_states(
             batch.input_ids.to(self._device), batch.positions.to(self._device), self.kv_caches, meta, paged_attention)
 

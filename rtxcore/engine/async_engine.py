@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -20,6 +21,8 @@ from rtxcore.engine.outputs import RequestOutput
 from rtxcore.errors import RtxError
 from rtxcore.sampling_params import SamplingParams
 
+log = logging.getLogger("rtx.engine")
+
 
 @dataclass(slots=True)
 class _Submission:
@@ -29,6 +32,8 @@ class _Submission:
     cache_salt: str | None
     sink: Callable[[RequestOutput | BaseException], None]
     accepted: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    # When generate() queued it (time.monotonic()); the wait until the engine thread adds it is the merge wait.
+    submitted_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass(slots=True)
@@ -40,9 +45,15 @@ class _Job:
 
 @dataclass(slots=True)
 class StepObserver:
-    """Called on the engine thread after each step (metrics hook)."""
+    """Callbacks run on the engine thread (metrics hooks): keep them cheap, O(outputs) per call."""
 
+    # After each step: (engine, the step's outputs, the step's duration in seconds).
     on_step: Callable[[LLMEngine, list[RequestOutput], float], None]
+    # A submission entered the scheduler: (req_id, when generate() queued it, when the engine thread added it), both
+    # on the time.monotonic() clock.
+    on_admit: Callable[[str, float, float], None] | None = None
+    # A request in the engine was aborted: (engine, its final output, whose finish_reason is "abort").
+    on_abort: Callable[[LLMEngine, RequestOutput], None] | None = None
 
 
 class AsyncEngine:
@@ -136,20 +147,38 @@ class AsyncEngine:
                 outputs = self.engine.step()
                 self.num_steps += 1
                 self.last_step_time = time.monotonic()
+                # Observers first, so metrics already count a request when its stream sees the final output.
+                self._observe("on_step", self.engine, outputs, self.last_step_time - start)
                 for out in outputs:
-                    sink = self._sinks.get(out.req_id)
-                    if out.finished:
-                        self._sinks.pop(out.req_id, None)
+                    sink = self._sinks.pop(out.req_id, None) if out.finished else self._sinks.get(out.req_id)
                     if sink is not None:
-                        sink(out)
-                for observer in self.observers:
-                    observer.on_step(self.engine, outputs, self.last_step_time - start)
+                        self._deliver(out.req_id, sink, out)
         except BaseException as exc:  # the loop must never die silently: fail every waiting stream
             self.error = exc
-            for sink in self._sinks.values():
-                sink(RtxError(f"engine failed: {exc!r}"))
+            log.exception("engine loop failed")
+            for req_id, sink in list(self._sinks.items()):
+                self._deliver(req_id, sink, RtxError(f"engine failed: {exc!r}"))
             self._sinks.clear()
             raise
+
+    def _deliver(self, req_id: str, sink: Callable, item: RequestOutput | BaseException) -> None:
+        try:
+            sink(item)
+        except RuntimeError:
+            # The stream's event loop is gone: nobody will read this request any more.
+            if self._sinks.pop(req_id, None) is not None:
+                self.abort(req_id)
+
+    def _observe(self, hook: str, *args: object) -> None:
+        # A broken metrics hook must cost a log line, not the engine loop and every stream on it.
+        for observer in self.observers:
+            fn = getattr(observer, hook, None)
+            if fn is None:
+                continue
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("step observer %s failed", hook)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -166,8 +195,8 @@ class AsyncEngine:
             if isinstance(item, str):
                 if self._sinks.pop(item, None) is not None:
                     out = self.engine.abort(item)
-                    for observer in self.observers:
-                        observer.on_step(self.engine, [out] if out else [], 0.0)
+                    if out is not None:
+                        self._observe("on_abort", self.engine, out)
                 continue
             try:
                 self.engine.add_request(item.prompt, item.params, req_id=item.req_id, cache_salt=item.cache_salt)
@@ -176,3 +205,4 @@ class AsyncEngine:
                 continue
             self._sinks[item.req_id] = item.sink
             item.accepted.set_result(item.req_id)
+            self._observe("on_admit", item.req_id, item.submitted_at, time.monotonic())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from rtxcore.contracts.sampler import SamplerOutput
-from rtxcore.engine.outputs import RequestOutput, TokenLogprob
+from rtxcore.engine.outputs import RequestOutput, RequestTimings, TokenLogprob
 from rtxcore.request import Request, RequestStatus
 from rtxcore.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -71,6 +71,12 @@ class OutputProcessor:
 
     def make_output(self, req: Request, new_token_ids: list[int], text: str,
                     logprobs: list[TokenLogprob] | None = None, stop_reason: str | int | None = None) -> RequestOutput:
+        timings = None
+        if req.is_finished:
+            if req.finish_time is None:  # aborted: nothing else stamps it
+                req.finish_time = time.monotonic()
+            timings = RequestTimings(req.arrival_time, req.first_scheduled_time, req.first_token_time,
+                                     req.finish_time, req.num_preemptions)
         return RequestOutput(
             req_id=req.req_id,
             new_token_ids=new_token_ids,
@@ -82,4 +88,5 @@ class OutputProcessor:
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
             num_cached_tokens=req.num_cached_tokens,
+            timings=timings,
         )

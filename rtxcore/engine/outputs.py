@@ -14,6 +14,22 @@ class TokenLogprob:
 
 
 @dataclass(slots=True)
+class RequestTimings:
+    """When a request passed each stage, on the ``time.monotonic()`` clock (seconds); for metrics and timelines."""
+
+    # The engine accepted the request (``add_request``).
+    arrival_time: float
+    # The request's first step ran; None if it never ran (aborted while queued).
+    first_scheduled_time: float | None
+    # Its first token was sampled; None if none was.
+    first_token_time: float | None
+    # It finished or was aborted.
+    finish_time: float
+    # Times it was preempted and had to recompute.
+    num_preemptions: int = 0
+
+
+@dataclass(slots=True)
 class RequestOutput:
     req_id: str
     # Tokens generated this step (usually one; none while a prompt is still being prefilled).
@@ -30,6 +46,8 @@ class RequestOutput:
     num_output_tokens: int = 0
     # Prompt tokens served from the prefix cache.
     num_cached_tokens: int = 0
+    # Set on the final output only (``finished``).
+    timings: RequestTimings | None = None
 
 
 @dataclass(slots=True)

@@ -47,6 +47,8 @@ class _RequestBlocks:
     num_hit_tokens: int = 0
     # True once allocate() ran: a second lookup_prefix would then discard computed KV.
     allocated: bool = False
+    # Tokens the last allocate() made room for (for the fragmentation metric; the blocks may cover more).
+    num_tokens: int = 0
 
 
 class KVCacheManager:
@@ -88,6 +90,22 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return self.pool.usage
+
+    @property
+    def fragmentation(self) -> float:
+        """Fraction of the slots in blocks held by requests that hold no token (the unfilled tails of their last
+        blocks); 0.0 when nothing is held. A block shared by several requests counts once per holder."""
+        num_slots = num_filled = 0
+        for state in self._requests.values():
+            slots = len(state.block_ids) * self._block_size
+            num_slots += slots
+            num_filled += min(slots, max(state.num_tokens, state.num_hit_tokens))
+        return (num_slots - num_filled) / num_slots if num_slots else 0.0
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered in the prefix cache, in use or evictable."""
+        return self.pool.num_cached_blocks
 
     @property
     def stats(self) -> KVCacheStats:
@@ -164,6 +182,7 @@ class KVCacheManager:
                 return False
             state.block_ids.extend(new_block_ids)
         state.allocated = True
+        state.num_tokens = num_tokens
 
         if self.enable_prefix_caching:
             num_full_blocks = min(num_tokens, req.num_tokens) // self._block_size

@@ -1,0 +1,156 @@
+"""The Prometheus families the engine exports: every one is named ``rtx_*``, labelled ``model``, and documented in
+``docs/metrics.md`` (a test checks that the two agree).
+
+:class:`Families` creates them on one registry; :meth:`Families.bind` returns the children of one model label, which
+is what the per-step observer touches, so a step costs no label lookups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Label every family carries. Later issues add lane and tenant here.
+MODEL_LABEL = "model"
+
+# Seconds, from sub-millisecond GPU decode steps to multi-minute CPU generations.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+                   20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+# Per-token and per-step times: finer at the low end.
+STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+                0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+# Time a submission sits in the engine's inbox: usually microseconds, up to a whole step.
+MERGE_WAIT_BUCKETS = (0.00001, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                      0.5, 1.0, 2.5, 5.0)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024)
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass(slots=True)
+class BoundFamilies:
+    """The children of one model label (see :class:`Families` for what each measures)."""
+
+    time_to_first_token: Histogram
+    inter_token_latency: Histogram
+    e2e_request_latency: Histogram
+    request_queue_time: Histogram
+    merge_wait: Histogram
+    batch_size: Histogram
+    step_duration: Histogram
+    engine_steps: Counter
+    prompt_tokens: Counter
+    generation_tokens: Counter
+    prefix_cache_queries: Counter
+    prefix_cache_hits: Counter
+    kv_cache_evictions: Counter
+    preemptions: Counter
+    aborts: Counter
+    timeouts: Counter
+    requests_waiting: Gauge
+    requests_running: Gauge
+    kv_cache_usage: Gauge
+    kv_cache_fragmentation: Gauge
+    # finish_reason -> child of rtx_requests_finished_total.
+    finished: dict[str, Counter]
+
+
+class Families:
+    def __init__(self, registry: CollectorRegistry):
+        labels = (MODEL_LABEL,)
+        # Every family, in creation order.
+        self.all: list[Histogram | Counter | Gauge] = []
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            self.all.append(Histogram(name, doc, labels, buckets=buckets, registry=registry))
+            return self.all[-1]
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            self.all.append(Counter(name, doc, labels + extra, registry=registry))
+            return self.all[-1]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            self.all.append(Gauge(name, doc, labels, registry=registry))
+            return self.all[-1]
+
+        self.time_to_first_token = histogram(
+            "rtx_time_to_first_token_seconds", "Seconds from a request's submission to its first generated token.",
+            LATENCY_BUCKETS)
+        self.inter_token_latency = histogram(
+            "rtx_inter_token_latency_seconds", "Seconds between consecutive token-carrying outputs of a request.",
+            STEP_BUCKETS)
+        self.e2e_request_latency = histogram(
+            "rtx_e2e_request_latency_seconds",
+            "Seconds from a request's submission to its finish (stop or length; aborts excluded).", LATENCY_BUCKETS)
+        self.request_queue_time = histogram(
+            "rtx_request_queue_time_seconds", "Seconds from a request's submission to its first scheduled step.",
+            LATENCY_BUCKETS)
+        self.merge_wait = histogram(
+            "rtx_merge_wait_seconds", "Seconds a submission waited before the engine thread added it to the scheduler.",
+            MERGE_WAIT_BUCKETS)
+        self.batch_size = histogram(
+            "rtx_batch_size", "Requests that sampled a token in an engine step (steps that sampled none excluded).",
+            BATCH_SIZE_BUCKETS)
+        self.step_duration = histogram(
+            "rtx_engine_step_duration_seconds", "Seconds one engine step took (schedule, execute, sample, update).",
+            STEP_BUCKETS)
+        self.engine_steps = counter("rtx_engine_steps", "Engine steps run.")
+        self.prompt_tokens = counter(
+            "rtx_prompt_tokens", "Prompt tokens of requests that finished or were aborted (counted once, at the end).")
+        self.generation_tokens = counter("rtx_generation_tokens", "Tokens generated.")
+        self.prefix_cache_queries = counter(
+            "rtx_prefix_cache_queries", "Tokens looked up in the prefix cache when requests were scheduled.")
+        self.prefix_cache_hits = counter(
+            "rtx_prefix_cache_hits", "Of the tokens looked up in the prefix cache, those found (not recomputed).")
+        self.kv_cache_evictions = counter(
+            "rtx_kv_cache_evictions", "Cached KV blocks evicted to make room for new ones.")
+        self.preemptions = counter(
+            "rtx_request_preemptions", "Preemptions (KV freed, recomputed later), counted when the request ends.")
+        self.aborts = counter(
+            "rtx_request_aborts", "Requests aborted while in the engine (client gone, cancelled, timed out).")
+        self.timeouts = counter("rtx_request_timeouts", "Requests the server aborted for running past its timeout.")
+        self.finished = counter(
+            "rtx_requests_finished", "Requests that left the engine, by finish reason (stop, length, abort).",
+            ("finish_reason",))
+        self.rejected = counter(
+            "rtx_requests_rejected", "Requests the server refused before they reached the engine, by reason.",
+            ("reason",))
+        self.requests_waiting = gauge(
+            "rtx_num_requests_waiting", "Requests queued in the scheduler, not running (preempted ones included).")
+        self.requests_running = gauge("rtx_num_requests_running", "Requests holding KV cache and being stepped.")
+        self.kv_cache_usage = gauge(
+            "rtx_kv_cache_usage_ratio", "Fraction of usable KV blocks in use (evictable cached blocks count as free).")
+        self.kv_cache_fragmentation = gauge(
+            "rtx_kv_cache_fragmentation_ratio",
+            "Fraction of the slots in KV blocks held by requests that hold no token (partly filled last blocks).")
+
+    def bind(self, model: str) -> BoundFamilies:
+        return BoundFamilies(
+            time_to_first_token=self.time_to_first_token.labels(model),
+            inter_token_latency=self.inter_token_latency.labels(model),
+            e2e_request_latency=self.e2e_request_latency.labels(model),
+            request_queue_time=self.request_queue_time.labels(model),
+            merge_wait=self.merge_wait.labels(model),
+            batch_size=self.batch_size.labels(model),
+            step_duration=self.step_duration.labels(model),
+            engine_steps=self.engine_steps.labels(model),
+            prompt_tokens=self.prompt_tokens.labels(model),
+            generation_tokens=self.generation_tokens.labels(model),
+            prefix_cache_queries=self.prefix_cache_queries.labels(model),
+            prefix_cache_hits=self.prefix_cache_hits.labels(model),
+            kv_cache_evictions=self.kv_cache_evictions.labels(model),
+            preemptions=self.preemptions.labels(model),
+            aborts=self.aborts.labels(model),
+            timeouts=self.timeouts.labels(model),
+            requests_waiting=self.requests_waiting.labels(model),
+            requests_running=self.requests_running.labels(model),
+            kv_cache_usage=self.kv_cache_usage.labels(model),
+            kv_cache_fragmentation=self.kv_cache_fragmentation.labels(model),
+            finished={reason: self.finished.labels(model, reason) for reason in FINISH_REASONS},
+        )
+
+    def clear(self) -> None:
+        """Drop every series (before binding another model label)."""
+        for family in self.all:
+            family.clear()

@@ -1,0 +1,69 @@
+"""Model sources: a Hugging Face directory loads the same model as the weights it was written from."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import make_engine
+from rtxcore.errors import ModelLoadError
+from rtxcore.models.dummy import DummySource
+from rtxcore.models.source import resolve_model
+from rtxcore.sampling_params import SamplingParams
+
+
+def test_hf_directory_round_trip(tmp_path, registry):
+    source = DummySource("tiny")
+    (tmp_path / "config.json").write_text(json.dumps(source.config.to_hf()))
+    save_file({name: t.contiguous() for name, t in source.weights()}, str(tmp_path / "model.safetensors"))
+    loaded = resolve_model(str(tmp_path))
+    assert loaded.config.num_layers == source.config.num_layers
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompt = [11, 22, 33, 44, 55]
+    from_dir = make_engine(registry=registry, source=loaded).generate([prompt], params)[0].token_ids
+    from_dummy = make_engine(registry=registry).generate([prompt], params)[0].token_ids
+    assert from_dir == from_dummy
+
+
+def test_hf_directory_errors_name_the_problem(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ModelLoadError, match="unsupported architecture"):
+        resolve_model(str(tmp_path))
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="unreadable config"):
+        resolve_model(str(tmp_path))
+    with pytest.raises(ModelLoadError, match="model not found"):
+        resolve_model(str(tmp_path / "missing"))
+    with pytest.raises(ModelLoadError, match="unknown dummy shape"):
+        resolve_model("dummy:nope")
+
+
+def test_qwen2_style_attention_bias_and_llama3_rope_scaling(tmp_path, registry):
+    source = DummySource("tiny")
+    cfg = source.config.to_hf()
+    cfg.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"], attention_bias=True,
+               rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 256})
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    weights = {name: t.contiguous() for name, t in source.weights()}
+    for i in range(source.config.num_layers):
+        for proj, size in (("q", source.config.num_heads), ("k", source.config.num_kv_heads),
+                           ("v", source.config.num_kv_heads)):
+            weights[f"model.layers.{i}.self_attn.{proj}_proj.bias"] = torch.randn(size * source.config.head_dim)
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    loaded = resolve_model(str(tmp_path))
+    assert loaded.config.attention_bias and loaded.config.rope_scaling.kind == "llama3"
+    # Long enough to reach positions where the scaled rotary frequencies differ from plain ones.
+    prompt = [(7 * i) % 500 + 3 for i in range(300)]
+    ours = make_engine(registry=registry, source=loaded).generate(
+        [prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0].token_ids
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert ours == ref[0, len(prompt):].tolist()

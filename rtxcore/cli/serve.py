@@ -1,0 +1,58 @@
+"""``rtx serve``: the OpenAI-compatible HTTP server (and gRPC) on one model."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from rtxcore.cli.common import add_engine_options, engine_config
+
+
+def add_parser(sub) -> None:
+    from rtxcore.server.runtime import ServeSettings
+
+    d = ServeSettings()
+    p = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible) and gRPC",
+                       description="Serve a model over HTTP (OpenAI-compatible API) and gRPC. With no arguments it "
+                                   "serves the default model on 127.0.0.1.")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default=d.host, help=f"address to listen on (default: {d.host})")
+    g.add_argument("--port", type=int, default=d.port, help=f"HTTP port; 0 picks a free one (default: {d.port})")
+    g.add_argument("--grpc-port", type=int, default=d.grpc_port,
+                   help=f"gRPC port; 0 picks a free one (default: {d.grpc_port})")
+    g.add_argument("--no-grpc", action="store_true", help="do not start the gRPC server")
+    g.add_argument("--served-model-name", default=None,
+                   help="model id clients use (default: the model's name, e.g. smollm2-135m)")
+    g.add_argument("--request-timeout", type=float, default=d.request_timeout_s,
+                   help=f"seconds before a request is aborted (default: {d.request_timeout_s:g})")
+    g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help=f"largest request body accepted (default: {d.max_body_bytes})")
+    g.add_argument("--max-active-requests", type=int, default=d.max_active_requests,
+                   help=f"requests in flight before answering 429 (default: {d.max_active_requests})")
+    g.add_argument("--shutdown-grace", type=float, default=d.shutdown_grace_s,
+                   help=f"seconds running requests get to finish on SIGINT/SIGTERM (default: {d.shutdown_grace_s:g})")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="server log level on stderr (default: info)")
+    add_engine_options(p)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rtxcore.errors import ConfigError
+    from rtxcore.models.source import resolve_model
+    from rtxcore.server.launcher import serve
+    from rtxcore.server.runtime import ServeSettings, ServingRuntime
+
+    if not 0 <= args.port <= 65535 or (args.grpc_port is not None and not 0 <= args.grpc_port <= 65535):
+        raise ConfigError("ports must be in [0, 65535]")
+    settings = ServeSettings(
+        host=args.host, port=args.port, grpc_port=None if args.no_grpc else args.grpc_port,
+        max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout,
+        max_active_requests=args.max_active_requests, shutdown_grace_s=args.shutdown_grace,
+        served_model_name=args.served_model_name)
+    config = engine_config(args)
+    resolve_model(config.model)  # a model that cannot be found fails now, before the server starts listening
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return serve(ServingRuntime(config, settings))

@@ -1,0 +1,1 @@
+"""Network servers (HTTP and gRPC) over one shared serving runtime."""

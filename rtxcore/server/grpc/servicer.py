@@ -1,0 +1,163 @@
+"""The ``rtx.v1.Rtx`` service: ``Generate`` streams a request's outputs from the shared engine, ``Embed`` embeds.
+
+Status codes follow the HTTP server's choices: UNAVAILABLE (503) while loading or draining, RESOURCE_EXHAUSTED (429)
+with ``retry-after`` trailing metadata when too many requests are active, INVALID_ARGUMENT (400), NOT_FOUND (404)
+for another model, DEADLINE_EXCEEDED (504) past ``request_timeout_s``. A cancelled call (client gone or its
+deadline passed) cancels the handler's task; leaving the engine's stream then aborts the request and frees its
+KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+
+import grpc
+
+from rtxcore.engine.async_engine import AsyncEngine
+from rtxcore.engine.outputs import RequestOutput
+from rtxcore.errors import InvalidRequestError, RtxError
+from rtxcore.sampling_params import SamplingParams
+from rtxcore.server.grpc.codegen import ensure_generated
+from rtxcore.server.runtime import ServingRuntime
+
+ensure_generated()
+from rtxcore._generated import rtx_pb2, rtx_pb2_grpc  # noqa: E402
+
+
+SERVICE_NAME = rtx_pb2.DESCRIPTOR.services_by_name["Rtx"].full_name
+# Seconds a client is told to wait before retrying when the server is full or still loading.
+RETRY_AFTER_S = 1
+
+# Optional GenerateRequest fields copied to SamplingParams when set (proto3 `optional` tracks presence).
+_OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                             "frequency_penalty", "repetition_penalty", "logprobs")
+
+
+class RtxServicer(rtx_pb2_grpc.RtxServicer):
+    def __init__(self, runtime: ServingRuntime):
+        self.runtime = runtime
+
+    async def Generate(self, request: rtx_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        engine = await self._engine(context, request.model)
+        try:
+            prompt = _prompt(request)
+            params = _sampling_params(request)
+        except InvalidRequestError as exc:
+            await _abort_invalid(context, exc)
+        tokenizer = engine.engine.tokenizer
+        if isinstance(prompt, str) and prompt and tokenizer is not None:
+            # Off the event loop and off the engine thread: a long prompt takes a while to encode.
+            prompt = await asyncio.to_thread(tokenizer.encode, prompt)
+        await self._admit(context)
+        req_id = request.request_id or f"grpc-{secrets.token_hex(12)}"
+        metadata = dict(context.invocation_metadata() or ())
+        self.runtime.metrics.annotate(req_id, metadata.get("traceparent"), metadata.get("tracestate"),
+                                      request_id=req_id, protocol="grpc")
+        stream = engine.generate(prompt, params, req_id=req_id)
+        accepted = False
+        try:
+            async with asyncio.timeout(self.runtime.settings.request_timeout_s):
+                async for out in stream:
+                    accepted = True
+                    await context.write(_response(out))
+        except InvalidRequestError as exc:
+            await _abort_invalid(context, exc)
+        except TimeoutError:
+            self.runtime.metrics.record_timeout()
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"request timed out after {self.runtime.settings.request_timeout_s:g}s")
+        except RtxError as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+        finally:
+            # On cancellation or any error this leaves the stream early, which aborts the engine's request.
+            await stream.aclose()
+            self.runtime.release()
+            if not accepted:
+                self.runtime.metrics.forget(req_id)
+
+    async def Embed(self, request: rtx_pb2.EmbedRequest, context: grpc.aio.ServicerContext) -> rtx_pb2.EmbedResponse:
+        engine = await self._engine(context, request.model)
+        inputs = [*request.inputs, *(list(t.ids) for t in request.token_inputs)]
+        if not inputs:
+            await _abort_invalid(context, InvalidRequestError("inputs must hold at least one input", param="inputs"))
+
+        def embed(llm):
+            return llm.embed(inputs), sum(len(llm.encode(x)) for x in inputs)
+
+        await self._admit(context)
+        try:
+            async with asyncio.timeout(self.runtime.settings.request_timeout_s):
+                vectors, num_tokens = await engine.run_on_engine(embed)
+        except InvalidRequestError as exc:
+            await _abort_invalid(context, exc)
+        except TimeoutError:
+            self.runtime.metrics.record_timeout()
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"request timed out after {self.runtime.settings.request_timeout_s:g}s")
+        except RtxError as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+        finally:
+            self.runtime.release()
+        return rtx_pb2.EmbedResponse(embeddings=[rtx_pb2.Embedding(values=v) for v in vectors],
+                                     model=self.runtime.model_name, prompt_tokens=num_tokens)
+
+    async def _engine(self, context: grpc.aio.ServicerContext, model: str) -> AsyncEngine:
+        """The running engine, or abort the call with the status that tells the client why not (and when to
+        retry), as the HTTP server's 503 and 404 do."""
+        runtime = self.runtime
+        retry = (("retry-after", str(RETRY_AFTER_S)),)
+        if runtime.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down", trailing_metadata=retry)
+        engine = runtime.async_engine
+        if engine is None:
+            if runtime.load_error is not None:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"the model failed to load: {runtime.load_error}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading", trailing_metadata=retry)
+        if not engine.is_running:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine has stopped: {engine.error!r}")
+        if model and model not in runtime.model_aliases:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"model {model!r} does not exist; this server serves {runtime.model_name!r}",
+                                trailing_metadata=(("rtx-param", "model"),))
+        return engine
+
+    async def _admit(self, context: grpc.aio.ServicerContext) -> None:
+        """Take an admission slot (give it back with ``runtime.release()``) or abort with RESOURCE_EXHAUSTED."""
+        runtime = self.runtime
+        if not runtime.try_admit():
+            runtime.metrics.record_rejection("overloaded")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"the server is at its limit of {runtime.settings.max_active_requests} active "
+                                "requests; retry later", trailing_metadata=(("retry-after", str(RETRY_AFTER_S)),))
+
+
+def _prompt(request: rtx_pb2.GenerateRequest) -> str | list[int]:
+    match request.WhichOneof("prompt"):
+        case "text":
+            return request.text
+        case "token_ids":
+            return list(request.token_ids.ids)
+    raise InvalidRequestError("prompt is required: set text or token_ids", param="prompt")
+
+
+def _sampling_params(request: rtx_pb2.GenerateRequest) -> SamplingParams:
+    fields = {name: getattr(request, name) for name in _OPTIONAL_SAMPLING_FIELDS if request.HasField(name)}
+    return SamplingParams(stop=list(request.stop), stop_token_ids=list(request.stop_token_ids),
+                          ignore_eos=request.ignore_eos, **fields)
+
+
+def _response(out: RequestOutput) -> rtx_pb2.GenerateResponse:
+    usage = rtx_pb2.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
+                          cached_tokens=out.num_cached_tokens)
+    logprobs = [rtx_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                                     top=[rtx_pb2.TopLogprob(token_id=t, logprob=p) for t, p in lp.top])
+                for lp in out.logprobs or ()]
+    return rtx_pb2.GenerateResponse(request_id=out.req_id, text=out.new_text, token_ids=out.new_token_ids,
+                                    finished=out.finished, finish_reason=out.finish_reason or "", usage=usage,
+                                    logprobs=logprobs)
+
+
+async def _abort_invalid(context: grpc.aio.ServicerContext, exc: InvalidRequestError) -> None:
+    metadata = (("rtx-param", exc.param),) if exc.param else ()
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc), trailing_metadata=metadata)

@@ -1,0 +1,52 @@
+"""The HTTP application: OpenAI-compatible and native routes over one :class:`ServingRuntime`."""
+
+from __future__ import annotations
+
+import logging
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+
+from rtxcore.errors import InvalidRequestError, RtxError
+from rtxcore.server.http.errors import APIError, api_error_handler, http_exception_handler
+from rtxcore.server.http.generation import ClientGone
+from rtxcore.server.http.middleware import RequestContextMiddleware
+from rtxcore.server.http.native_routes import NativeRoutes
+from rtxcore.server.http.openai_routes import OpenAIRoutes
+from rtxcore.server.runtime import ServingRuntime
+
+log = logging.getLogger("rtx.http")
+
+# Logged for a client that left before its answer was ready (nginx's convention); the client never sees it.
+CLIENT_CLOSED_REQUEST = 499
+
+
+def build_app(runtime: ServingRuntime) -> Starlette:
+    return Starlette(
+        routes=[*OpenAIRoutes(runtime).routes(), *NativeRoutes(runtime).routes()],
+        middleware=[Middleware(RequestContextMiddleware, max_body_bytes=runtime.settings.max_body_bytes)],
+        exception_handlers={
+            APIError: api_error_handler,
+            HTTPException: http_exception_handler,
+            InvalidRequestError: _invalid_request,
+            RtxError: _rtx_error,
+            ClientGone: _client_gone,
+        },
+    )
+
+
+async def _invalid_request(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, InvalidRequestError)
+    return APIError.invalid(exc).response()
+
+
+async def _rtx_error(request: Request, exc: Exception) -> Response:
+    log.error("%s %s failed: %s", request.method, request.url.path, exc)
+    return APIError(500, str(exc)).response()
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    return Response(status_code=CLIENT_CLOSED_REQUEST)

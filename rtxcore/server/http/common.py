@@ -1,0 +1,52 @@
+"""Helpers every route uses: the JSON body, the model name check, the request id, token text."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.requests import Request
+
+from rtxcore.engine.llm_engine import LLMEngine
+from rtxcore.engine.outputs import TokenLogprob
+from rtxcore.server.http.errors import APIError
+from rtxcore.server.runtime import ServingRuntime
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    """The body as a JSON object: 422 when it is not JSON at all, 400 when it is JSON but not an object."""
+    body = await request.body()
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise APIError(422, "request body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def check_model(runtime: ServingRuntime, model: str | None) -> None:
+    """404 for a model this server does not serve; no model at all means the served one."""
+    if model is not None and model not in runtime.model_aliases:
+        raise APIError(404, f"model {model!r} does not exist; this server serves {runtime.model_name!r}",
+                       param="model", code="model_not_found")
+
+
+def request_id(request: Request) -> str:
+    return request.state.request_id
+
+
+def traceparent(request: Request) -> str:
+    """This server's ``traceparent`` (the one sent back), under which engine requests are traced."""
+    return request.state.trace.traceparent
+
+
+def token_text(engine: LLMEngine, token_id: int) -> str:
+    """How a token reads in logprobs; ``token_id:N`` for models without a tokenizer (as vLLM spells it)."""
+    if engine.tokenizer is None:
+        return f"token_id:{token_id}"
+    return engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def native_logprobs(logprobs: list[TokenLogprob]) -> list[dict[str, Any]]:
+    return [{"token_id": lp.token_id, "logprob": lp.logprob, "top": [[t, p] for t, p in lp.top]} for lp in logprobs]

@@ -1,0 +1,244 @@
+"""One HTTP request's trip through the engine: admission, tokenization, submission, streaming, timeout and abort.
+
+A request with several prompts becomes one engine request per prompt; :class:`Generation` merges their outputs
+into one stream of ``(choice, output)``. Whatever ends it (finished, client gone, timeout, error),
+:meth:`Generation.close` aborts what is still running and gives back its admission slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Awaitable, Callable, TypeVar
+
+from starlette.requests import Request
+
+from rtxcore.engine.async_engine import AsyncEngine
+from rtxcore.engine.llm_engine import LLMEngine
+from rtxcore.engine.outputs import RequestOutput, TokenLogprob
+from rtxcore.errors import InvalidRequestError, RtxError
+from rtxcore.sampling_params import SamplingParams
+from rtxcore.server.http.errors import APIError, not_ready, overloaded
+from rtxcore.server.http.protocol import Prompt
+from rtxcore.server.runtime import ServingRuntime
+
+T = TypeVar("T")
+
+_submissions = itertools.count()
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response was ready."""
+
+
+@dataclass(slots=True)
+class Choice:
+    """What one engine request has produced so far."""
+
+    index: int
+    num_prompt_tokens: int
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def add(self, out: RequestOutput) -> None:
+        self.text += out.new_text
+        self.num_tokens += len(out.new_token_ids)
+        if out.logprobs:
+            self.logprobs.extend(out.logprobs)
+        if out.finished:
+            self.finish_reason = out.finish_reason
+
+
+async def tokenize(engine: LLMEngine, prompts: list[Prompt], param: str = "prompt") -> list[list[int]]:
+    """Token ids of every prompt, text encoded off the event loop (a long prompt takes a while)."""
+    texts = [p for p in prompts if isinstance(p, str)]
+    if any(not t for t in texts) or any(not p for p in prompts):
+        raise InvalidRequestError(f"{param} is empty", param=param)
+    if texts and engine.tokenizer is None:
+        raise InvalidRequestError(f"model {engine.source.name} has no tokenizer: give the {param} as token ids",
+                                  param=param)
+    encoded = iter(await asyncio.to_thread(engine.tokenizer.encode_batch, texts) if texts else [])
+    return [next(encoded) if isinstance(p, str) else p for p in prompts]
+
+
+class Generation:
+    def __init__(self, runtime: ServingRuntime, req_id: str, prompts: list[list[int]], params: SamplingParams,
+                 traceparent: str | None = None):
+        assert runtime.async_engine is not None
+        self.runtime = runtime
+        self.req_id = req_id
+        self.choices = [Choice(i, len(p)) for i, p in enumerate(prompts)]
+        self.deadline = asyncio.get_running_loop().time() + runtime.settings.request_timeout_s
+        self._engine = runtime.async_engine
+        # Unique even when clients reuse a request id.
+        base = f"{req_id}.{next(_submissions)}"
+        self._req_ids = [f"{base}-{i}" for i in range(len(prompts))]
+        for engine_req_id in self._req_ids:
+            runtime.metrics.annotate(engine_req_id, traceparent=traceparent, request_id=req_id)
+        self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+        self._buffer: deque[tuple[int, RequestOutput | BaseException]] = deque()
+        self._tasks = [asyncio.ensure_future(self._pump(i, p, params)) for i, p in enumerate(prompts)]
+        self._num_finished = 0
+        self._closed = False
+
+    @classmethod
+    async def start(cls, runtime: ServingRuntime, req_id: str, prompts: list[list[int]], params: SamplingParams,
+                    traceparent: str | None = None) -> Generation:
+        """Admit and submit; returns once the engine has accepted every prompt (so errors are still 4xx).
+
+        :raises APIError: 429 when the server is full, 400 when the engine refuses a prompt, 504 on timeout.
+        """
+        if not runtime.try_admit(len(prompts)):
+            runtime.metrics.record_rejection("overloaded")
+            raise overloaded(runtime.settings.max_active_requests)
+        gen = cls(runtime, req_id, prompts, params, traceparent)
+        try:
+            await gen._wait_accepted()
+        except InvalidRequestError as exc:
+            gen.close()
+            raise APIError.invalid(exc) from None
+        except TimeoutError:
+            gen.close()
+            raise gen.timeout_error() from None
+        except BaseException:
+            gen.close()
+            raise
+        return gen
+
+    def usage(self) -> dict[str, int]:
+        prompt = sum(c.num_prompt_tokens for c in self.choices)
+        completion = sum(c.num_tokens for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def timeout_error(self) -> APIError:
+        self.runtime.metrics.record_timeout()
+        return APIError(504, f"request timed out after {self.runtime.settings.request_timeout_s:g}s")
+
+    async def outputs(self) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+        """Every output of every choice as it comes, until all are finished.
+
+        :raises TimeoutError: past the request timeout (the engine requests are aborted).
+        """
+        try:
+            while self._num_finished < len(self.choices):
+                index, item = self._buffer.popleft() if self._buffer else await self._get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    self._num_finished += 1
+                choice = self.choices[index]
+                choice.add(item)
+                yield choice, item
+        finally:
+            self.close()
+
+    async def collect(self, request: Request) -> None:
+        """Run to the end for a non-streaming response, aborting if the client leaves or the time runs out."""
+        async def drain() -> None:
+            async for _ in self.outputs():
+                pass
+
+        try:
+            await until_disconnected(request, drain())
+        except TimeoutError:
+            raise self.timeout_error() from None
+        except InvalidRequestError:
+            raise
+        except RtxError as exc:  # the engine failed under this request
+            raise APIError(500, str(exc)) from None
+        finally:
+            self.close()  # in case ``drain`` was cancelled before it started
+
+    def close(self) -> None:
+        """Abort whatever still runs and give back the admission slots; safe to call more than once."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        self.runtime.release(len(self.choices))
+
+    # -- internals ----------------------------------------------------------------------------------------------
+
+    async def _pump(self, index: int, prompt: list[int], params: SamplingParams) -> None:
+        req_id = self._req_ids[index]
+        try:
+            async for out in self._engine.generate(prompt, params, req_id=req_id):
+                self._queue.put_nowait((index, out))
+        except asyncio.CancelledError:
+            # Also covers a request cancelled before the engine took it: the abort is queued after the submission.
+            self._engine.abort(req_id)
+            raise
+        except BaseException as exc:
+            self.runtime.metrics.forget(req_id)  # refused by the engine: no timeline will claim the annotation
+            self._queue.put_nowait((index, exc))
+
+    async def _wait_accepted(self) -> None:
+        """Buffer outputs until each prompt has produced one (or an error, which is raised)."""
+        seen: set[int] = set()
+        while len(seen) < len(self.choices):
+            index, item = await self._get()
+            self._buffer.append((index, item))
+            seen.add(index)
+            if isinstance(item, BaseException):
+                raise item
+
+    async def _get(self) -> tuple[int, RequestOutput | BaseException]:
+        async with asyncio.timeout_at(self.deadline):
+            return await self._queue.get()
+
+
+async def embed(runtime: ServingRuntime, request: Request, token_lists: list[list[int]]) -> list[list[float]]:
+    """Embeddings computed on the engine thread between two steps, within the request timeout."""
+    if not runtime.try_admit(1):
+        runtime.metrics.record_rejection("overloaded")
+        raise overloaded(runtime.settings.max_active_requests)
+    try:
+        async with asyncio.timeout(runtime.settings.request_timeout_s):
+            return await until_disconnected(request, runtime.async_engine.embed(token_lists))
+    except TimeoutError:
+        runtime.metrics.record_timeout()
+        raise APIError(504, f"request timed out after {runtime.settings.request_timeout_s:g}s") from None
+    finally:
+        runtime.release(1)
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``, cancelling it if the client disconnects first.
+
+    :raises ClientGone: the client went away (``work`` has been cancelled).
+    """
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_for_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+async def _wait_for_disconnect(receive: Callable) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def ensure_engine(runtime: ServingRuntime) -> AsyncEngine:
+    """The running engine; raises 503 while loading, draining, or after the engine failed."""
+    if runtime.draining:
+        raise not_ready("the server is shutting down")
+    engine = runtime.async_engine
+    if engine is None:
+        if runtime.load_error is not None:
+            raise APIError(503, f"the model failed to load: {runtime.load_error}")
+        raise not_ready("the model is still loading")
+    if not engine.is_running:
+        raise APIError(503, f"the engine has stopped: {engine.error!r}")
+    return engine

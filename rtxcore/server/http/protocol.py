@@ -1,0 +1,282 @@
+"""Request bodies of the HTTP API, parsed and checked into plain dataclasses and :class:`SamplingParams`.
+
+Every problem raises :class:`InvalidRequestError` naming the offending field (answered as 400 with ``param``).
+OpenAI routes ignore fields they do not know, as OpenAI's clients send extras; the native routes refuse them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from rtxcore.errors import InvalidRequestError
+from rtxcore.sampling_params import SamplingParams
+
+# A prompt as the API takes it: text, or token ids.
+Prompt = str | list[int]
+
+# Most inputs one request may carry (prompts of a completion, inputs of an embedding).
+MAX_BATCH = 256
+# Chat's default max_tokens is what is left of the context, but no more than this.
+DEFAULT_CHAT_MAX_TOKENS = 4096
+_SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
+
+
+@dataclass(slots=True)
+class CompletionRequest:
+    model: str | None
+    # One choice per prompt, in order.
+    prompts: list[Prompt]
+    # max_tokens is filled in before submission (chat's default depends on the prompt's length).
+    params: dict[str, Any]
+    stream: bool
+    include_usage: bool
+
+
+@dataclass(slots=True)
+class ChatRequest:
+    model: str | None
+    messages: list[dict[str, Any]]
+    params: dict[str, Any]
+    # None: the default, what is left of the context.
+    max_tokens: int | None
+    stream: bool
+    include_usage: bool
+
+
+@dataclass(slots=True)
+class EmbeddingRequest:
+    model: str | None
+    inputs: list[Prompt]
+    # "float" or "base64" (little-endian float32), as OpenAI's API offers.
+    encoding_format: str
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    """The native ``/generate``: one prompt, :class:`SamplingParams` fields at the top level."""
+
+    prompt: Prompt
+    params: dict[str, Any]
+    stream: bool
+
+
+# -- OpenAI ------------------------------------------------------------------------------------------------------
+
+
+def parse_completion(body: dict[str, Any]) -> CompletionRequest:
+    _refuse_unsupported(body)
+    if body.get("echo"):
+        raise InvalidRequestError("echo=true is not supported", param="echo")
+    if body.get("suffix") not in (None, ""):
+        raise InvalidRequestError("suffix is not supported", param="suffix")
+    if "prompt" not in body:
+        raise InvalidRequestError("prompt is required", param="prompt")
+    params = _openai_sampling(body)
+    logprobs = body.get("logprobs")
+    if logprobs is not None:
+        params["logprobs"] = _int(logprobs, "logprobs")
+    max_tokens = body.get("max_tokens")
+    params["max_tokens"] = 16 if max_tokens is None else max_tokens
+    stream = _bool(body.get("stream", False), "stream")
+    return CompletionRequest(_model(body), parse_prompts(body["prompt"], "prompt"), params, stream,
+                             _include_usage(body, stream))
+
+
+def parse_chat(body: dict[str, Any]) -> ChatRequest:
+    _refuse_unsupported(body)
+    if body.get("tools"):
+        raise InvalidRequestError("tools are not supported", param="tools")
+    response_format = body.get("response_format")
+    if response_format is not None and (not isinstance(response_format, dict) or
+                                        response_format.get("type", "text") != "text"):
+        raise InvalidRequestError("only response_format {'type': 'text'} is supported", param="response_format")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list of {'role', 'content'} objects",
+                                  param="messages")
+    params = _openai_sampling(body)
+    if _bool(body.get("logprobs") or False, "logprobs"):
+        top = body.get("top_logprobs")
+        params["logprobs"] = 0 if top is None else _int(top, "top_logprobs")
+    elif body.get("top_logprobs") is not None:
+        raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    stream = _bool(body.get("stream", False), "stream")
+    return ChatRequest(_model(body), [_message(m, i) for i, m in enumerate(messages)], params, max_tokens, stream,
+                       _include_usage(body, stream))
+
+
+def parse_embedding(body: dict[str, Any]) -> EmbeddingRequest:
+    if "input" not in body:
+        raise InvalidRequestError("input is required", param="input")
+    if body.get("dimensions") is not None:
+        raise InvalidRequestError("dimensions is not supported: embeddings have the model's hidden size",
+                                  param="dimensions")
+    encoding = body.get("encoding_format") or "float"
+    if encoding not in ("float", "base64"):
+        raise InvalidRequestError("encoding_format must be 'float' or 'base64'", param="encoding_format")
+    return EmbeddingRequest(_model(body), parse_prompts(body["input"], "input"), encoding)
+
+
+def parse_prompts(value: Any, param: str) -> list[Prompt]:
+    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not value:
+        raise InvalidRequestError(f"{param} must be a string, a list of strings, a list of token ids or a list of "
+                                  f"token-id lists, and not empty", param=param)
+    if all(_is_int(t) for t in value):
+        return [list(value)]
+    if len(value) > MAX_BATCH:
+        raise InvalidRequestError(f"{param} holds {len(value)} items; at most {MAX_BATCH} are accepted", param=param)
+    prompts: list[Prompt] = []
+    for item in value:
+        if isinstance(item, str):
+            prompts.append(item)
+        elif isinstance(item, list) and item and all(_is_int(t) for t in item):
+            prompts.append(list(item))
+        else:
+            raise InvalidRequestError(f"each item of {param} must be a string or a non-empty list of token ids",
+                                      param=param)
+    return prompts
+
+
+# -- native ------------------------------------------------------------------------------------------------------
+
+
+def parse_generate(body: dict[str, Any]) -> GenerateRequest:
+    unknown = sorted(set(body) - _SAMPLING_FIELDS - {"prompt", "stream"})
+    if unknown:
+        raise InvalidRequestError(f"unknown field {unknown[0]!r}", param=unknown[0])
+    if "prompt" not in body:
+        raise InvalidRequestError("prompt is required", param="prompt")
+    prompts = parse_prompts(body["prompt"], "prompt")
+    if len(prompts) != 1:
+        raise InvalidRequestError("prompt must be one string or one list of token ids", param="prompt")
+    params = {k: v for k, v in body.items() if k in _SAMPLING_FIELDS}
+    _check_lists(params)
+    return GenerateRequest(prompts[0], params, _bool(body.get("stream", True), "stream"))
+
+
+def parse_embed(body: dict[str, Any]) -> list[Prompt]:
+    unknown = sorted(set(body) - {"inputs"})
+    if unknown:
+        raise InvalidRequestError(f"unknown field {unknown[0]!r}", param=unknown[0])
+    if "inputs" not in body:
+        raise InvalidRequestError("inputs is required", param="inputs")
+    return parse_prompts(body["inputs"], "inputs")
+
+
+# -- sampling ----------------------------------------------------------------------------------------------------
+
+
+def make_sampling_params(params: dict[str, Any]) -> SamplingParams:
+    """:class:`SamplingParams` from checked fields; its own validation names the field that is wrong."""
+    try:
+        return SamplingParams(**params)
+    except InvalidRequestError:
+        raise
+    except (TypeError, ValueError) as exc:  # a value of a type SamplingParams did not expect
+        raise InvalidRequestError(f"invalid sampling parameters: {exc}") from None
+
+
+def _openai_sampling(body: dict[str, Any]) -> dict[str, Any]:
+    """The sampling fields OpenAI's completion and chat bodies share, plus vLLM's extensions."""
+    params: dict[str, Any] = {}
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "min_p",
+                 "repetition_penalty", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                 "stop_token_ids"):
+        if body.get(name) is not None:
+            params[name] = body[name]
+    top_k = body.get("top_k")
+    if top_k is not None:
+        params["top_k"] = 0 if top_k == -1 else top_k  # vLLM spells "disabled" as -1
+    stop = body.get("stop")
+    if stop is not None:
+        params["stop"] = [stop] if isinstance(stop, str) else stop
+    _check_lists(params)
+    return params
+
+
+def _check_lists(params: dict[str, Any]) -> None:
+    stop = params.get("stop")
+    if isinstance(stop, str):
+        params["stop"] = [stop]
+    elif stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
+        raise InvalidRequestError("stop must be a string or a list of non-empty strings", param="stop")
+    if len(params.get("stop") or []) > 16:
+        raise InvalidRequestError("at most 16 stop strings are accepted", param="stop")
+    ids = params.get("stop_token_ids")
+    if ids is not None and not (isinstance(ids, list) and all(_is_int(t) for t in ids)):
+        raise InvalidRequestError("stop_token_ids must be a list of integers", param="stop_token_ids")
+    for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        if name in params:
+            _bool(params[name], name)
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise InvalidRequestError("only n=1 is supported: send several prompts or requests instead", param="n")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != 1:
+        raise InvalidRequestError("only best_of=1 is supported", param="best_of")
+    if body.get("logit_bias"):
+        raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
+
+
+def _include_usage(body: dict[str, Any], stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise InvalidRequestError("stream_options is only allowed with stream=true", param="stream_options")
+    if not isinstance(options, dict):
+        raise InvalidRequestError("stream_options must be an object", param="stream_options")
+    return _bool(options.get("include_usage", False), "stream_options.include_usage")
+
+
+def _message(message: Any, index: int) -> dict[str, Any]:
+    """A chat message with its content flattened to text (OpenAI allows a list of ``{"type": "text"}`` parts)."""
+    param = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise InvalidRequestError(f"{param} must be an object", param="messages")
+    if not isinstance(message.get("role"), str):
+        raise InvalidRequestError(f"{param} lacks a string 'role'", param="messages")
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise InvalidRequestError(f"{param}: only text content parts are supported", param="messages")
+            texts.append(part["text"])
+        content = "".join(texts)
+    elif content is None:
+        content = ""
+    elif not isinstance(content, str):
+        raise InvalidRequestError(f"{param}.content must be a string or a list of text parts", param="messages")
+    return {**message, "content": content}
+
+
+def _model(body: dict[str, Any]) -> str | None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequestError("model must be a string", param="model")
+    return model
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int(value: Any, param: str) -> int:
+    if not _is_int(value):
+        raise InvalidRequestError(f"{param} must be an integer", param=param)
+    return value
+
+
+def _bool(value: Any, param: str) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidRequestError(f"{param} must be true or false", param=param)
+    return value

@@ -1,0 +1,131 @@
+"""What the HTTP and gRPC servers share: the engine (loaded in the background), metrics and serving limits.
+
+Servers start listening before the model is loaded so that probes get answers at once: ``/health`` says the
+process is alive, ``/ready`` and every model route answer 503 until :attr:`ServingRuntime.ready`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from rtxcore.engine.async_engine import AsyncEngine
+from rtxcore.engine.config import EngineConfig
+from rtxcore.errors import ConfigError
+from rtxcore.models.source import DEFAULT_MODEL
+
+log = logging.getLogger("rtx.server")
+
+
+@dataclass(slots=True)
+class ServeSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # None disables the gRPC server.
+    grpc_port: int | None = 50051
+    # Largest accepted HTTP request body.
+    max_body_bytes: int = 8 << 20
+    # A request still running after this long is aborted (HTTP 504 / gRPC DEADLINE_EXCEEDED).
+    request_timeout_s: float = 600.0
+    # Requests admitted but not finished; beyond this the server answers 429 with Retry-After.
+    max_active_requests: int = 1024
+    # On SIGINT/SIGTERM: stop accepting, let running streams finish for this long, then exit.
+    shutdown_grace_s: float = 30.0
+    # Name served as the model id; None uses the model source's name.
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "request_timeout_s", "max_active_requests"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.shutdown_grace_s < 0:
+            raise ConfigError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+
+
+class ServingRuntime:
+    def __init__(self, engine_config: EngineConfig, settings: ServeSettings | None = None):
+        from rtxcore.metrics import EngineMetrics
+
+        self.engine_config = engine_config
+        self.settings = settings or ServeSettings()
+        self.model_name = self.settings.served_model_name or engine_config.model or DEFAULT_MODEL
+        self.backend_name = engine_config.backend
+        self.metrics = EngineMetrics(self.model_name)
+        self.async_engine: AsyncEngine | None = None
+        self.load_error: BaseException | None = None
+        self.draining = False
+        # Names a request's ``model`` may give: the served name, plus the source's own names once loaded.
+        self.model_aliases: set[str] = {self.model_name}
+        self.started_at = int(time.time())
+        self._loaded = threading.Event()
+        self._lock = threading.Lock()
+        self._num_admitted = 0
+
+    # -- loading --------------------------------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Load the model and start the engine thread (blocking). Errors are kept in :attr:`load_error`."""
+        from rtxcore.engine.llm_engine import LLMEngine
+
+        try:
+            engine = LLMEngine(self.engine_config)
+            if self.settings.served_model_name is None:
+                self.model_name = engine.source.name
+                self.metrics.set_model_name(self.model_name)
+            self.model_aliases |= {self.model_name, engine.source.name}
+            if self.engine_config.model:
+                self.model_aliases.add(self.engine_config.model)
+            if engine.source.name == DEFAULT_MODEL:
+                self.model_aliases.add("default")
+            async_engine = AsyncEngine(engine, observers=[self.metrics.observer()])
+            async_engine.start()
+            self.async_engine = async_engine
+            log.info("serving model %s on backend %s", self.model_name, self.backend_name)
+        except BaseException as exc:
+            self.load_error = exc
+            log.debug("model failed to load", exc_info=True)  # reported by whoever waits on load_error
+        finally:
+            self._loaded.set()
+
+    def start_loading(self) -> threading.Thread:
+        thread = threading.Thread(target=self.load, name="rtx-model-loader", daemon=True)
+        thread.start()
+        return thread
+
+    def wait_loaded(self, timeout: float | None = None) -> bool:
+        return self._loaded.wait(timeout)
+
+    @property
+    def ready(self) -> bool:
+        return self.async_engine is not None and self.async_engine.is_running and not self.draining
+
+    # -- admission ------------------------------------------------------------------------------------------------
+
+    def try_admit(self, num_requests: int = 1) -> bool:
+        """Take ``num_requests`` slots of ``settings.max_active_requests``; False (taking none) when full.
+
+        Servers call this before submitting and :meth:`release` once the requests' responses are done, so that a
+        burst of arrivals cannot overshoot the limit while the engine thread has yet to accept them.
+        """
+        engine_active = self.async_engine.num_active if self.async_engine is not None else 0
+        with self._lock:
+            if max(self._num_admitted, engine_active) + num_requests > self.settings.max_active_requests:
+                return False
+            self._num_admitted += num_requests
+            return True
+
+    def release(self, num_requests: int = 1) -> None:
+        with self._lock:
+            self._num_admitted -= num_requests
+
+    @property
+    def num_active(self) -> int:
+        """Requests admitted and not yet answered in full (what a graceful shutdown waits for)."""
+        engine_active = self.async_engine.num_active if self.async_engine is not None else 0
+        return max(self._num_admitted, engine_active)
+
+    def stop(self) -> None:
+        if self.async_engine is not None:
+            self.async_engine.stop()

@@ -12,7 +12,7 @@ import torch
 
 from rtxcore.bench.offline import ThroughputResult, run_engine, warm_up
 from rtxcore.bench.workloads import WORKLOADS, get_workload, make_requests
-from rtxcore.cli.common import add_engine_options, engine_config, load_engine
+from rtxcore.cli.common import add_engine_options, engine_cli_args, engine_config, load_engine
 
 
 def add_parser(sub) -> None:
@@ -23,6 +23,9 @@ def add_parser(sub) -> None:
     p.add_argument("--baseline", choices=["none", "hf", "static"], default="none",
                    help="hf: HF transformers eager generate with static batching; static: this engine with static "
                         "batching")
+    p.add_argument("--serve", action="store_true",
+                   help="also serve the same requests through `rtx serve` to concurrent streaming clients and "
+                        "compare served with offline tokens/s (reports TTFT p50/p99)")
     p.add_argument("--json", dest="json_path", default=None, help="also write the results as JSON to this file")
     add_engine_options(p)
     p.set_defaults(run=run)
@@ -54,6 +57,16 @@ def run(args: argparse.Namespace) -> int:
     warm_up(engine)
     results: list[ThroughputResult] = [run_engine(engine, requests)]
     sys.stderr.write(f"{results[0].label}: {results[0].tokens_per_s:.1f} output tok/s\n")
+    if args.serve:
+        from rtxcore.bench.serving import run_served, summarize
+
+        del engine  # the server process loads its own copy
+        sys.stderr.write(f"serving the same requests to {len(requests)} concurrent streaming clients...\n")
+        served = run_served(engine_cli_args(args), requests)
+        print(f"# served: {summarize(served)}")
+        # The offline engine is the baseline: the ratio is served / offline tokens per second.
+        _report(args, workload.name, [served, results[0]])
+        return 0 if served.errors == 0 else 1
     if args.baseline == "static":
         engine.kv_cache.reset_prefix_cache()
         results.append(run_engine(engine, requests, label="rtx engine (static batching)", static_batching=True))
@@ -91,8 +104,10 @@ def _report(args: argparse.Namespace, workload: str, results: list[ThroughputRes
     if args.json_path:
         payload = {**meta, "results": [
             {"label": r.label, "tokens_per_s": r.tokens_per_s, "output_tokens": r.output_tokens,
-             "prompt_tokens": r.prompt_tokens, "elapsed_s": r.elapsed_s,
-             "ms_per_token_per_request": r.ms_per_token_per_request} for r in results],
+             "prompt_tokens": getattr(r, "prompt_tokens", None), "elapsed_s": r.elapsed_s,
+             "ms_per_token_per_request": r.ms_per_token_per_request,
+             **({"ttft_p50_s": r.ttft_percentile(0.5), "ttft_p99_s": r.ttft_percentile(0.99), "errors": r.errors}
+                if hasattr(r, "ttft_percentile") else {})} for r in results],
             "ratio_vs_baseline": ours.tokens_per_s / base.tokens_per_s if base else None}
         with open(args.json_path, "w") as fh:
             json.dump(payload, fh, indent=2)

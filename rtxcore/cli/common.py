@@ -28,6 +28,21 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
 
 
+def engine_cli_args(args: argparse.Namespace) -> list[str]:
+    """The engine options of ``args`` as command-line arguments (to start ``rtx serve`` with the same engine)."""
+    out = ["--backend", args.backend, "--scheduler", args.scheduler, "--sampler", args.sampler,
+           "--eviction-policy", args.eviction_policy, "--device", args.device, "--dtype", args.dtype,
+           "--block-size", str(args.block_size), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+           "--max-num-seqs", str(args.max_num_seqs)]
+    for flag, value in (("--model", args.model), ("--max-model-len", args.max_model_len),
+                        ("--num-kv-blocks", args.num_kv_blocks)):
+        if value is not None:
+            out += [flag, str(value)]
+    if args.no_prefix_caching:
+        out.append("--no-prefix-caching")
+    return out
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     from rtxcore.contracts.scheduler import SchedulerConfig
 

@@ -5,7 +5,7 @@ setup:
 	bash scripts/setup.sh
 
 run: setup
-	.venv/bin/rtx generate --chat "Explain in two sentences why a KV cache speeds up text generation."
+	.venv/bin/rtx serve
 
 test: setup
 	.venv/bin/python -m pytest -q

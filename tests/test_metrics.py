@@ -233,7 +233,6 @@ def test_invalid_traceparent_is_ignored(served, caplog):
 
 
 def test_spans_when_a_tracer_provider_is_configured(served):
-    pytest.importorskip("opentelemetry.sdk.trace")
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter

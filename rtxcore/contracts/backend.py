@@ -129,4 +129,6 @@ class ExecutionBackend(ABC):
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
         """Final hidden states of every token, [num_tokens, hidden_size] float32, for a batch of whole prompts with
         ``write_kv=False`` (the cache is neither read nor written). Optional."""
-        raise NotImplementedError(f"backend {type(self).__name__} does not compute embeddings")
+        from rtxcore.errors import InvalidRequestError
+
+        raise InvalidRequestError(f"backend {type(self).__name__} does not compute embeddings", param="input")

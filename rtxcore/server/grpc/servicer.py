@@ -10,6 +10,7 @@ KV blocks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 
 import grpc
@@ -57,18 +58,10 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
         stream = engine.generate(prompt, params, req_id=req_id)
         accepted = False
         try:
-            async with asyncio.timeout(self.runtime.settings.request_timeout_s):
+            async with self._statuses_for_errors(context):
                 async for out in stream:
                     accepted = True
                     await context.write(_response(out))
-        except InvalidRequestError as exc:
-            await _abort_invalid(context, exc)
-        except TimeoutError:
-            self.runtime.metrics.record_timeout()
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"request timed out after {self.runtime.settings.request_timeout_s:g}s")
-        except RtxError as exc:
-            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
         finally:
             # On cancellation or any error this leaves the stream early, which aborts the engine's request.
             await stream.aclose()
@@ -87,20 +80,27 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
 
         await self._admit(context)
         try:
-            async with asyncio.timeout(self.runtime.settings.request_timeout_s):
+            async with self._statuses_for_errors(context):
                 vectors, num_tokens = await engine.run_on_engine(embed)
-        except InvalidRequestError as exc:
-            await _abort_invalid(context, exc)
-        except TimeoutError:
-            self.runtime.metrics.record_timeout()
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"request timed out after {self.runtime.settings.request_timeout_s:g}s")
-        except RtxError as exc:
-            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
         finally:
             self.runtime.release()
         return rtx_pb2.EmbedResponse(embeddings=[rtx_pb2.Embedding(values=v) for v in vectors],
                                      model=self.runtime.model_name, prompt_tokens=num_tokens)
+
+    @contextlib.asynccontextmanager
+    async def _statuses_for_errors(self, context: grpc.aio.ServicerContext):
+        """Run the body under the request timeout and turn rtx errors into gRPC statuses (context.abort raises)."""
+        timeout_s = self.runtime.settings.request_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                yield
+        except InvalidRequestError as exc:
+            await _abort_invalid(context, exc)
+        except TimeoutError:
+            self.runtime.metrics.record_timeout()
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"request timed out after {timeout_s:g}s")
+        except RtxError as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
 
     async def _engine(self, context: grpc.aio.ServicerContext, model: str) -> AsyncEngine:
         """The running engine, or abort the call with the status that tells the client why not (and when to

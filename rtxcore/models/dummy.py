@@ -6,6 +6,7 @@ so two loads of the same shape (ours and a baseline's) see identical tensors.
 
 from __future__ import annotations
 
+import zlib
 from typing import Iterator
 
 import torch
@@ -79,13 +80,13 @@ class DummySource(ModelSource):
     def weights(self, progress: Progress | None = None, device: str | torch.device = "cpu",
                 dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
         shapes = self._shapes()
-        gen = torch.Generator(device=device).manual_seed(self.seed)
         for done, (name, shape) in enumerate(shapes, 1):
-            if len(shape) == 1:
-                # Norm weights near 1 keep activations in range through many layers.
-                t = 1.0 + 0.02 * torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
-            else:
-                t = torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * 0.02
-            yield name, t.to(dtype)
+            # Drawn on the CPU from a per-tensor seed: CUDA and CPU generators give different streams for the same
+            # seed, and the weights must not depend on where they are loaded.
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
+            t = torch.randn(shape, generator=gen, dtype=torch.float32)
+            # Norm weights near 1 keep activations in range through many layers.
+            t = 1.0 + 0.02 * t if len(shape) == 1 else t * 0.02
+            yield name, t.to(device=device, dtype=dtype)
             if progress:
                 progress(done, len(shapes))

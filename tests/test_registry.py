@@ -95,3 +95,15 @@ def test_every_kind_has_a_documented_typed_hook():
         assert doc and ":param register:" in doc and ":returns:" in doc, kind.hook
         assert "register" in inspect.signature(spec).parameters
         assert inspect.signature(spec).parameters["register"].annotation != inspect.Parameter.empty
+
+
+def test_every_hookspec_is_documented_in_docs_plugins_md():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "plugins.md").read_text()
+    hooks = [name for name, obj in vars(hookspecs).items() if name.startswith("register_") and callable(obj)]
+    assert sorted(hooks) == sorted(kind.hook for kind in KINDS.values())
+    for hook in hooks:
+        assert f"### `{hook}(register)`" in doc, f"docs/plugins.md lacks a section for {hook}"
+    for kind in KINDS.values():
+        assert kind.contract.__name__ in doc

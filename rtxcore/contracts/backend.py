@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -97,8 +97,10 @@ class ExecutionBackend(ABC):
         return cls.capabilities().as_dict()
 
     @abstractmethod
-    def load(self, source: ModelSource) -> None:
-        """Build the model and load its weights. Raises :class:`~rtxcore.errors.ModelLoadError` on failure."""
+    def load(self, source: ModelSource, progress: Callable[[int, int], None] | None = None) -> None:
+        """Build the model and load its weights, calling ``progress(done, total)`` as weights arrive.
+
+        Raises :class:`~rtxcore.errors.ModelLoadError` on failure."""
 
     @property
     @abstractmethod

@@ -126,25 +126,28 @@ def test_closing_an_http_stream_aborts_the_request(server):
     assert wait_for(lambda: metric(server.base_url, "rtx_request_aborts_total") == aborts + 1)
 
 
+async def cancel_mid_stream(client, open_stream) -> None:
+    """Consume ``open_stream(client)`` until its first event arrives, then cancel the consuming task."""
+    async with client:
+        started = asyncio.Event()
+
+        async def consume():
+            async for _ in open_stream(client):
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
 def test_cancelling_an_async_http_stream_aborts_the_request(server):
     wait_idle(server)
     aborts = metric(server.base_url, "rtx_request_aborts_total")
 
-    async def main():
-        async with AsyncClient(server.base_url) as client:
-            started = asyncio.Event()
-
-            async def consume():
-                async for _ in client.stream_completions(PROMPT, max_tokens=2000, ignore_eos=True):
-                    started.set()
-
-            task = asyncio.create_task(consume())
-            await started.wait()
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-
-    asyncio.run(main())
+    asyncio.run(cancel_mid_stream(AsyncClient(server.base_url),
+                                  lambda c: c.stream_completions(PROMPT, max_tokens=2000, ignore_eos=True)))
     assert wait_for(lambda: metric(server.base_url, "rtx_request_aborts_total") == aborts + 1)
 
 
@@ -220,21 +223,8 @@ def test_cancelling_an_async_grpc_stream_aborts_the_request(server):
     wait_idle(server)
     aborts = metric(server.base_url, "rtx_request_aborts_total")
 
-    async def main():
-        async with AsyncGrpcClient(server.grpc_target) as client:
-            started = asyncio.Event()
-
-            async def consume():
-                async for _ in client.generate(PROMPT, max_tokens=2000, ignore_eos=True):
-                    started.set()
-
-            task = asyncio.create_task(consume())
-            await started.wait()
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-
-    asyncio.run(main())
+    asyncio.run(cancel_mid_stream(AsyncGrpcClient(server.grpc_target),
+                                  lambda c: c.generate(PROMPT, max_tokens=2000, ignore_eos=True)))
     assert wait_for(lambda: metric(server.base_url, "rtx_request_aborts_total") == aborts + 1)
 
 

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import os
 
-import pytest
+import torch
+
+# Without a GPU, Triton kernels can only run in its interpreter; the variable must be set before triton is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 # Tests must never reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -92,3 +92,11 @@ def silu_and_mul_ref(x):
     """``silu(gate) * up`` for ``x = [gate | up]``, computed in float32."""
     gate, up = x.float().chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+
+
+def gemv_ref(x, weight, bias=None):
+    """``x @ weight.T + bias`` as an fp32 matmul, rounded once to ``x``'s dtype."""
+    y = x.float() @ weight.float().T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)

@@ -5,24 +5,26 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Self
 
 from rtxcore.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    PREEMPTED = "preempted"
-    FINISHED_STOPPED = "stop"
-    FINISHED_LENGTH = "length"
-    FINISHED_ABORTED = "abort"
+    WAITING = "waiting", False
+    RUNNING = "running", False
+    PREEMPTED = "preempted", False
+    FINISHED_STOPPED = "stop", True
+    FINISHED_LENGTH = "length", True
+    FINISHED_ABORTED = "abort", True
 
-    @property
-    def finished(self) -> bool:
-        return self in _FINISHED
-
-
-_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+    def __new__(cls, value: str, finished: bool) -> Self:
+        member = object.__new__(cls)
+        member._value_ = value
+        # A plain attribute rather than a set lookup: it is read for every request every step, and enum members
+        # hash in Python.
+        member.finished = finished
+        return member
 
 
 @dataclass(slots=True, eq=False)
@@ -41,9 +43,14 @@ class Request:
     num_preemptions: int = 0
     # Mixed into block hashes so requests with different salts never share cached blocks.
     cache_salt: str | None = None
+    # Tokens sampled on the device whose values the host has not read yet (asynchronous scheduling): counted by
+    # num_tokens, so the next step computes them, but not in all_token_ids.
+    num_pending_tokens: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    # What output_token_ids returns, caught up with all_token_ids on each read rather than copied every step.
+    _output_token_ids: list[int] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -55,7 +62,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        """Tokens of the sequence so far, pending ones included."""
+        return len(self.all_token_ids) + self.num_pending_tokens
 
     @property
     def num_output_tokens(self) -> int:
@@ -63,7 +71,15 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[len(self.prompt_token_ids):]
+        """The tokens generated so far. The same list every time, extended as tokens arrive: read it, don't change it
+        (the sampler reads it every step, and copying a long output each time would cost more than the step)."""
+        cached = self._output_token_ids
+        num_new = len(self.all_token_ids) - len(self.prompt_token_ids) - len(cached)
+        if num_new == 1:  # read once per sampled token: the usual case
+            cached.append(self.all_token_ids[-1])
+        elif num_new != 0:
+            cached[:] = self.all_token_ids[len(self.prompt_token_ids):]
+        return cached
 
     @property
     def max_num_tokens(self) -> int:

@@ -29,6 +29,11 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
 
+    @property
+    def needs_output_history(self) -> bool:
+        """Whether sampling this request's next token depends on the tokens generated before it (penalties)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]

@@ -47,6 +47,12 @@ class BackendOptions:
     dtype: str = "auto"
     # Weight quantizer, or None for the checkpoint's precision.
     quantizer: Quantizer | None = None
+    # Most requests in one step and longest sequence: backends that prepare per-shape work (CUDA graphs) size it
+    # from these.
+    max_batch_size: int = 256
+    max_model_len: int | None = None
+    # Run every step eagerly (no CUDA graphs): slower, but easier to debug and profile.
+    enforce_eager: bool = False
 
 
 @dataclass(slots=True)

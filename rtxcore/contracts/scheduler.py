@@ -90,7 +90,9 @@ class Scheduler(ABC):
     def finish_request(self, req: Request) -> None:
         """Forget a request that finished or was aborted (the engine has set its final status).
 
-        Must free its KV space through ``kv_cache.free``.
+        Must free its KV space through ``kv_cache.free``. With asynchronous scheduling the engine also calls it as
+        soon as a request's last token has been launched (its status is then still RUNNING), and again when that
+        token is processed: a call for a request the scheduler no longer holds must do nothing.
         """
 
     @property

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from rtxcore.contracts.backend import ForwardBatch
 from rtxcore.contracts.sampler import SamplingBatch
 from rtxcore.contracts.scheduler import SchedulerOutput
 from rtxcore.request import Request
+
+# Sort key of a prefill: after every decode.
+_PREFILL = sys.maxsize
 
 
 @dataclass(slots=True)
@@ -21,61 +28,80 @@ class StepPlan:
     # Requests that reach the end of their known tokens this step and so sample one (logits row order).
     sampling_reqs: list[Request]
     sampling: SamplingBatch
+    # Rows of input_ids whose token is pending, and the row of the previous step's samples that holds it.
+    pending_rows: list[int] = field(default_factory=list)
+    pending_src: list[int] = field(default_factory=list)
 
 
-def build_step(sched: SchedulerOutput, block_ids_of, block_size: int,
-               generators: dict[str, torch.Generator]) -> StepPlan:
-    """:param block_ids_of: ``req_id -> list[int]`` from the KV-cache manager."""
+def build_step(sched: SchedulerOutput, block_table_of: Callable[[list[str]], np.ndarray], block_size: int,
+               generators: dict[str, torch.Generator], pending_reqs: Sequence[Request] = ()) -> StepPlan:
+    """:param block_table_of: ``req_ids -> int32 [num_reqs, max_num_blocks]`` block tables (padded with 0) from the
+    KV-cache manager.
+    :param pending_reqs: the previous step's sampling requests, in row order, when its tokens are still on the
+        device (asynchronous scheduling): a request's pending token is the input of one row of this step."""
     # Decodes first, shortest context first: backends attend over them in batches of similar length.
     scheduled, counts = sched.scheduled, sched.num_scheduled_tokens
-    order = sorted(range(len(scheduled)), key=lambda i: (counts[i] != 1, scheduled[i].num_tokens if counts[i] == 1 else 0))
-    reqs = [sched.scheduled[i] for i in order]
+    keys = [req.num_tokens if n == 1 else _PREFILL for req, n in zip(scheduled, counts)]
+    order = sorted(range(len(scheduled)), key=keys.__getitem__)
+    reqs = [scheduled[i] for i in order]
     counts = [counts[i] for i in order]
 
+    # The only per-request Python: token ids, starts and which rows sample. Per-token work is numpy's.
+    starts = [req.num_computed_tokens for req in reqs]
     input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    query_start_loc = [0]
-    seq_lens: list[int] = []
-    tables: list[list[int]] = []
-    logits_indices: list[int] = []
-    sampling_reqs: list[Request] = []
-    for req, n in zip(reqs, counts):
-        start = req.num_computed_tokens
+    sampling_rows: list[int] = []
+    pending_rows: list[int] = []
+    pending_src: list[int] = []
+    src_row = {id(req): i for i, req in enumerate(pending_reqs)}
+    for row, (req, start, n) in enumerate(zip(reqs, starts, counts)):
+        token_ids = req.all_token_ids
         end = start + n
-        blocks = block_ids_of(req.req_id)
-        input_ids.extend(req.all_token_ids[start:end])
-        positions.extend(range(start, end))
-        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, end))
-        query_start_loc.append(query_start_loc[-1] + n)
-        seq_lens.append(end)
-        tables.append(blocks)
+        if end > len(token_ids):
+            # The last token was sampled by the previous step and is still on the device: a placeholder here.
+            input_ids += token_ids[start:]
+            pending_rows.append(len(input_ids))
+            pending_src.append(src_row[id(req)])
+            input_ids.append(0)
+        elif n == 1:
+            input_ids.append(token_ids[start])
+        else:
+            input_ids += token_ids[start:end]
         if end == req.num_tokens:
-            logits_indices.append(query_start_loc[-1] - 1)
-            sampling_reqs.append(req)
+            sampling_rows.append(row)
 
-    width = max(len(t) for t in tables)
-    block_tables = torch.zeros((len(tables), width), dtype=torch.int32)
-    for row, t in enumerate(tables):
-        block_tables[row, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    num_reqs, num_tokens, num_decodes = len(reqs), len(input_ids), counts.count(1)
+    query_start_loc = list(itertools.accumulate(counts, initial=0))
+    if num_decodes == num_reqs:  # decodes only, the usual step: one token per request, at its start
+        token_rows = np.arange(num_reqs)
+        positions = np.array(starts, dtype=np.int64)
+        logits_indices = np.array(sampling_rows, dtype=np.int64)
+    else:
+        token_rows = np.repeat(np.arange(num_reqs), counts)
+        positions = np.arange(num_tokens) + np.repeat(np.subtract(starts, query_start_loc[:-1]), counts)
+        logits_indices = np.array([query_start_loc[row + 1] - 1 for row in sampling_rows], dtype=np.int64)
+    block_tables = block_table_of([req.req_id for req in reqs])
+    slots = block_tables[token_rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    # Fresh, contiguous host arrays each step: a backend may pin them and copy without blocking, and nothing
+    # writes them while such a copy is in flight.
     batch = ForwardBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.long),
-        positions=torch.tensor(positions, dtype=torch.long),
+        input_ids=torch.from_numpy(np.array(input_ids, dtype=np.int64)),
+        positions=torch.from_numpy(positions),
         query_start_loc=query_start_loc,
-        seq_lens=seq_lens,
-        block_tables=block_tables,
-        slot_mapping=torch.tensor(slots, dtype=torch.long),
-        logits_indices=torch.tensor(logits_indices, dtype=torch.long),
+        seq_lens=[start + n for start, n in zip(starts, counts)],
+        block_tables=torch.from_numpy(block_tables),
+        slot_mapping=torch.from_numpy(slots),
+        logits_indices=torch.from_numpy(logits_indices),
         block_size=block_size,
-        num_decodes=sum(1 for n in counts if n == 1),
+        num_decodes=num_decodes,
     )
+    sampling_reqs = [reqs[row] for row in sampling_rows]
     sampling = SamplingBatch(
         params=[r.params for r in sampling_reqs],
         prompt_token_ids=[r.prompt_token_ids for r in sampling_reqs],
         output_token_ids=[r.output_token_ids for r in sampling_reqs],
-        generators=[generators.get(r.req_id) for r in sampling_reqs],
+        generators=[generators.get(r.req_id) for r in sampling_reqs] if generators else [None] * len(sampling_reqs),
     )
-    return StepPlan(batch, reqs, counts, sampling_reqs, sampling)
+    return StepPlan(batch, reqs, counts, sampling_reqs, sampling, pending_rows, pending_src)
 
 
 def build_embedding_batch(token_lists: list[list[int]], block_size: int) -> ForwardBatch:

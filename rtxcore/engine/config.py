@@ -28,6 +28,11 @@ class EngineConfig:
     # Longest sequence (prompt + output) accepted; None uses the model's context length.
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    # Never capture CUDA graphs; every step runs eagerly.
+    enforce_eager: bool = False
+    # Schedule step N+1 while the device computes step N, feeding it step N's tokens on the device; outputs then
+    # come back one step later. None: on for accelerators, off on the CPU (where there is nothing to overlap).
+    async_scheduling: bool | None = None
     scheduling: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:

@@ -9,8 +9,10 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from rtxcore.contracts.backend import BackendOptions, ExecutionBackend
+from rtxcore.contracts.sampler import SamplerOutput
 from rtxcore.engine.batch_builder import build_embedding_batch, build_step
 from rtxcore.engine.config import EngineConfig
+from rtxcore.engine.in_flight import InFlightStep, select_rows
 from rtxcore.engine.output_processor import OutputProcessor
 from rtxcore.engine.outputs import CompletionResult, RequestOutput
 from rtxcore.errors import CapacityError, InvalidRequestError, PluginError
@@ -19,6 +21,7 @@ from rtxcore.models.source import ModelSource, resolve_model
 from rtxcore.registry import PluginRegistry, load_plugins
 from rtxcore.request import Request, RequestStatus
 from rtxcore.sampling_params import SamplingParams
+from rtxcore.transfer import to_device_async
 
 Prompt = str | Sequence[int]
 
@@ -46,6 +49,12 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, list(eos), self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._generators: dict[str, torch.Generator] = {}
+        # Overlap the host's work with the device's: on by default where the model runs on an accelerator.
+        self._async = config.async_scheduling if config.async_scheduling is not None else (
+            self.backend.device.type != "cpu")
+        self._in_flight: InFlightStep | None = None
+        # Running requests whose sampling needs all earlier tokens on the host (see SamplingParams).
+        self._num_history_reqs = 0
         self._ids = itertools.count()
 
     def _make_backend(self) -> ExecutionBackend:
@@ -59,7 +68,9 @@ class LLMEngine:
             if self.config.quantization not in caps.quantization_formats:
                 raise PluginError(f"backend {self.config.backend!r} cannot run {self.config.quantization!r} "
                                   f"weights (it accepts: {', '.join(caps.quantization_formats) or 'none'})")
-        return record.cls(BackendOptions(self.config.device, self.config.dtype, quantizer))
+        c = self.config
+        return record.cls(BackendOptions(c.device, c.dtype, quantizer, max_batch_size=c.scheduling.max_num_seqs,
+                                         max_model_len=c.max_model_len, enforce_eager=c.enforce_eager))
 
     def _num_blocks_from_memory(self) -> int:
         budget = self.config.kv_cache_bytes or self.backend.available_kv_cache_bytes()
@@ -89,6 +100,8 @@ class LLMEngine:
             raise CapacityError(f"request needs up to {total} tokens of KV cache but the whole cache holds "
                                 f"{self.kv_cache.num_usable_blocks * self.config.block_size}", param="max_tokens")
         req = Request(req_id, token_ids, params, cache_salt=cache_salt)
+        if params.needs_output_history:
+            self._num_history_reqs += 1
         if params.seed is not None:
             self._generators[req_id] = torch.Generator(device=self.backend.device).manual_seed(params.seed)
         self.requests[req_id] = req
@@ -128,26 +141,75 @@ class LLMEngine:
         return self._finish(req, [], "")
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
 
     # -- the loop -------------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        """Run one step. With asynchronous scheduling the step's sampled tokens stay on the device: the next call
+        feeds them to the model and, while the device computes, returns their outputs."""
+        prev, self._in_flight = self._in_flight, None
+        outputs: list[RequestOutput] = []
+        if prev is not None and self._num_history_reqs:
+            # Penalties need every earlier token on the host before sampling: no overlap this step.
+            outputs, prev = self._process(prev), None
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
-        plan = build_step(sched, self.kv_cache.block_ids, self.config.block_size, self._generators)
+            return outputs + (self._process(prev) if prev is not None else [])
+        plan = build_step(sched, self.kv_cache.block_table, self.config.block_size, self._generators,
+                          prev.reqs if prev is not None else ())
+        if plan.pending_rows:
+            plan.batch.input_ids = self._fill_pending(plan, prev.token_ids)
         now = time.monotonic()
         logits = self.backend.execute(plan.batch)
         for req, n in zip(plan.reqs, plan.num_tokens):
             req.num_computed_tokens += n
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-        if not plan.sampling_reqs:
-            return []
-        sampled = self.sampler.sample(logits, plan.sampling)
-        outputs = self.output_processor.process(plan.sampling_reqs, sampled)
+        if plan.sampling_reqs:
+            sampled = self.sampler.sample(logits, plan.sampling)
+            if self._async:
+                self._in_flight = self._launch(plan.sampling_reqs, sampled)
+            else:
+                outputs += self._apply(plan.sampling_reqs, sampled)
+        if prev is not None:
+            outputs += self._process(prev)
+        return outputs
+
+    def _fill_pending(self, plan, prev_token_ids: torch.Tensor) -> torch.Tensor:
+        """The step's input ids on the device, with each not-yet-read token taken from the previous step's samples."""
+        device = prev_token_ids.device
+        ids = to_device_async(plan.batch.input_ids, device)
+        rows = to_device_async(torch.tensor(plan.pending_rows, dtype=torch.long), device)
+        src = to_device_async(torch.tensor(plan.pending_src, dtype=torch.long), device)
+        ids[rows] = prev_token_ids[src]
+        return ids
+
+    def _launch(self, reqs: list[Request], sampled: SamplerOutput) -> InFlightStep:
+        """Leave the sampled tokens on the device and queue their copy to the host; the requests count them as
+        pending until the copy is read."""
+        for req in reqs:
+            req.num_pending_tokens += 1
+            # Its last token is certain now, whatever its value: stop scheduling it (its KV may be reused after
+            # this step, which the device runs first).
+            if (req.num_output_tokens + req.num_pending_tokens >= req.params.max_tokens
+                    or req.num_tokens >= self.max_model_len):
+                self.scheduler.finish_request(req)
+        return InFlightStep.launch(reqs, sampled)
+
+    def _process(self, step: InFlightStep) -> list[RequestOutput]:
+        host = step.wait()
+        for req in step.reqs:
+            req.num_pending_tokens -= 1
+        # Requests that finished or were aborted since the step launched drop their token.
+        rows = [row for row, req in enumerate(step.reqs) if self.requests.get(req.req_id) is req]
+        if len(rows) < len(step.reqs):
+            host = select_rows(host, rows)
+        return self._apply([step.reqs[row] for row in rows], host)
+
+    def _apply(self, reqs: list[Request], sampled: SamplerOutput) -> list[RequestOutput]:
+        outputs = self.output_processor.process(reqs, sampled)
         for out in outputs:
             if out.finished:
                 self._finish(self.requests[out.req_id], None, None)
@@ -155,6 +217,8 @@ class LLMEngine:
 
     def _finish(self, req: Request, new_token_ids: list[int] | None, text: str | None) -> RequestOutput | None:
         self.scheduler.finish_request(req)
+        if req.params.needs_output_history:
+            self._num_history_reqs -= 1
         self.output_processor.remove(req.req_id)
         self._generators.pop(req.req_id, None)
         del self.requests[req.req_id]

@@ -30,49 +30,66 @@ class OutputProcessor:
     def process(self, reqs: list[Request], out: SamplerOutput) -> list[RequestOutput]:
         """:param reqs: the requests that sampled, in logits-row order (the step's only host sync happens here)."""
         token_ids = out.token_ids.tolist()
-        want_logprobs = out.logprobs is not None
-        if want_logprobs:
-            chosen_lp = out.logprobs.tolist()
-            top_ids, top_lps = out.top_token_ids.tolist(), out.top_logprobs.tolist()
+        logprobs = self._logprobs(reqs, token_ids, out) if out.logprobs is not None else None
         now = time.monotonic()
+        eos_token_ids, max_model_len, detokenizers = self.eos_token_ids, self.max_model_len, self._detokenizers
         outputs = []
+        # Runs for every request every step: plain attribute reads, and only the work a request asked for.
         for row, (req, token) in enumerate(zip(reqs, token_ids)):
-            req.all_token_ids.append(token)
+            all_token_ids = req.all_token_ids
+            all_token_ids.append(token)
+            num_output_tokens = len(all_token_ids) - len(req.prompt_token_ids)
             if req.first_token_time is None:
                 req.first_token_time = now
-            logprobs = None
-            if want_logprobs and req.params.logprobs is not None:
-                n = req.params.logprobs
-                logprobs = [TokenLogprob(token, chosen_lp[row], list(zip(top_ids[row][:n], top_lps[row][:n])))]
-            outputs.append(self._advance(req, token, logprobs))
+            p = req.params
+            detok = detokenizers.get(req.req_id) if detokenizers else None
+            text = ""
+            status = stop_reason = None
+            if token in p.stop_token_ids:
+                status, stop_reason = RequestStatus.FINISHED_STOPPED, token
+            elif not p.ignore_eos and token in eos_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            else:
+                if detok is not None:
+                    text = detok.update([token])
+                    if detok.finished_by_stop:
+                        status, stop_reason = RequestStatus.FINISHED_STOPPED, detok.stop_reason
+                if status is None and (num_output_tokens >= p.max_tokens or req.num_tokens >= max_model_len):
+                    status = RequestStatus.FINISHED_LENGTH
+            token_logprobs = logprobs[row] if logprobs is not None else None
+            if status is not None:
+                req.status = status
+                req.finish_time = time.monotonic()
+                if detok is not None and not detok.finished_by_stop:
+                    text += detok.flush()
+                outputs.append(self.make_output(req, [token], text, token_logprobs, stop_reason))
+            else:
+                # What make_output gives a running request, built directly and with positional arguments: matching
+                # keywords takes as long as the rest of this loop's body.
+                outputs.append(RequestOutput(
+                    req.req_id, [token], text,
+                    False, None, None,  # finished, finish_reason, stop_reason
+                    token_logprobs, len(req.prompt_token_ids), num_output_tokens, req.num_cached_tokens,
+                ))
         return outputs
 
-    def _advance(self, req: Request, token: int, logprobs: list[TokenLogprob] | None) -> RequestOutput:
-        p = req.params
-        detok = self._detokenizers.get(req.req_id)
-        text = ""
-        stop_reason: str | int | None = None
-        if token in p.stop_token_ids:
-            req.status, stop_reason = RequestStatus.FINISHED_STOPPED, token
-        elif not p.ignore_eos and token in self.eos_token_ids:
-            req.status = RequestStatus.FINISHED_STOPPED
-        else:
-            if detok is not None:
-                text = detok.update([token])
-                if detok.finished_by_stop:
-                    req.status, stop_reason = RequestStatus.FINISHED_STOPPED, detok.stop_reason
-            if not req.is_finished and (req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len):
-                req.status = RequestStatus.FINISHED_LENGTH
-        if req.is_finished:
-            req.finish_time = time.monotonic()
-            if detok is not None and not detok.finished_by_stop:
-                text += detok.flush()
-        return self.make_output(req, [token], text, logprobs, stop_reason)
+    @staticmethod
+    def _logprobs(reqs: list[Request], token_ids: list[int], out: SamplerOutput) -> list[list[TokenLogprob] | None]:
+        """Each row's chosen-token logprob and its top alternatives, trimmed to what its request asked for."""
+        chosen_lp = out.logprobs.tolist()
+        top_ids, top_lps = out.top_token_ids.tolist(), out.top_logprobs.tolist()
+        rows: list[list[TokenLogprob] | None] = []
+        for row, (req, token) in enumerate(zip(reqs, token_ids)):
+            n = req.params.logprobs
+            rows.append(None if n is None else
+                        [TokenLogprob(token, chosen_lp[row], list(zip(top_ids[row][:n], top_lps[row][:n])))])
+        return rows
 
     def make_output(self, req: Request, new_token_ids: list[int], text: str,
                     logprobs: list[TokenLogprob] | None = None, stop_reason: str | int | None = None) -> RequestOutput:
+        finished = req.status.finished
         timings = None
-        if req.is_finished:
+        if finished:
             if req.finish_time is None:  # aborted: nothing else stamps it
                 req.finish_time = time.monotonic()
             timings = RequestTimings(req.arrival_time, req.first_scheduled_time, req.first_token_time,
@@ -81,8 +98,8 @@ class OutputProcessor:
             req_id=req.req_id,
             new_token_ids=new_token_ids,
             new_text=text,
-            finished=req.is_finished,
-            finish_reason=req.status.value if req.is_finished else None,
+            finished=finished,
+            finish_reason=req.status.value if finished else None,
             stop_reason=stop_reason,
             logprobs=logprobs,
             num_prompt_tokens=req.num_prompt_tokens,

@@ -10,11 +10,15 @@ same step or later, and a forward pass writes a layer's KV before any attention 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from rtxcore.contracts.eviction import EvictionPolicy
 from rtxcore.errors import ConfigError
 from rtxcore.kv.block_pool import BlockPool, BlockPoolError
+from rtxcore.kv.block_table import BlockTable
 from rtxcore.kv.hashing import BlockHash, hash_blocks
 from rtxcore.request import Request
 
@@ -37,6 +41,8 @@ class KVCacheStats:
 
 @dataclass(slots=True)
 class _RequestBlocks:
+    # The request's row in the manager's BlockTable, which mirrors block_ids.
+    row: int = BlockTable.EMPTY_ROW
     # The request's blocks in token order: block i holds tokens [i * block_size, (i + 1) * block_size).
     block_ids: list[int] = field(default_factory=list)
     # Hashes of the request's full blocks computed so far, extended as tokens arrive; never recomputed.
@@ -49,6 +55,10 @@ class _RequestBlocks:
     allocated: bool = False
     # Tokens the last allocate() made room for (for the fragmentation metric; the blocks may cover more).
     num_tokens: int = 0
+
+
+# What block_table() reads for a request that holds nothing; never stored or changed.
+_NO_BLOCKS = _RequestBlocks()
 
 
 class KVCacheManager:
@@ -67,6 +77,7 @@ class KVCacheManager:
         self._block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._requests: dict[str, _RequestBlocks] = {}
+        self._table = BlockTable()
         self._stats = KVCacheStats()
 
     @property
@@ -122,6 +133,11 @@ class KVCacheManager:
         state = self._requests.get(req_id)
         return list(state.block_ids) if state is not None else []
 
+    def block_table(self, req_ids: Sequence[str]) -> np.ndarray:
+        """The requests' block tables as one new int32 array [len(req_ids), most blocks any of them holds], each row
+        padded with 0 (the null block) past its last block; a request holding nothing gets a row of padding."""
+        return self._table.gather([self._requests.get(req_id, _NO_BLOCKS).row for req_id in req_ids])
+
     def lookup_prefix(self, req: Request) -> int:
         """Hold the longest cached chain of full blocks matching ``req``'s tokens; returns the tokens they cover.
 
@@ -137,21 +153,24 @@ class KVCacheManager:
             self.free(req)
         if not self.enable_prefix_caching:
             return 0
-        state = self._requests[req.req_id] = _RequestBlocks()
-        self._extend_hashes(req, state, req.num_tokens)
+        state = self._add_state(req.req_id)
+        # Known tokens only: a pending token's value is not on the host yet.
+        num_known = len(req.all_token_ids)
+        self._extend_hashes(req, state, num_known)
 
-        max_hit_blocks = (req.num_tokens - 1) // self._block_size
+        max_hit_blocks = (num_known - 1) // self._block_size
         for block_hash in state.block_hashes[:max_hit_blocks]:
             block_id = self.pool.lookup(block_hash)
             if block_id is None:
                 break
             self.pool.incref(block_id)
             state.block_ids.append(block_id)
+        self._table.append(state.row, 0, state.block_ids)
         state.num_cached_blocks = len(state.block_ids)
         num_hit_tokens = state.num_hit_tokens = len(state.block_ids) * self._block_size
 
         self._stats.num_prefix_queries += 1
-        self._stats.num_prefix_query_tokens += req.num_tokens
+        self._stats.num_prefix_query_tokens += num_known
         self._stats.num_prefix_hit_tokens += num_hit_tokens
         return num_hit_tokens
 
@@ -165,7 +184,7 @@ class KVCacheManager:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         state = self._requests.get(req.req_id)
         if state is None:
-            state = self._requests[req.req_id] = _RequestBlocks()
+            state = self._add_state(req.req_id)
         elif req.num_computed_tokens < state.num_hit_tokens:
             # The backend would write from num_computed_tokens on, i.e. into cached blocks other requests share.
             raise BlockPoolError(
@@ -173,21 +192,25 @@ class KVCacheManager:
                 f"{state.num_hit_tokens} tokens lookup_prefix found; set it to lookup_prefix's result"
             )
         num_tokens = req.num_computed_tokens + num_new_tokens
-        num_missing = self.blocks_needed(num_tokens) - len(state.block_ids)
+        block_size = self._block_size
+        num_missing = -(-num_tokens // block_size) - len(state.block_ids)
         if num_missing > 0:
             new_block_ids = self.pool.allocate(num_missing)
             if new_block_ids is None:
                 if not state.block_ids:
-                    del self._requests[req.req_id]  # leave no trace of a request that got nothing
+                    self._drop_state(req.req_id)  # leave no trace of a request that got nothing
                 return False
+            self._table.append(state.row, len(state.block_ids), new_block_ids)
             state.block_ids.extend(new_block_ids)
         state.allocated = True
         state.num_tokens = num_tokens
 
-        if self.enable_prefix_caching:
-            num_full_blocks = min(num_tokens, req.num_tokens) // self._block_size
+        # Usually false (a decode fills a block only once every block_size steps), so cheap to test first.
+        if self.enable_prefix_caching and num_tokens // block_size > state.num_cached_blocks:
+            # Full of known tokens: a block ending in a pending token is hashed on a later call.
+            num_full_blocks = min(num_tokens, len(req.all_token_ids)) // block_size
             if num_full_blocks > state.num_cached_blocks:
-                self._extend_hashes(req, state, num_full_blocks * self._block_size)
+                self._extend_hashes(req, state, num_full_blocks * block_size)
                 for i in range(state.num_cached_blocks, num_full_blocks):
                     self.pool.cache_block(state.block_ids[i], state.block_hashes[i])
                 state.num_cached_blocks = num_full_blocks
@@ -195,8 +218,8 @@ class KVCacheManager:
 
     def free(self, req: Request) -> None:
         """Release every block ``req`` holds; does nothing for a request holding none."""
-        state = self._requests.pop(req.req_id, None)
-        if state is not None:
+        if req.req_id in self._requests:
+            state = self._drop_state(req.req_id)
             # Tail first: under LRU a chain's tail is then evicted before its head, which later requests need most.
             self.pool.free_blocks(reversed(state.block_ids))
 
@@ -213,11 +236,21 @@ class KVCacheManager:
                 raise BlockPoolError(f"request {req_id!r} holds a block twice")
             for block_id in state.block_ids:
                 num_refs[block_id] += 1
+        self._table.check_invariants({state.row: state.block_ids for state in self._requests.values()})
         for block in self.pool.blocks:
             if block.ref_cnt != num_refs[block.block_id]:
                 raise BlockPoolError(
                     f"block {block.block_id} has ref_cnt {block.ref_cnt} but {num_refs[block.block_id]} holders"
                 )
+
+    def _add_state(self, req_id: str) -> _RequestBlocks:
+        state = self._requests[req_id] = _RequestBlocks(row=self._table.add_row())
+        return state
+
+    def _drop_state(self, req_id: str) -> _RequestBlocks:
+        state = self._requests.pop(req_id)
+        self._table.free_row(state.row)
+        return state
 
     def _extend_hashes(self, req: Request, state: _RequestBlocks, num_tokens: int) -> None:
         """Hash the request's full blocks within its first ``num_tokens`` tokens that are not hashed yet."""

@@ -26,6 +26,10 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
+    g.add_argument("--enforce-eager", action="store_true", help="run every step eagerly (no CUDA graphs)")
+    g.add_argument("--no-async-scheduling", action="store_true",
+                   help="read each step's tokens before scheduling the next (on accelerators the default overlaps "
+                        "the two)")
 
 
 def engine_cli_args(args: argparse.Namespace) -> list[str]:
@@ -40,6 +44,10 @@ def engine_cli_args(args: argparse.Namespace) -> list[str]:
             out += [flag, str(value)]
     if args.no_prefix_caching:
         out.append("--no-prefix-caching")
+    if args.enforce_eager:
+        out.append("--enforce-eager")
+    if args.no_async_scheduling:
+        out.append("--no-async-scheduling")
     return out
 
 
@@ -50,7 +58,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model, backend=args.backend, scheduler=args.scheduler, sampler=args.sampler,
         eviction_policy=args.eviction_policy, device=args.device, dtype=args.dtype,
         max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
-        enable_prefix_caching=not args.no_prefix_caching,
+        enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
+        async_scheduling=False if args.no_async_scheduling else None,
         scheduling=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs),
     )
 

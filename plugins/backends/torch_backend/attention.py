@@ -102,16 +102,20 @@ def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+    rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q: [tokens, heads, d]; k, v: [tokens, kv_heads, d]; caches: [kv_heads, num_blocks, block_size, d].
+    """q: [tokens, heads, d]; k, v: [tokens, kv_heads, d] before rotary embedding; caches: [kv_heads, num_blocks,
+    block_size, d].
 
     The cache is head-major so that gathering a request's blocks along dim 1 gives [kv_heads, context, d] directly
     in the layout the matmuls want, with no second copy. Returns [tokens, heads, d].
     """
+    q, k = rotary(positions, q, k)
+    k_cache, v_cache = kv_cache
     kv_heads, num_blocks, block_size, d = k_cache.shape
     if meta.slot_mapping is not None:
         k_cache.view(kv_heads, -1, d).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import torch
 
 from rtxcore.contracts.backend import BackendCapabilities, BackendOptions, ExecutionBackend, ForwardBatch
@@ -9,9 +12,12 @@ from rtxcore.errors import ConfigError, ModelLoadError
 from rtxcore.models.config import ModelConfig
 from rtxcore.models.source import ModelSource
 from rtx_kernels.cpu_ops import paged_decode_kernel
-from rtx_plugins.backends.torch_backend.cpu_tuning import tune_allocator
 from rtx_plugins.backends.torch_backend.attention import AttentionMetadata, paged_attention
+from rtx_plugins.backends.torch_backend.cpu_tuning import tune_allocator
+from rtx_plugins.backends.torch_backend.layers import RotaryEmbedding
 from rtx_plugins.backends.torch_backend.model import LlamaForCausalLM
+from rtx_plugins.backends.torch_backend.ops import torch_ops, triton_ops
+from rtxcore.transfer import to_device_async
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # KV cache size on the CPU when none is configured: enough for the CPU workloads, small next to 24 GiB.
@@ -40,9 +46,25 @@ class TorchBackend(ExecutionBackend):
             raise ConfigError(f"dtype {dtype!r} is not supported by the torch backend; use one of {', '.join(_DTYPES)}")
         self.dtype = _DTYPES[dtype]
         self._decode_kernel = None
+        # On CUDA: Triton kernels, and CUDA graphs for decode steps unless enforce_eager. Without Triton the
+        # plain torch path runs there too.
+        kernels = os.environ.get("RTX_TORCH_KERNELS", "auto")
+        if kernels not in ("auto", "torch", "triton"):
+            raise ConfigError(f"RTX_TORCH_KERNELS must be auto, torch or triton, got {kernels!r}")
+        if kernels == "triton" and importlib.util.find_spec("triton") is None:
+            raise ConfigError("RTX_TORCH_KERNELS=triton, but triton is not installed")
+        # "triton" on the CPU runs the kernels in Triton's interpreter (TRITON_INTERPRET=1): slow, for tests.
+        self._triton = kernels == "triton" or (
+            kernels == "auto" and self._device.type == "cuda" and importlib.util.find_spec("triton") is not None)
+        self._graphs = None
+        if self._triton:
+            # Imported only here: CPU installs need not have Triton.
+            from rtx_plugins.backends.torch_backend import cuda_graphs, triton_attention
+            self._gpu_attention = triton_attention
+            self._graph_module = cuda_graphs
         if self._device.type == "cpu":
             tune_allocator()
-            if self.dtype == torch.float32:
+            if self.dtype == torch.float32 and not self._triton:
                 self._decode_kernel = paged_decode_kernel()
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -61,13 +83,14 @@ class TorchBackend(ExecutionBackend):
     def load(self, source: ModelSource, progress=None) -> None:
         cfg = source.config
         with torch.device("meta"):
-            model = LlamaForCausalLM(cfg)
+            # RTX_TORCH_GEMV=0 keeps small-batch projections on cuBLAS (to compare the two).
+            ops = triton_ops(gemv=os.environ.get("RTX_TORCH_GEMV", "1") != "0") if self._triton else torch_ops()
+            model = LlamaForCausalLM(cfg, ops=ops)
         model = model.to(self.dtype).to_empty(device=self._device)
-        # Buffers (rotary tables) are not in checkpoints: rebuild them on the real device.
+        # Buffers (rotary tables) are not in checkpoints: rebuild them, in float32, on the real device.
         for module in model.modules():
-            if hasattr(module, "cos"):
-                fresh = type(module)(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
-                module.cos, module.sin = fresh.cos.to(self._device), fresh.sin.to(self._device)
+            if isinstance(module, RotaryEmbedding):
+                module.cos, module.sin = module.tables(self._device)
         expected = {n for n, _ in model.named_parameters()}
         loaded: set[str] = set()
         for name, tensor in source.weights(progress=progress, device=self._device, dtype=self.dtype):
@@ -98,20 +121,43 @@ class TorchBackend(ExecutionBackend):
             for _ in range(cfg.num_layers)
         ]
         self.block_size = block_size
+        if self._triton and self._device.type == "cuda" and not self.options.enforce_eager:
+            max_len = min(cfg.max_position, self.options.max_model_len or cfg.max_position)
+            self._graphs = self._graph_module.DecodeGraphs(
+                self._decode_logits, self.options.max_batch_size, max_len, block_size, cfg.num_kv_heads, self._device)
+            with torch.inference_mode():
+                self._graphs.capture()
 
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
-        hidden = self._hidden_states(batch)
-        return self.model.compute_logits(hidden[batch.logits_indices.to(self._device)]).float()
+        if self._graphs is not None and self._graphs.can_run(batch):
+            return self._graphs.run(batch)
+        if self._triton:
+            gpu = self._gpu_attention
+            meta = gpu.TritonAttentionMetadata.from_batch(batch, self._device, self.model_config.num_kv_heads)
+            hidden = self.model.hidden_states(self._to_device(batch.input_ids), self._to_device(batch.positions),
+                                              self.kv_caches, meta, gpu.triton_paged_attention)
+        else:
+            hidden = self._torch_hidden_states(batch)
+        return self.model.compute_logits(hidden[self._to_device(batch.logits_indices)]).float()
 
     @torch.inference_mode()
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
-        return self._hidden_states(batch).float()
+        # Whole prompts with no cache: the torch path's attention over the fresh K/V serves every device.
+        return self._torch_hidden_states(batch).float()
 
-    def _hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
+    def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        hidden = self.model.hidden_states(input_ids, positions, self.kv_caches, meta,
+                                          self._gpu_attention.triton_paged_attention)
+        return self.model.compute_logits(hidden).float()
+
+    def _torch_hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
         meta = AttentionMetadata.from_batch(batch, self._device, self._decode_kernel)
-        return self.model.hidden_states(
-            batch.input_ids.to(self._device), batch.positions.to(self._device), self.kv_caches, meta, paged_attention)
+        return self.model.hidden_states(self._to_device(batch.input_ids), self._to_device(batch.positions),
+                                        self.kv_caches, meta, paged_attention)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return to_device_async(t, self._device)
 
 
 def _param_name(model: LlamaForCausalLM, ckpt_name: str) -> str:

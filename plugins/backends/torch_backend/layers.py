@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rtxcore.models.config import RopeScaling
+from rtx_plugins.backends.torch_backend.ops import Ops
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,9 +41,10 @@ def _narrow(full: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W's output rows split across ranks; each rank returns its slice of y."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, ctx: ParallelContext):
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, ctx: ParallelContext, ops: Ops):
         super().__init__()
         self.ctx = ctx
+        self.ops = ops
         # A merged layer (q|k|v, gate|up) stores several logical weights stacked along the output dimension.
         self.shard_sizes = [ctx.shard(s, "output features") for s in out_sizes]
         self.shard_offsets = [sum(self.shard_sizes[:i]) for i in range(len(out_sizes))]
@@ -56,15 +58,16 @@ class ColumnParallelLinear(nn.Module):
         param.data.narrow(0, self.shard_offsets[shard_index], size).copy_(local)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.ops.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
     """y = x W^T with W's input columns split across ranks; partial products are summed by all-reduce."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, ctx: ParallelContext):
+    def __init__(self, in_features: int, out_features: int, bias: bool, ctx: ParallelContext, ops: Ops):
         super().__init__()
         self.ctx = ctx
+        self.ops = ops
         self.in_local = ctx.shard(in_features, "input features")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_local), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
@@ -75,16 +78,17 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(full)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.ctx.all_reduce(F.linear(x, self.weight))
+        y = self.ctx.all_reduce(self.ops.linear(x, self.weight, None))
         return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
     """Token embedding with the vocabulary split across ranks (tokens outside a rank's range embed to zero)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, ctx: ParallelContext):
+    def __init__(self, vocab_size: int, hidden_size: int, ctx: ParallelContext, ops: Ops):
         super().__init__()
         self.ctx = ctx
+        self.ops = ops
         self.vocab_local = ctx.shard(vocab_size, "vocabulary size")
         self.vocab_start = ctx.tp_rank * self.vocab_local
         self.weight = nn.Parameter(torch.empty(self.vocab_local, hidden_size), requires_grad=False)
@@ -102,7 +106,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project hidden states onto the vocabulary (tied or separate LM head)."""
-        local = F.linear(hidden, self.weight)
+        local = self.ops.linear(hidden, self.weight, None)
         if self.ctx.tp_size == 1:
             return local
         parts = [torch.empty_like(local) for _ in range(self.ctx.tp_size)]
@@ -111,45 +115,42 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float):
+    def __init__(self, hidden_size: int, eps: float, ops: Ops):
         super().__init__()
         self.eps = eps
+        self.ops = ops
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (normalized, new residual); with ``residual`` given, x is added to it first (fused on GPU)."""
-        if residual is not None:
-            x = x + residual
-        residual = x
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype), residual
+        """Returns (normalized, new residual); with ``residual`` given, x is added to it first (one kernel on GPU)."""
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (half-rotation layout, as in Hugging Face Llama) with Llama 3 / linear scaling."""
 
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: RopeScaling | None):
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: RopeScaling | None, ops: Ops):
         super().__init__()
+        self.ops = ops
+        self.shape = (head_dim, max_position, theta, scaling)
+        cos, sin = self.tables(torch.device("cpu"))
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of every position's angles, [max_position, head_dim / 2] float32 on ``device``."""
+        head_dim, max_position, theta, scaling = self.shape
         # float32 throughout, as the reference implementations do, so angles match them bit for bit.
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        # Built on the CPU even under a meta-device context, then moved.
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
         if scaling is not None:
             inv_freq = _scale_inv_freq(inv_freq, scaling)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32, device="cpu"), inv_freq)
+        return freqs.cos().to(device), freqs.sin().to(device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]; may be rotated in place."""
+        return self.ops.rotary(q, k, positions, self.cos, self.sin)
 
 
 def _scale_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
@@ -163,8 +164,3 @@ def _scale_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
     middle = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
     return torch.where(middle, (1 - smooth) * inv_freq / s.factor + smooth * inv_freq, scaled)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up

@@ -15,23 +15,23 @@ from rtx_plugins.backends.torch_backend.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
-    silu_and_mul,
 )
+from rtx_plugins.backends.torch_backend.ops import Ops, torch_ops
 
 AttentionFn = Callable[..., torch.Tensor]
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, rotary: RotaryEmbedding, ops: Ops):
         super().__init__()
         d = cfg.head_dim
         self.num_heads = ctx.shard(cfg.num_heads, "attention heads")
         self.num_kv_heads = ctx.shard(cfg.num_kv_heads, "KV heads")
         self.head_dim = d
         self.scale = d ** -0.5
-        self.qkv_proj = ColumnParallelLinear(
-            cfg.hidden_size, [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d], cfg.attention_bias, ctx)
-        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, False, ctx)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.num_heads * d, cfg.num_kv_heads * d,
+                                                               cfg.num_kv_heads * d], cfg.attention_bias, ctx, ops)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, False, ctx, ops)
         self.rotary = rotary
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -43,28 +43,29 @@ class Attention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        out = attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        # Rotary embedding is the attention function's job: a fused kernel can rotate and store K/V in one pass.
+        out = attention(q, k, v, positions, self.rotary, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(n, q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, ops: Ops):
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, ctx)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, ctx)
+        self.ops = ops
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, ctx, ops)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, ctx, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, rotary: RotaryEmbedding, ops: Ops):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, ctx, rotary)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, ctx)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.self_attn = Attention(cfg, ctx, rotary, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.mlp = MLP(cfg, ctx, ops)
 
     def forward(self, x, residual, positions, kv_cache, meta, attention):
         h, residual = self.input_layernorm(x, residual)
@@ -80,15 +81,16 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext = ParallelContext()):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext = ParallelContext(), ops: Ops | None = None):
         super().__init__()
         self.config = cfg
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, ctx, rotary) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        ops = ops or torch_ops()
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling, ops)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, ops)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ctx, rotary, ops) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else VocabParallelEmbedding(
-            cfg.vocab_size, cfg.hidden_size, ctx)
+            cfg.vocab_size, cfg.hidden_size, ctx, ops)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta: object,
                       attention: AttentionFn) -> torch.Tensor:

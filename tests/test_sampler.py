@@ -119,6 +119,18 @@ def test_greedy_is_argmax_and_consumes_no_randomness(sampler):
     assert all(torch.equal(g.get_state(), s) for g, s in zip(filter(None, batch.generators), seeded_states))
 
 
+@pytest.mark.parametrize("cols", [128256, 49152, 50001, 16384])
+def test_two_stage_argmax_equals_argmax_ties_included(cols):
+    from rtx_plugins.samplers.default import argmax_rows
+
+    logits = torch.randn(5, cols, generator=torch.Generator().manual_seed(cols))
+    logits[1, 7] = logits[1, cols - 3] = 100.0  # a tie: the first index wins, as in torch.argmax
+    logits[2] = 0.5  # every column ties
+    logits[3, -1] = 50.0  # the maximum in the last, possibly padded, chunk
+    assert torch.equal(argmax_rows(logits, two_stage=True), logits.argmax(dim=-1))
+    assert torch.equal(argmax_rows(logits.bfloat16(), two_stage=True), logits.bfloat16().argmax(dim=-1))
+
+
 def test_reduced_precision_logits(sampler):
     logits = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
     params = [SamplingParams(temperature=0)] * 4 + [SamplingParams(top_k=3, seed=i) for i in range(4)]

@@ -40,18 +40,26 @@ class DefaultSampler(Sampler):
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(batch):
             raise ValueError(f"expected logits of shape [{len(batch)}, vocab_size], got {tuple(logits.shape)}")
+        # One pass over the rows' options, which runs every step for every row.
+        want_logprobs = penalized = False
+        all_greedy = True
+        for p in batch.params:
+            want_logprobs = want_logprobs or p.logprobs is not None
+            penalized = penalized or uses_penalties(p)
+            all_greedy = all_greedy and p.greedy
         raw_logprobs = None
-        if any(p.logprobs is not None for p in batch.params):
+        if want_logprobs:
             # Taken first: the steps below modify the logits in place.
             raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
 
-        logits = logits.float()  # no copy when already float32; reduced precision would skew the filters
-        if any(uses_penalties(p) for p in batch.params):
-            logits = apply_penalties(logits, batch)
-        if batch.all_greedy:
-            token_ids = logits.argmax(dim=-1)
+        # float() makes no copy when already float32; reduced precision would skew penalties and filters.
+        if penalized:
+            logits = apply_penalties(logits.float(), batch)
+        if all_greedy:
+            # Widening changes no value's order, so the argmax needs no float32 copy of a large vocabulary.
+            token_ids = argmax_rows(logits)
         else:
-            token_ids = _sample_rows(logits, batch)
+            token_ids = _sample_rows(logits.float(), batch)
         return _output(token_ids, raw_logprobs, batch)
 
 
@@ -78,7 +86,7 @@ def _sample_rows(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     )
     temperature, top_k, top_p, min_p, is_greedy = table.unbind(dim=1)
 
-    greedy_ids = logits.argmax(dim=-1) if any(greedy) else None
+    greedy_ids = argmax_rows(logits) if any(greedy) else None
     if any(not g and p.temperature != 1 for g, p in zip(greedy, params)):
         logits = logits.div_(temperature.unsqueeze(1))
     max_top_k = max((p.top_k for p in params if 0 < p.top_k < vocab_size), default=0)
@@ -95,6 +103,24 @@ def _sample_rows(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if greedy_ids is None:
         return sampled_ids
     return torch.where(is_greedy.bool(), greedy_ids, sampled_ids)
+
+
+def argmax_rows(logits: torch.Tensor, two_stage: bool | None = None) -> torch.Tensor:
+    """``logits.argmax(dim=-1)``, the first index of each row's maximum, computed in two stages (by default for a
+    few wide rows on an accelerator): there one row is reduced by one thread block (about 27 µs for 128k columns on
+    an H200), while a maximum per chunk first spreads the row over the whole chip."""
+    rows, cols = logits.shape
+    if two_stage is None:
+        two_stage = logits.device.type != "cpu" and rows < 32 and cols >= 16384
+    if not two_stage:
+        return logits.argmax(dim=-1)
+    chunk = -(-cols // 128)
+    if chunk * 128 != cols:
+        logits = torch.nn.functional.pad(logits, (0, chunk * 128 - cols), value=float("-inf"))
+    # max() and argmax() both return the first index among equal values, so ties resolve as in one argmax.
+    chunk_max, chunk_arg = logits.view(rows, 128, chunk).max(dim=-1)
+    best = chunk_max.argmax(dim=-1, keepdim=True)
+    return (best * chunk + chunk_arg.gather(1, best)).squeeze(1)
 
 
 def _exponentials(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

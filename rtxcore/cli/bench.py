@@ -15,6 +15,10 @@ from rtxcore.bench.workloads import WORKLOADS, get_workload, make_requests
 from rtxcore.cli.common import add_engine_options, engine_cli_args, engine_config, load_engine
 
 
+# Device-to-device copy bandwidth measured on the H200 (shared/WORKLOADS.md): the floor W3 is compared with.
+H200_COPY_BYTES_PER_S = 4.24e12
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="measure offline throughput on a workload (shared/WORKLOADS.md)")
     p.add_argument("--workload", default="cpu", choices=sorted(WORKLOADS), help="workload name (default: cpu)")
@@ -57,10 +61,13 @@ def run(args: argparse.Namespace) -> int:
     warm_up(engine)
     results: list[ThroughputResult] = [run_engine(engine, requests)]
     sys.stderr.write(f"{results[0].label}: {results[0].tokens_per_s:.1f} output tok/s\n")
+    # Decoding one stream reads every weight once per token: no step can take less than that read.
+    args.weight_bytes = engine.model_config.num_params * engine.backend.dtype.itemsize
     if args.serve:
         from rtxcore.bench.serving import run_served, summarize
 
         del engine  # the server process loads its own copy
+        _release_device_memory()
         sys.stderr.write(f"serving the same requests to {len(requests)} concurrent streaming clients...\n")
         served = run_served(engine_cli_args(args), requests)
         print(f"# served: {summarize(served)}")
@@ -75,13 +82,22 @@ def run(args: argparse.Namespace) -> int:
 
         device, dtype = engine.backend.device, engine.backend.dtype
         source = engine.source
-        del engine  # free the engine's KV cache before the baseline allocates its own
+        del engine
+        _release_device_memory()  # the engine's KV cache and CUDA graphs, before the baseline allocates its own
         sys.stderr.write("loading the HF transformers baseline on the same weights...\n")
         model = load_hf_model(source, device, dtype)
         run_hf_static(model, requests[:1])  # warm-up
         results.append(run_hf_static(model, requests))
     _report(args, workload.name, results)
     return 0
+
+
+def _release_device_memory() -> None:
+    import gc
+
+    gc.collect()  # the backend and its CUDA graphs refer to each other: only the collector frees them
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _report(args: argparse.Namespace, workload: str, results: list[ThroughputResult]) -> None:
@@ -92,13 +108,19 @@ def _report(args: argparse.Namespace, workload: str, results: list[ThroughputRes
         ratio = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base and r is ours else ("1.00x" if base else "-")
         lines.append(f"{r.label:32} {r.tokens_per_s:12.1f} {r.ms_per_token_per_request:16.2f} {r.elapsed_s:10.2f} "
                      f"{ratio:>12}")
-    command = "rtx " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("rtx") else "rtx bench"
+    # Whether started as `rtx` or `python -m rtxcore.cli.main`, the arguments after the program are the same.
+    command = "rtx " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "rtx bench"
     meta = {
         "command": command,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine_description(),
         "workload": workload,
     }
+    floor_ms = None
+    if ours.num_requests == 1 and torch.cuda.is_available() and getattr(args, "weight_bytes", None):
+        floor_ms = 1000 * args.weight_bytes / H200_COPY_BYTES_PER_S
+        lines.append(f"weight-read floor {floor_ms:.3f} ms/token ({args.weight_bytes / 1e9:.2f} GB at 4.24 TB/s): "
+                     f"the engine runs at {floor_ms / ours.ms_per_token_per_request:.0%} of it")
     print(f"# {meta['command']}\n# {meta['date']} on {meta['machine']}")
     print("\n".join(lines))
     if args.json_path:
@@ -108,6 +130,7 @@ def _report(args: argparse.Namespace, workload: str, results: list[ThroughputRes
              "ms_per_token_per_request": r.ms_per_token_per_request,
              **({"ttft_p50_s": r.ttft_percentile(0.5), "ttft_p99_s": r.ttft_percentile(0.99), "errors": r.errors}
                 if hasattr(r, "ttft_percentile") else {})} for r in results],
-            "ratio_vs_baseline": ours.tokens_per_s / base.tokens_per_s if base else None}
+            "ratio_vs_baseline": ours.tokens_per_s / base.tokens_per_s if base else None,
+            "weight_read_floor_ms": floor_ms}
         with open(args.json_path, "w") as fh:
             json.dump(payload, fh, indent=2)

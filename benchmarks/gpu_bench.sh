@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The whole GPU batch in one call, on a machine with a CUDA GPU and its own torch/triton/transformers:
+# installs what that machine lacks from wheels carried in .whl/ (pytest, gguf, grpcio-tools for the build),
+# installs rtx-serve in editable mode without touching its torch, then runs
+#   tests   the Triton kernel tests at real shapes on the GPU
+#   checks  greedy GPU == CPU on the default model's shape, and where a decode step's time goes
+#   sweep   launch shapes of the decode-attention kernel, and the GEMV kernel against cuBLAS, timed
+#   bench   rtx bench on W3, W1, W2 (llama-1b) and W1, W8B (llama-8b), each with its baseline in the same run
+# Usage: benchmarks/gpu_bench.sh [tests] [checks] [sweep] [bench] [bench8b]   (default: all); results go to $OUT (or ./gpu-out)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+RTX=$(command -v rtx || echo "python3 -m rtxcore.cli.main")
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests checks bench bench8b)
+status=0
+for step in "${steps[@]}"; do
+  case "$step" in
+    tests)
+      python3 -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py 2>&1 | tee "$OUT/kernel_tests.log" | tail -5
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    checks)
+      python3 benchmarks/gpu_checks.py "$OUT/checks.json" 2>&1 | tee "$OUT/checks.log" || status=1 ;;
+    sweep)
+      python3 benchmarks/kernel_sweep.py 2>&1 | tee "$OUT/kernel_sweep.log" || status=1
+      python3 benchmarks/gemv_sweep.py --splits 2>&1 | tee "$OUT/gemv_sweep.log" || status=1 ;;
+    bench)
+      common=(--model dummy:llama-1b --max-num-batched-tokens 8192 --max-model-len 4096)
+      $RTX bench --workload W3 --baseline hf "${common[@]}" --json "$OUT/W3_llama1b.json" || status=1
+      $RTX bench --workload W1 --baseline hf "${common[@]}" --json "$OUT/W1_llama1b.json" || status=1
+      $RTX bench --workload W2 "${common[@]}" --json "$OUT/W2_llama1b.json" || status=1
+      # Continuous versus static batching of the same requests on the same engine, 64 running at most.
+      $RTX bench --workload W2 --baseline static "${common[@]}" --max-num-seqs 64 \
+        --json "$OUT/W2_llama1b_cb_vs_static.json" || status=1 ;;
+    bench8b)
+      common=(--model dummy:llama-8b --max-num-batched-tokens 8192 --max-model-len 4096)
+      $RTX bench --workload W1 "${common[@]}" --json "$OUT/W1_llama8b.json" || status=1
+      $RTX bench --workload W8B --baseline hf "${common[@]}" --json "$OUT/W8B_llama8b.json" || status=1 ;;
+    *) echo "unknown step: $step" >&2; exit 2 ;;
+  esac
+done
+exit $status

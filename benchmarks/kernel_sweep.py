@@ -1,0 +1,54 @@
+"""Time the decode-attention kernel's launch shapes on the GPU at the serving shapes of ``llama-1b`` (bfloat16,
+32 query heads, 8 KV heads, head size 64, block size 16) and print them fastest first, with the bytes-moved floor.
+
+Usage: python benchmarks/kernel_sweep.py
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import triton
+
+from rtx_kernels.decode_attention import choose_num_splits, decode_attention
+
+H, KVH, D, BS = 32, 8, 64, 16
+COPY_BW = 4.24e12  # bytes/s, device-to-device copy measured on the H200 (shared/ENVIRONMENT.md)
+
+
+def case(batch: int, ctx: int, splits: int):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    blocks_per_seq = -(-ctx // BS)
+    num_blocks = batch * blocks_per_seq + 1
+    k = torch.randn(KVH, num_blocks, BS, D, device="cuda", generator=gen).bfloat16()
+    v = torch.randn(KVH, num_blocks, BS, D, device="cuda", generator=gen).bfloat16()
+    tables = (torch.randperm(num_blocks - 1, device="cuda", generator=gen)[: batch * blocks_per_seq] + 1)
+    tables = tables.view(batch, blocks_per_seq).int()
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, H, D, device="cuda", generator=gen).bfloat16()
+    floor_us = 2 * batch * ctx * KVH * D * 2 / COPY_BW * 1e6
+    rows = []
+    for block_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3)):
+        try:
+            ms = triton.testing.do_bench(lambda: decode_attention(q, k, v, tables, lens, 0.125, splits, block_n=block_n,
+                                                                  num_warps=warps, num_stages=stages),
+                                         warmup=5, rep=20, return_mode="median")
+        except Exception as exc:  # a shape the compiler refuses (e.g. too much shared memory)
+            rows.append((float("inf"), block_n, warps, stages, type(exc).__name__))
+            continue
+        rows.append((ms * 1000, block_n, warps, stages, ""))
+    rows.sort()
+    print(f"\nbatch {batch}, context {ctx}, splits {splits}: K/V read floor {floor_us:.1f} us")
+    for us, block_n, warps, stages, err in rows[:6] + [r for r in rows if (r[1], r[2], r[3]) == (64, 4, 3)]:
+        print(f"  block_n={block_n:3d} warps={warps} stages={stages}: {us:8.1f} us {err}")
+
+
+def main() -> None:
+    for batch, ctx in ((1, 384), (256, 384), (64, 1024)):
+        case(batch, ctx, choose_num_splits(batch, KVH, ctx))
+    case(1, 384, 16)
+
+
+if __name__ == "__main__":
+    main()

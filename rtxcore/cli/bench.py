@@ -11,7 +11,7 @@ import sys
 import torch
 
 from rtxcore.bench.offline import ThroughputResult, run_engine, warm_up
-from rtxcore.bench.workloads import WORKLOADS, get_workload, make_requests
+from rtxcore.bench.workloads import WORKLOADS, BenchRequest, get_workload, make_requests
 from rtxcore.cli.common import add_engine_options, engine_cli_args, engine_config, load_engine
 
 
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     engine = load_engine(config)
     requests = make_requests(workload, engine.model_config.vocab_size, seed=args.seed, num_requests=args.num_requests)
     sys.stderr.write(f"workload {workload.name}: {workload.description} ({len(requests)} requests)\n")
-    warm_up(engine)
+    warm_up(engine, requests)
     results: list[ThroughputResult] = [run_engine(engine, requests)]
     sys.stderr.write(f"{results[0].label}: {results[0].tokens_per_s:.1f} output tok/s\n")
     # Decoding one stream reads every weight once per token: no step can take less than that read.
@@ -86,7 +86,9 @@ def run(args: argparse.Namespace) -> int:
         _release_device_memory()  # the engine's KV cache and CUDA graphs, before the baseline allocates its own
         sys.stderr.write("loading the HF transformers baseline on the same weights...\n")
         model = load_hf_model(source, device, dtype)
-        run_hf_static(model, requests[:1])  # warm-up
+        # Warm-up on the workload's own batch shape (cuBLAS picks and caches kernels per shape), kept short.
+        run_hf_static(model, [BenchRequest(r.prompt_token_ids, min(r.output_len, 16)) for r in requests]
+                      if device.type != "cpu" else requests[:1])
         results.append(run_hf_static(model, requests))
     _report(args, workload.name, results)
     return 0

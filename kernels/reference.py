@@ -72,9 +72,10 @@ def rms_norm_ref(x, weight, eps, residual=None):
 def apply_rotary_ref(q, k, positions, cos, sin):
     """Half-rotation (HF Llama) rotary embedding computed in float32; returns new ``(q, k)``."""
 
+    c = cos[positions][:, None, :]
+    s = sin[positions][:, None, :]
+
     def rotate(x):
-        c = cos[positions][:, None, :]
-        s = sin[positions][:, None, :]
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 

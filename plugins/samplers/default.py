@@ -10,12 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from rtx_plugins.samplers.filters import apply_min_p, apply_top_k_top_p
+from rtx_plugins.samplers.penalties import apply_penalties
 
 from rtxcore.contracts import Sampler, SamplerOutput, SamplingBatch
 from rtxcore.hookspecs import Register, hookimpl
-from rtx_plugins.samplers.filters import apply_min_p, apply_top_k_top_p
-from rtx_plugins.samplers.penalties import apply_penalties, uses_penalties
-from rtx_plugins.samplers.transfer import to_device
+from rtxcore.transfer import to_device
 
 SUPPORTED_PARAMETERS = (
     "temperature", "top_k", "top_p", "min_p",
@@ -45,7 +45,7 @@ class DefaultSampler(Sampler):
         all_greedy = True
         for p in batch.params:
             want_logprobs = want_logprobs or p.logprobs is not None
-            penalized = penalized or uses_penalties(p)
+            penalized = penalized or p.needs_output_history
             all_greedy = all_greedy and p.greedy
         raw_logprobs = None
         if want_logprobs:

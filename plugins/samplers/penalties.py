@@ -8,12 +8,7 @@ import numpy as np
 import torch
 
 from rtxcore.contracts import SamplingBatch
-from rtxcore.sampling_params import SamplingParams
-from rtx_plugins.samplers.transfer import move, to_device
-
-
-def uses_penalties(params: SamplingParams) -> bool:
-    return params.repetition_penalty != 1 or params.presence_penalty != 0 or params.frequency_penalty != 0
+from rtxcore.transfer import to_device, to_device_async
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -29,7 +24,7 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     vocab_size = logits.shape[1]
     device = logits.device
     # Rows without penalties contribute no tokens, so their histories are never copied to the device.
-    output_ids = [ids if uses_penalties(p) else [] for ids, p in zip(batch.output_token_ids, batch.params)]
+    output_ids = [ids if p.needs_output_history else [] for ids, p in zip(batch.output_token_ids, batch.params)]
     output_counts = token_counts(output_ids, vocab_size, device, logits.dtype)
     output_seen = output_counts > 0
 
@@ -63,7 +58,7 @@ def token_counts(
     # extra column that is cut off, as in Hugging Face's RepetitionPenaltyLogitsProcessor.
     np.minimum(flat, vocab_size, out=flat)
     flat += np.repeat(np.arange(num_rows, dtype=np.int64) * width, lengths)
-    index = move(torch.from_numpy(flat), device)  # one host-to-device copy for the whole batch
+    index = to_device_async(torch.from_numpy(flat), device)  # one host-to-device copy for the whole batch
     counts = torch.zeros(num_rows, width, dtype=dtype, device=device)
     counts.view(-1).scatter_add_(0, index, torch.ones(index.shape, dtype=dtype, device=device))
     return counts[:, :vocab_size]

@@ -5,8 +5,11 @@
 #   tests   the Triton kernel tests at real shapes on the GPU
 #   checks  greedy GPU == CPU on the default model's shape, and where a decode step's time goes
 #   sweep   launch shapes of the decode-attention kernel, and the GEMV kernel against cuBLAS, timed
+#   splits  the decode-attention kernel's sequence splits at W2-like contexts, timed
 #   bench   rtx bench on W3, W1, W2 (llama-1b) and W1, W8B (llama-8b), each with its baseline in the same run
-# Usage: benchmarks/gpu_bench.sh [tests] [checks] [sweep] [bench] [bench8b]   (default: all); results go to $OUT (or ./gpu-out)
+#   w3      W3 alone;  cb  continuous versus static batching on W2 at 16, 32 and 64 running at most
+# Usage: benchmarks/gpu_bench.sh [tests] [checks] [sweep] [splits] [bench] [w3] [cb] [bench8b]
+#        (default: tests checks bench bench8b); results go to $OUT (or ./gpu-out)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -21,6 +24,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log
 RTX=$(command -v rtx || echo "python3 -m rtxcore.cli.main")
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 
+llama1b=(--model dummy:llama-1b --max-num-batched-tokens 8192 --max-model-len 4096)
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests checks bench bench8b)
 status=0
@@ -34,8 +38,17 @@ for step in "${steps[@]}"; do
     sweep)
       python3 benchmarks/kernel_sweep.py 2>&1 | tee "$OUT/kernel_sweep.log" || status=1
       python3 benchmarks/gemv_sweep.py --splits 2>&1 | tee "$OUT/gemv_sweep.log" || status=1 ;;
+    splits)
+      python3 benchmarks/kernel_sweep.py --splits 2>&1 | tee "$OUT/splits_sweep.log" || status=1 ;;
+    w3)
+      $RTX bench --workload W3 --baseline hf "${llama1b[@]}" --json "$OUT/W3_llama1b.json" || status=1 ;;
+    cb)
+      for seqs in 16 32 64; do
+        $RTX bench --workload W2 --baseline static "${llama1b[@]}" --max-num-seqs $seqs \
+          --json "$OUT/W2_llama1b_cb_vs_static_$seqs.json" || status=1
+      done ;;
     bench)
-      common=(--model dummy:llama-1b --max-num-batched-tokens 8192 --max-model-len 4096)
+      common=("${llama1b[@]}")
       $RTX bench --workload W3 --baseline hf "${common[@]}" --json "$OUT/W3_llama1b.json" || status=1
       $RTX bench --workload W1 --baseline hf "${common[@]}" --json "$OUT/W1_llama1b.json" || status=1
       $RTX bench --workload W2 "${common[@]}" --json "$OUT/W2_llama1b.json" || status=1

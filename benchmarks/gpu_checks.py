@@ -1,15 +1,19 @@
 """Correctness and step-time checks of the torch backend on a CUDA GPU (run by benchmarks/gpu_bench.sh).
 
 1. Greedy tokens of the default model's shape with random weights (float32) on the GPU, with CUDA graphs and
-   eagerly, equal the CPU path's for the first 32 tokens of each prompt.
+   eagerly, equal the CPU path's for the first 32 tokens of each prompt: six prompts decoding together, and one
+   alone (one-row steps, whose projections run through the GEMV kernel).
 2. Where a decode step's time goes on ``dummy:llama-1b`` (bfloat16): one graph replay timed with CUDA events, against
-   the whole engine step timed on the host, at batch 1 and 256.
+   the whole engine step timed on the host, at batch 1 and 256; at batch 1 for each RTX_TORCH_GEMV choice.
+3. What continuous batching's steps cost on W2 (``dummy:llama-1b``, 32 running at most), steps run synchronously
+   and timed one by one: decode-only steps (CUDA graphs) against steps that carry a newcomer's prefill (eager).
 Usage: python benchmarks/gpu_checks.py OUT.json
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -33,6 +37,7 @@ def greedy_equality() -> dict:
     for label, device, eager in (("cpu", "cpu", True), ("cuda graphs", "cuda", False), ("cuda eager", "cuda", True)):
         e = engine("dummy:smollm2-135m", device, "float32", eager)
         runs[label] = [r.token_ids for r in e.generate(prompts, params)]
+        runs[label] += [r.token_ids for r in e.generate(prompts[:1], params)]
     out = {}
     for label, toks in runs.items():
         if label == "cpu":
@@ -44,11 +49,11 @@ def greedy_equality() -> dict:
     return out
 
 
-def step_times() -> dict:
+def step_times(batches=(1, 256), label: str = "") -> dict:
     e = engine("dummy:llama-1b", "cuda", "bfloat16", max_num_batched_tokens=8192, max_num_seqs=256)
     graphs = e.backend._graphs
     out = {}
-    for batch in (1, 256):
+    for batch in batches:
         params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
         for i in range(batch):
             e.add_request([1000 + (i * 7 + j) % 5000 for j in range(128)], params)
@@ -74,13 +79,61 @@ def step_times() -> dict:
         host.sort()
         out[batch] = {"graph_replay_ms": start.elapsed_time(end) / 50, "engine_step_ms_median": 1000 * host[16],
                       "engine_step_ms_min": 1000 * host[0]}
-        print(f"decode batch {batch}: {out[batch]}", flush=True)
+        print(f"decode batch {batch}{label}: {out[batch]}", flush=True)
+    return out
+
+
+def gemv_choices() -> dict:
+    out = {}
+    for choice in ("0", "1"):
+        os.environ["RTX_TORCH_GEMV"] = choice
+        out[choice] = step_times((1,), f", RTX_TORCH_GEMV={choice}")[1]
+    del os.environ["RTX_TORCH_GEMV"]
+    return out
+
+
+def mixed_steps(max_num_seqs: int = 32) -> dict:
+    from rtxcore.bench.workloads import make_requests
+
+    e = LLMEngine(EngineConfig(model="dummy:llama-1b", device="cuda", dtype="bfloat16", max_model_len=4096,
+                               async_scheduling=False,
+                               scheduling=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=max_num_seqs)))
+    schedule, last = e.scheduler.schedule, {}
+
+    def recording_schedule():
+        last["out"] = schedule()
+        return last["out"]
+
+    e.scheduler.schedule = recording_schedule
+    for warm in (True, False):
+        for r in make_requests("W2", e.model_config.vocab_size, seed=0, num_requests=64 if warm else None):
+            e.add_request(r.prompt_token_ids, SamplingParams(max_tokens=r.output_len, temperature=0.0,
+                                                             ignore_eos=True))
+        kinds = {"decode": [0, 0.0], "mixed": [0, 0.0]}
+        prefill_tokens = 0
+        while e.has_unfinished_requests():
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            e.step()
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t
+            sched = last["out"]
+            prefill = sum(n for n in sched.num_scheduled_tokens if n > 1)
+            kind = "mixed" if prefill else "decode"
+            kinds[kind][0] += 1
+            kinds[kind][1] += dt
+            prefill_tokens += prefill
+    out = {k: {"steps": n, "total_s": round(t, 3), "ms_per_step": round(1000 * t / max(n, 1), 3)}
+           for k, (n, t) in kinds.items()}
+    out["prefill_tokens"] = prefill_tokens
+    print(f"W2 steps at {max_num_seqs} running, synchronous: {out}", flush=True)
     return out
 
 
 def main(out_path: str) -> None:
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "greedy_equal_to_cpu_first32": greedy_equality(), "decode_step": step_times()}
+               "greedy_equal_to_cpu_first32": greedy_equality(), "decode_step": step_times(),
+               "batch1_by_gemv_choice": gemv_choices(), "w2_steps": mixed_steps()}
     with open(out_path, "w") as fh:
         json.dump(results, fh, indent=2)
 

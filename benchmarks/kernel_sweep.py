@@ -1,12 +1,17 @@
 """Time the decode-attention kernel's launch shapes on the GPU at the serving shapes of ``llama-1b`` (bfloat16,
 32 query heads, 8 KV heads, head size 64, block size 16) and print them fastest first, with the bytes-moved floor.
 
-Usage: python benchmarks/kernel_sweep.py
+With ``--splits``, times instead each number of sequence splits at W2-like contexts (lengths uniform in
+[100, 2048], as when requests of W2 decode together) for several batch sizes, beside the split count
+:func:`choose_num_splits` picks for them.
+
+Usage: python benchmarks/kernel_sweep.py [--splits]
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
 
 import torch
 import triton
@@ -17,17 +22,23 @@ H, KVH, D, BS = 32, 8, 64, 16
 COPY_BW = 4.24e12  # bytes/s, device-to-device copy measured on the H200 (shared/ENVIRONMENT.md)
 
 
-def case(batch: int, ctx: int, splits: int):
+def _inputs(lens: torch.Tensor):
+    """q, caches and block tables for requests of the given context lengths, blocks scattered over the cache."""
     gen = torch.Generator(device="cuda").manual_seed(0)
-    blocks_per_seq = -(-ctx // BS)
+    batch = lens.numel()
+    blocks_per_seq = -(-int(lens.max()) // BS)
     num_blocks = batch * blocks_per_seq + 1
     k = torch.randn(KVH, num_blocks, BS, D, device="cuda", generator=gen).bfloat16()
     v = torch.randn(KVH, num_blocks, BS, D, device="cuda", generator=gen).bfloat16()
     tables = (torch.randperm(num_blocks - 1, device="cuda", generator=gen)[: batch * blocks_per_seq] + 1)
     tables = tables.view(batch, blocks_per_seq).int()
-    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, H, D, device="cuda", generator=gen).bfloat16()
-    floor_us = 2 * batch * ctx * KVH * D * 2 / COPY_BW * 1e6
+    floor_us = 2 * int(lens.sum()) * KVH * D * 2 / COPY_BW * 1e6
+    return q, k, v, tables, lens.int().cuda(), floor_us
+
+
+def case(batch: int, ctx: int, splits: int):
+    q, k, v, tables, lens, floor_us = _inputs(torch.full((batch,), ctx))
     rows = []
     for block_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3)):
         try:
@@ -44,7 +55,23 @@ def case(batch: int, ctx: int, splits: int):
         print(f"  block_n={block_n:3d} warps={warps} stages={stages}: {us:8.1f} us {err}")
 
 
+def splits_case(batch: int) -> None:
+    lens = torch.randint(100, 2049, (batch,), generator=torch.Generator().manual_seed(batch))
+    q, k, v, tables, lens, floor_us = _inputs(lens)
+    chosen = choose_num_splits(batch, KVH, 4096)
+    print(f"\nbatch {batch}, contexts uniform in [100, 2048]: K/V read floor {floor_us:.1f} us; "
+          f"choose_num_splits(max_len=4096) = {chosen}")
+    for splits in (1, 2, 3, 4, 6, 8, 12, 16, 32):
+        ms = triton.testing.do_bench(lambda: decode_attention(q, k, v, tables, lens, 0.125, splits),
+                                     warmup=5, rep=30, return_mode="median")
+        print(f"  splits={splits:2d}: {ms * 1000:8.1f} us  ({floor_us / (ms * 1000):.0%} of the floor)")
+
+
 def main() -> None:
+    if "--splits" in sys.argv[1:]:
+        for batch in (1, 8, 16, 32, 64, 128, 256):
+            splits_case(batch)
+        return
     for batch, ctx in ((1, 384), (256, 384), (64, 1024)):
         case(batch, ctx, choose_num_splits(batch, KVH, ctx))
     case(1, 384, 16)

@@ -20,11 +20,11 @@ PROMPTS = [[3 + (7 * i + 5 * j) % 500 for j in range(n)] for i, n in enumerate((
 PROMPTS.append(PROMPTS[2] + [11, 12, 13, 14, 15, 16, 17, 18])
 
 
-def _tokens(monkeypatch, kernels: str, **kwargs) -> list[list[int]]:
+def _tokens(monkeypatch, kernels: str, prompts=PROMPTS, **kwargs) -> list[list[int]]:
     monkeypatch.setenv("RTX_TORCH_KERNELS", kernels)
     engine = make_engine(device="cpu", dtype="float32", block_size=8, **kwargs)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    return [r.token_ids for r in engine.generate(PROMPTS, params)]
+    return [r.token_ids for r in engine.generate(prompts, params)]
 
 
 def test_triton_path_matches_torch_path(monkeypatch):
@@ -32,6 +32,12 @@ def test_triton_path_matches_torch_path(monkeypatch):
     # while other requests decode in the same step.
     expected = _tokens(monkeypatch, "torch", max_num_batched_tokens=32)
     assert _tokens(monkeypatch, "triton", max_num_batched_tokens=32) == expected
+
+
+def test_single_stream_matches_torch_path(monkeypatch):
+    # Alone, a request decodes one row per step: its projections run through the GEMV kernel.
+    prompts = PROMPTS[3:4]
+    assert _tokens(monkeypatch, "triton", prompts) == _tokens(monkeypatch, "torch", prompts)
 
 
 def test_unknown_kernel_choice_is_refused(monkeypatch):

@@ -181,6 +181,12 @@ class LLMEngine:
         """The step's input ids on the device, with each not-yet-read token taken from the previous step's samples."""
         device = prev_token_ids.device
         ids = to_device_async(plan.batch.input_ids, device)
+        k = len(plan.pending_rows)
+        if plan.pending_rows == plan.pending_src and plan.pending_rows[-1] == k - 1:
+            # The usual decode step: the same requests in the same order as the last one, so a slice copy does,
+            # without sending index lists to the device.
+            ids[:k] = prev_token_ids[:k]
+            return ids
         rows = to_device_async(torch.tensor(plan.pending_rows, dtype=torch.long), device)
         src = to_device_async(torch.tensor(plan.pending_src, dtype=torch.long), device)
         ids[rows] = prev_token_ids[src]

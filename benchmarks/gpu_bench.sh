@@ -7,8 +7,9 @@
 #   sweep   launch shapes of the decode-attention kernel, and the GEMV kernel against cuBLAS, timed
 #   splits  the decode-attention kernel's sequence splits at W2-like contexts, timed
 #   bench   rtx bench on W3, W1, W2 (llama-1b) and W1, W8B (llama-8b), each with its baseline in the same run
-#   w3      W3 alone;  cb  continuous versus static batching on W2 at 16, 32 and 64 running at most
-# Usage: benchmarks/gpu_bench.sh [tests] [checks] [sweep] [splits] [bench] [w3] [cb] [bench8b]
+#   w1, w3  W1 or W3 alone;  cb  continuous versus static batching on W2 at 16, 32 and 64 running at most
+#   host    where the host's time goes per step (cProfile), one stream and W2
+# Usage: benchmarks/gpu_bench.sh [tests] [checks] [sweep] [splits] [bench] [w3] [cb] [host] [bench8b]
 #        (default: tests checks bench bench8b); results go to $OUT (or ./gpu-out)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,6 +41,10 @@ for step in "${steps[@]}"; do
       python3 benchmarks/gemv_sweep.py --splits 2>&1 | tee "$OUT/gemv_sweep.log" || status=1 ;;
     splits)
       python3 benchmarks/kernel_sweep.py --splits 2>&1 | tee "$OUT/splits_sweep.log" || status=1 ;;
+    host)
+      python3 benchmarks/host_profile.py 2>&1 | tee "$OUT/host_profile.log" || status=1 ;;
+    w1)
+      $RTX bench --workload W1 --baseline hf "${llama1b[@]}" --json "$OUT/W1_llama1b.json" || status=1 ;;
     w3)
       $RTX bench --workload W3 --baseline hf "${llama1b[@]}" --json "$OUT/W3_llama1b.json" || status=1 ;;
     cb)

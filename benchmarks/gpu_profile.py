@@ -1,7 +1,9 @@
 """Per-kernel GPU time of one decode step of ``dummy:llama-1b`` (bfloat16), eager, under torch.profiler.
 
 Kernel durations are the same inside a CUDA graph; what the graph removes is the launch gaps between them.
-Usage: python benchmarks/gpu_profile.py [BATCH ...]
+``mixed`` profiles instead steps of 31 decoding requests that each also carry a newcomer's 640-token prefill, the
+steps continuous batching runs whenever a request joins (run once unprofiled first, so nothing compiles inside).
+Usage: python benchmarks/gpu_profile.py [BATCH ...] [mixed]
 """
 
 from __future__ import annotations
@@ -17,7 +19,31 @@ from rtxcore.engine.llm_engine import LLMEngine
 from rtxcore.sampling_params import SamplingParams
 
 
-def main(batches: list[int]) -> None:
+def mixed(e: LLMEngine) -> None:
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    for i in range(31):
+        e.add_request([1000 + (i * 7 + j) % 5000 for j in range(800)], params)
+    for _ in range(6):
+        e.step()
+
+    def join_and_step(seed: int) -> None:
+        e.add_request([2000 + (seed * 13 + j) % 5000 for j in range(640)], SamplingParams(max_tokens=1))
+        e.step()
+        e.step()
+
+    join_and_step(0)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for seed in range(1, 6):
+            join_and_step(seed)
+        torch.cuda.synchronize()
+    for req_id in list(e.requests):
+        e.abort(req_id)
+    print("\n=== 5 x (mixed step: 31 decodes + 640 prefill tokens, then a 31-row decode step), eager ===")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=24, max_name_column_width=70))
+
+
+def main(batches: list[int], with_mixed: bool) -> None:
     e = LLMEngine(EngineConfig(model="dummy:llama-1b", device="cuda", dtype="bfloat16", enforce_eager=True,
                                max_model_len=4096,
                                scheduling=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256)))
@@ -36,7 +62,11 @@ def main(batches: list[int]) -> None:
             e.step()
         print(f"\n=== decode batch {batch}: 10 steps ===")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
+    if with_mixed:
+        mixed(e)
 
 
 if __name__ == "__main__":
-    main([int(b) for b in sys.argv[1:]] or [1, 256])
+    args = sys.argv[1:]
+    batches = [int(a) for a in args if a != "mixed"]
+    main(batches if batches or "mixed" in args else [1, 256], "mixed" in args)

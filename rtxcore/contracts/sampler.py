@@ -49,3 +49,11 @@ class Sampler(ABC):
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """:param logits: float tensor [num_rows, vocab_size] from the backend (may be modified in place).
         :returns: the chosen tokens, honouring each row's :class:`SamplingParams`."""
+
+    def target_probs(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:
+        """The distribution each row is drawn from, [num_rows, vocab_size], for samplers that truncate it further
+        than top-k / top-p / min-p (typical-p, mirostat); ``None`` (the default) means the standard one: softmax of
+        ``logits / temperature`` restricted to the top-k, top-p and min-p set and renormalized. The conformance
+        suite checks that the declared distribution is such a truncation and that draws follow it. Must not modify
+        ``logits``."""
+        return None

@@ -1,0 +1,79 @@
+"""The quantizer contract: the declared error bound holds on Gaussian weights, and a quantized tensor survives a save
+and load (safetensors for its tensors, JSON for its settings) unchanged."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from rtx_conformance.rules import require
+from rtxcore.contracts.quantizer import QuantizedTensor, Quantizer
+
+# Linear-weight shapes [out_features, in_features] a quantizer must handle: multiples of 64, as in real models.
+SHAPES = ((64, 64), (128, 256), (192, 576))
+
+
+def relative_error(quantizer: Quantizer, weight: torch.Tensor) -> float:
+    qt = quantizer.quantize(weight)
+    restored = quantizer.dequantize(qt)
+    return ((weight.float() - restored.float()).norm() / weight.float().norm()).item()
+
+
+def check_declared_bound(quantizer: Quantizer) -> None:
+    bound = quantizer.max_relative_error
+    require(isinstance(bound, float) and 0 < bound < 1, "quantizer.declares_bound",
+            f"max_relative_error is {bound!r}")
+
+
+def check_error_bound(quantizer: Quantizer, weight: torch.Tensor) -> float:
+    error = relative_error(quantizer, weight)
+    require(error <= quantizer.max_relative_error, "quantizer.error_bound",
+            f"relative error {error:.4g} on a {tuple(weight.shape)} weight (std {weight.std().item():.3g}) exceeds "
+            f"the declared {quantizer.max_relative_error}")
+    return error
+
+
+def check_shape(quantizer: Quantizer, name: str, weight: torch.Tensor) -> None:
+    qt = quantizer.quantize(weight)
+    require(qt.method == name, "quantizer.shape", f"method is {qt.method!r}, expected the registered name {name!r}")
+    require(tuple(qt.shape) == tuple(weight.shape) and qt.dtype == weight.dtype, "quantizer.shape",
+            f"recorded {tuple(qt.shape)} {qt.dtype} for a {tuple(weight.shape)} {weight.dtype} weight")
+    restored = quantizer.dequantize(qt)
+    require(tuple(restored.shape) == tuple(weight.shape) and restored.dtype == weight.dtype, "quantizer.shape",
+            f"dequantize gave {tuple(restored.shape)} {restored.dtype}, expected {tuple(weight.shape)} {weight.dtype}")
+
+
+def save_quantized(qt: QuantizedTensor, path: Path) -> None:
+    header = {"method": qt.method, "shape": list(qt.shape), "dtype": str(qt.dtype).removeprefix("torch."),
+              "meta": qt.meta}
+    tensors = {name: t.detach().cpu().contiguous() for name, t in qt.tensors.items()}
+    save_file(tensors, str(path), metadata={"rtx_quantized": json.dumps(header)})
+
+
+def load_quantized(path: Path) -> QuantizedTensor:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        header = json.loads(f.metadata()["rtx_quantized"])
+    return QuantizedTensor(method=header["method"], tensors=load_file(str(path)), shape=tuple(header["shape"]),
+                           dtype=getattr(torch, header["dtype"]), meta=header["meta"])
+
+
+def check_round_trip(quantizer: Quantizer, weight: torch.Tensor, directory: Path) -> None:
+    qt = quantizer.quantize(weight)
+    try:
+        json.dumps(qt.meta)
+    except TypeError as exc:
+        require(False, "quantizer.round_trip", f"meta is not JSON-serializable: {exc}")
+    path = directory / "weight.safetensors"
+    try:
+        save_quantized(qt, path)
+    except Exception as exc:  # what safetensors refuses (non-tensors, shared storage) is the plugin's problem
+        require(False, "quantizer.round_trip", f"its tensors cannot be saved: {type(exc).__name__}: {exc}")
+    before = quantizer.dequantize(qt)
+    after = quantizer.dequantize(load_quantized(path))
+    require(torch.equal(before, after), "quantizer.round_trip",
+            f"dequantized weight differs after save and load (max difference {(before - after).abs().max().item()})")

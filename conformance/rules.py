@@ -1,0 +1,59 @@
+"""The rules of each plugin kind's contract, by name. A broken rule fails with a message that starts with its name,
+so a plugin author sees at once which promise the plugin did not keep."""
+
+from __future__ import annotations
+
+RULES: dict[str, str] = {
+    # schedulers
+    "scheduler.token_budget": "a step never schedules more tokens than max_num_batched_tokens",
+    "scheduler.max_num_seqs": "no more than max_num_seqs requests run at once",
+    "scheduler.kv_capacity": "every scheduled request holds KV space for its computed plus scheduled tokens",
+    "scheduler.kv_protocol": "the KV-cache manager is used as documented (lookup_prefix, allocate, free)",
+    "scheduler.no_duplicates": "a request is scheduled at most once per step",
+    "scheduler.known_tokens": "a step computes at least one token and never past a request's known tokens",
+    "scheduler.no_drop": "every queued request stays accounted for (waiting or running) until it finishes",
+    "scheduler.finished_stay_out": "a finished or aborted request is never scheduled again and holds no KV space",
+    "scheduler.preemption": "a preempted request holds no KV space, restarts from 0 and is not scheduled that step",
+    "scheduler.progress": "every admitted request finishes under a finite workload (no stall, bounded steps)",
+    # eviction policies
+    "eviction.only_candidates": "evict() returns only a current candidate, never an in-use or pinned block",
+    "eviction.evicts_when_asked": "evict() returns a candidate whenever there is one, and None only when none",
+    "eviction.no_silent_eviction": "candidates leave only through evict(), remove() or forget(): len and `in` agree",
+    "eviction.bounded_metadata": "metadata stays within O(capacity) however long the policy runs",
+    # samplers
+    "sampler.output_shape": "one int64 token id per row, each within the vocabulary",
+    "sampler.greedy_argmax": "a greedy row (temperature 0) gets the argmax of its logits",
+    "sampler.allowed_set": "a sampled token is always inside the row's top-k / top-p / min-p set",
+    "sampler.seeded_reproducible": "a seeded row gives the same tokens for the same seed, whatever else is batched",
+    "sampler.logprobs": "returned log-probabilities are the raw model's log-softmax at the chosen tokens",
+    "sampler.target_is_truncation": "a declared target distribution is softmax(logits/T) on a subset of the "
+                                    "allowed set that keeps the argmax, renormalized",
+    "sampler.distribution": "draws follow the target distribution (chi-square goodness of fit)",
+    # quantizers
+    "quantizer.declares_bound": "max_relative_error is declared, positive and below 1",
+    "quantizer.error_bound": "||W - dequantize(quantize(W))|| / ||W|| <= max_relative_error on Gaussian weights",
+    "quantizer.shape": "the quantized tensor records the method name, shape and dtype; dequantize restores them",
+    "quantizer.round_trip": "save (safetensors plus JSON meta) and load give back a tensor that dequantizes "
+                            "identically",
+    # backends
+    "backend.logits_match": "logits match the reference (Hugging Face transformers, same weights) within tolerance",
+    "backend.greedy_tokens": "greedy tokens equal the reference's",
+    "backend.capabilities": "capabilities() returns BackendCapabilities without building the backend",
+}
+
+
+class ContractViolation(AssertionError):
+    """A plugin broke one rule of its kind's contract."""
+
+    def __init__(self, rule: str, detail: str):
+        if rule not in RULES:
+            raise KeyError(f"unknown conformance rule {rule!r}")
+        self.rule = rule
+        self.detail = detail
+        super().__init__(f"[{rule}] {RULES[rule]}: {detail}")
+
+
+def require(ok: bool, rule: str, detail: str) -> None:
+    """Raise :class:`ContractViolation` for ``rule`` unless ``ok``; ``detail`` says what was observed."""
+    if not ok:
+        raise ContractViolation(rule, detail)

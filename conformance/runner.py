@@ -1,0 +1,49 @@
+"""Run the suite in-process for a registry and a selection; what ``rtx plugins test`` calls."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from rtx_conformance.gates.config import load_gates
+from rtx_conformance.plugin import ConformanceSession, Selection
+from rtxcore.errors import PluginError
+from rtxcore.registry import PluginRegistry
+
+SUITE_DIR = Path(__file__).resolve().parent / "suite"
+
+
+@dataclass(slots=True)
+class SuiteRun:
+    session: ConformanceSession
+    # pytest's exit code: 0 all passed, 1 some failed, 5 nothing collected, other values an error of the run itself.
+    exit_code: int
+    # pytest's own output, for --verbose and for errors of the run itself.
+    log: str
+
+    @property
+    def passed(self) -> bool:
+        return self.exit_code == 0 and not any(r.outcome == "failed" for r in self.session.results)
+
+
+def run_suite(registry: PluginRegistry, selection: Selection, *, gates: bool = False,
+              gates_file: Path | None = None, junit_path: Path | None = None) -> SuiteRun:
+    """:raises PluginError: a selected name or kind matches nothing (a usage error, reported before running)."""
+    records = selection.records(registry)
+    if not records:
+        raise PluginError("no plugin matches the selection")
+    session = ConformanceSession(registry, records, gates, load_gates(gates_file))
+    args = [str(SUITE_DIR), "-q", "-p", "no:cacheprovider", "-c", os.devnull, "--rootdir", str(SUITE_DIR),
+            "-W", "ignore::DeprecationWarning"]
+    if junit_path is not None:
+        # xunit1 keeps each check's figures as <property> elements of its test case.
+        args += ["--junitxml", str(junit_path), "-o", "junit_family=xunit1", "-o", "junit_suite_name=rtx-conformance"]
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        exit_code = int(pytest.main(args, plugins=[session]))
+    return SuiteRun(session, exit_code, log.getvalue())

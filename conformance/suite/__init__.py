@@ -1,0 +1,1 @@
+"""The conformance suite's tests; run them through ``rtx plugins test`` or ``pytest -p rtx_conformance.plugin``."""

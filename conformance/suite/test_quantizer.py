@@ -1,0 +1,37 @@
+"""Quantizer contract: declared error bound, recorded shape, save and load round trip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rtx_conformance.checks.quantizer import (SHAPES, check_declared_bound, check_error_bound, check_round_trip,
+                                              check_shape)
+from rtx_conformance.suite.budgets import SLOW
+
+pytestmark = pytest.mark.rtx_kind("quantizer")
+
+
+def _gaussian(shape, std: float, seed: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * std
+
+
+def test_declared_bound(component):
+    check_declared_bound(component.cls())
+
+
+@SLOW
+@given(shape=st.sampled_from(SHAPES), std=st.sampled_from([0.02, 0.1, 1.0]), seed=st.integers(0, 2**16))
+def test_error_bound(component, shape, std, seed):
+    check_error_bound(component.cls(), _gaussian(shape, std, seed))
+
+
+@pytest.mark.parametrize("shape", SHAPES[:2])
+def test_shape(component, shape):
+    check_shape(component.cls(), component.name, _gaussian(shape, 0.02, 0))
+
+
+def test_round_trip(component, tmp_path):
+    check_round_trip(component.cls(), _gaussian(SHAPES[1], 0.02, 1), tmp_path)

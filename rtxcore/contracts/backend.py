@@ -87,6 +87,19 @@ class ForwardBatch:
         return self.query_start_loc[-1]
 
 
+# KV cache size on the CPU when none is configured: room for a few thousand tokens of a small model.
+DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+
+
+def default_kv_cache_bytes(device: torch.device, cuda_fraction: float) -> int:
+    """What a backend can give its KV cache when no size is configured: ``cuda_fraction`` of the GPU's free memory
+    (the rest is the runtime's, for activations and workspace), or a fixed size on the CPU."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * cuda_fraction)
+    return DEFAULT_CPU_KV_CACHE_BYTES
+
+
 class ExecutionBackend(ABC):
     """Loads a model and runs forward passes; one instance per engine."""
 

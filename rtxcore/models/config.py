@@ -49,6 +49,10 @@ class ModelConfig:
             raise ModelLoadError(
                 f"model config: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
 
+    def kv_cache_bytes_per_token(self, itemsize: int) -> int:
+        """Bytes of K and V that one token takes across all layers, at ``itemsize`` bytes per element."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
     @property
     def num_params(self) -> int:
         d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size

@@ -7,7 +7,13 @@ import os
 
 import torch
 
-from rtxcore.contracts.backend import BackendCapabilities, BackendOptions, ExecutionBackend, ForwardBatch
+from rtxcore.contracts.backend import (
+    BackendCapabilities,
+    BackendOptions,
+    ExecutionBackend,
+    ForwardBatch,
+    default_kv_cache_bytes,
+)
 from rtxcore.errors import ConfigError, ModelLoadError
 from rtxcore.models.config import ModelConfig
 from rtxcore.models.source import ModelSource
@@ -20,8 +26,7 @@ from rtx_plugins.backends.torch_backend.ops import torch_ops, triton_ops
 from rtxcore.transfer import to_device_async
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# KV cache size on the CPU when none is configured: enough for the CPU workloads, small next to 24 GiB.
-_CPU_KV_BYTES = 2 << 30
+# Share of the GPU's free memory (after the weights) the KV cache takes when no size is configured.
 _CUDA_KV_FRACTION = 0.85
 
 
@@ -103,14 +108,10 @@ class TorchBackend(ExecutionBackend):
         self.model = model.eval()
 
     def kv_cache_bytes_per_token(self) -> int:
-        cfg = self.model_config
-        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        return self.model_config.kv_cache_bytes_per_token(self.dtype.itemsize)
 
     def available_kv_cache_bytes(self) -> int:
-        if self._device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self._device)
-            return int(free * _CUDA_KV_FRACTION)
-        return _CPU_KV_BYTES
+        return default_kv_cache_bytes(self._device, _CUDA_KV_FRACTION)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         cfg = self.model_config

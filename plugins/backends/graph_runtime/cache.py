@@ -1,0 +1,103 @@
+"""Where exported graphs (and engines built from them) live on disk, and the key that names them.
+
+The key covers everything that changes the file: the weights (their bytes), the model's shape, the export settings
+and the exporter's version. A changed key means a new file; an unchanged one means the file is reused as is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from rtxcore.models.config import ModelConfig
+from rtxcore.models.source import ModelSource
+
+CACHE_DIR_ENV = "RTX_GRAPH_CACHE"
+_CHUNK = 8 << 20
+
+
+def default_cache_dir() -> Path:
+    """``$RTX_GRAPH_CACHE``, else ``$XDG_CACHE_HOME/rtx-serve/graphs`` (``~/.cache/rtx-serve/graphs``)."""
+    if os.environ.get(CACHE_DIR_ENV):
+        return Path(os.environ[CACHE_DIR_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "rtx-serve" / "graphs"
+
+
+def weights_fingerprint(source: ModelSource) -> str:
+    """blake2b of the checkpoint's bytes: its files when it has any, else the tensors it yields (random weights)."""
+    h = hashlib.blake2b(digest_size=20)
+    if source.path:
+        for path in _checkpoint_files(Path(source.path)):
+            h.update(path.name.encode() + b"\0")
+            with open(path, "rb") as fh:
+                while chunk := fh.read(_CHUNK):
+                    h.update(chunk)
+    else:
+        for name, tensor in source.weights():
+            h.update(name.encode() + b"\0")
+            h.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _checkpoint_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    return sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors", ".gguf"))
+
+
+@dataclass(frozen=True, slots=True)
+class CacheKey:
+    # What the cached file is ("onnx", "tensorrt"): one key never names two kinds of file.
+    kind: str
+    weights: str
+    model: dict
+    settings: dict
+
+    @property
+    def digest(self) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:24]
+
+
+def model_fingerprint(config: ModelConfig) -> dict:
+    return json.loads(json.dumps(asdict(config), default=str))
+
+
+class GraphCache:
+    """A directory of ``<kind>-<digest>/`` entries, each written to a temporary directory and renamed into place,
+    so a reader never sees half a file and two processes building the same entry do not corrupt each other."""
+
+    def __init__(self, root: Path | None = None):
+        self.root = root or default_cache_dir()
+
+    def entry(self, key: CacheKey) -> Path:
+        return self.root / f"{key.kind}-{key.digest}"
+
+    def lookup(self, key: CacheKey, filename: str) -> Path | None:
+        path = self.entry(key) / filename
+        return path if path.is_file() else None
+
+    def store(self, key: CacheKey, filename: str, build: Callable[[Path], None]) -> Path:
+        """Run ``build(path)`` to write ``filename`` into a fresh entry, record the key beside it, publish it."""
+        final = self.entry(key)
+        self.root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=self.root, prefix=".building-") as tmp:
+            build(Path(tmp) / filename)
+            (Path(tmp) / "key.json").write_text(json.dumps(asdict(key), indent=2, sort_keys=True, default=str))
+            os.chmod(tmp, 0o755)  # temporary directories are private; a cache entry is as readable as its root
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                if not (final / filename).is_file():  # not a concurrent builder of the same entry: a real failure
+                    raise
+            else:
+                os.mkdir(tmp)  # TemporaryDirectory removes its path on exit; give it an empty one
+        return final / filename

@@ -1,0 +1,126 @@
+"""The part of a graph-runtime backend that does not depend on the runtime: the flat KV cache, the export, and the
+step loop that feeds the dense graph from the engine's paged cache and writes the new K/V back into their slots."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from rtxcore.contracts.backend import (
+    BackendCapabilities,
+    BackendOptions,
+    ExecutionBackend,
+    ForwardBatch,
+    default_kv_cache_bytes,
+)
+from rtxcore.errors import ConfigError
+from rtxcore.models.config import ModelConfig
+from rtxcore.models.source import ModelSource
+from rtx_plugins.backends.graph_runtime.cache import GraphCache
+from rtx_plugins.backends.graph_runtime.dense_step import plan_calls
+from rtx_plugins.backends.graph_runtime.exporter import ExportedGraph, ExportSettings, exported_graph
+from rtx_plugins.backends.torch_backend.cpu_tuning import tune_allocator
+
+# Precisions the exported graph's inputs and outputs (and so the KV cache) can have.
+DTYPES = {"float32": torch.float32, "float16": torch.float16}
+NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16}
+# Share of the GPU's free memory the KV cache takes when no size is configured: less than the torch backend's, to
+# leave the runtime room for its own activations and workspace.
+_CUDA_KV_FRACTION = 0.5
+
+
+@dataclass(slots=True)
+class GraphOutputs:
+    logits: np.ndarray
+    present_keys: np.ndarray
+    present_values: np.ndarray
+
+
+def check_options(name: str, caps: BackendCapabilities, device: str, options: BackendOptions) -> str:
+    """The dtype to run, after refusing what ``caps`` rules out (a ConfigError naming what would work)."""
+    dtype = options.dtype if options.dtype != "auto" else ("float16" if device == "cuda" else "float32")
+    if dtype not in caps.dtypes:
+        raise ConfigError(f"backend {name!r} cannot run dtype {dtype!r} here (it accepts: {', '.join(caps.dtypes)})")
+    if caps.max_batch_size is not None and options.max_batch_size > caps.max_batch_size:
+        raise ConfigError(f"backend {name!r} runs at most {caps.max_batch_size} requests per step; "
+                          f"max_num_seqs is {options.max_batch_size}")
+    return dtype
+
+
+class DenseGraphBackend(ExecutionBackend):
+    """Subclasses open the exported graph in their runtime (``_open``) and run one call of it (``_run``)."""
+
+    def __init__(self, options: BackendOptions, device: str, dtype: str, cache: GraphCache | None = None):
+        super().__init__(options)
+        self._device = torch.device(device)
+        if self._device.type == "cpu":
+            tune_allocator()  # logits and new K/V come back in fresh buffers every call: reuse their pages
+        self.dtype = DTYPES[dtype]
+        self._dtype_name = dtype
+        self.graph_cache = cache or GraphCache()
+        # The export this backend runs; its cache_hit and export_s say what this start cost.
+        self.graph: ExportedGraph | None = None
+        self._config: ModelConfig | None = None
+        self.key_cache = self.value_cache = torch.empty(0)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def model_config(self) -> ModelConfig:
+        if self._config is None:
+            raise RuntimeError("no model loaded")
+        return self._config
+
+    def load(self, source: ModelSource, progress: Callable[[int, int], None] | None = None) -> None:
+        self._config = source.config
+        self.graph = exported_graph(source, ExportSettings(self._dtype_name), self.graph_cache, progress)
+        self._open(self.graph)
+
+    def kv_cache_bytes_per_token(self) -> int:
+        return self.model_config.kv_cache_bytes_per_token(self.dtype.itemsize)
+
+    def available_kv_cache_bytes(self) -> int:
+        return default_kv_cache_bytes(self._device, _CUDA_KV_FRACTION)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        cfg = self.model_config
+        # As the graph gathers it: row layer * num_slots + slot, where slot = block_id * block_size + offset.
+        shape = (cfg.num_layers * num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.key_cache = torch.zeros(shape, dtype=self.dtype, device=self._device)
+        self.value_cache = torch.zeros(shape, dtype=self.dtype, device=self._device)
+
+    @torch.inference_mode()
+    def execute(self, batch: ForwardBatch) -> torch.Tensor:
+        logits = torch.empty(len(batch.logits_indices), self.model_config.vocab_size)
+        for call in plan_calls(batch, NUMPY_DTYPES[self.dtype]):
+            out = self._run(call.feeds, self.key_cache, self.value_cache)
+            if batch.write_kv:
+                slots = batch.slot_mapping[call.first_token:call.end_token].to(self._device)
+                self._write(self.key_cache, out.present_keys, call.token_rows, slots)
+                self._write(self.value_cache, out.present_values, call.token_rows, slots)
+            n = len(call.logits_positions)
+            if n:
+                logits[call.logits_positions] = torch.from_numpy(out.logits[:n])
+        return logits.to(self._device)
+
+    def _write(self, cache: torch.Tensor, present: np.ndarray, token_rows: torch.Tensor, slots: torch.Tensor) -> None:
+        layers, b, t = present.shape[:3]
+        new = torch.from_numpy(present).reshape(layers, b * t, -1).index_select(1, token_rows)
+        # One flat copy along dim 0: index_copy_ along the middle dim of [L, S, ...] is some 30x slower on the CPU.
+        slots_per_layer = cache.shape[0] // layers
+        rows = (slots[None, :] + torch.arange(layers, device=slots.device)[:, None] * slots_per_layer).reshape(-1)
+        cache.view(cache.shape[0], -1).index_copy_(0, rows, new.reshape(-1, new.shape[-1]).to(cache.device, cache.dtype))
+
+    @abstractmethod
+    def _open(self, graph: ExportedGraph) -> None:
+        """Prepare the runtime for the exported graph."""
+
+    @abstractmethod
+    def _run(self, feeds: dict[str, np.ndarray], key_cache: torch.Tensor, value_cache: torch.Tensor) -> GraphOutputs:
+        """Run one call of the graph: ``feeds`` are its inputs other than the cache."""

@@ -4,6 +4,8 @@ shows gate figures; bad input is one line and exit code 2."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -74,3 +76,11 @@ def test_gates_show_figures_and_junit_parses(tmp_path):
 ])
 def test_bad_input_one_line_exit_2(args, fragment):
     assert_one_line_error(rtx(*args), fragment)
+
+
+def test_missing_test_dependencies_are_one_line_exit_2():
+    # As on an install without the conformance extra: hypothesis cannot be imported.
+    code = ("import sys; sys.modules['hypothesis'] = None; from rtxcore.cli.main import main; "
+            "sys.exit(main(['plugins', 'test', 'lru']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert_one_line_error(proc, "pip install 'rtx-serve[conformance]'")

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
 
+from rtxcore.errors import ConfigError
 from rtxcore.registry import KINDS, load_plugins
 
 REPORT_FILES = {"json": "rtx-conformance.json", "junit": "rtx-conformance.xml"}
@@ -26,7 +28,10 @@ def add_test_parser(psub) -> None:
 
 
 def run_test(args: argparse.Namespace) -> int:
-    # Imported here: the suite pulls in pytest and hypothesis, which only this command needs.
+    # The suite runs under pytest and hypothesis, which only this command needs (the `conformance` extra).
+    missing = [name for name in ("pytest", "hypothesis") if not _importable(name)]
+    if missing:
+        raise ConfigError(f"rtx plugins test needs {' and '.join(missing)}: pip install 'rtx-serve[conformance]'")
     from rtx_conformance.plugin import Selection
     from rtx_conformance.report import render_table, summarize, to_json
     from rtx_conformance.runner import run_suite
@@ -50,3 +55,11 @@ def run_test(args: argparse.Namespace) -> int:
         sys.stderr.write(f"rtx: error: the conformance run itself failed (pytest exit code {run.exit_code})\n")
         return 1
     return 0 if passed else 1
+
+
+def _importable(name: str) -> bool:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return False
+    return True

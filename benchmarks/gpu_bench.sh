@@ -6,10 +6,14 @@
 #   checks  greedy GPU == CPU on the default model's shape, and where a decode step's time goes
 #   sweep   launch shapes of the decode-attention kernel, and the GEMV kernel against cuBLAS, timed
 #   splits  the decode-attention kernel's sequence splits at W2-like contexts, timed
+#   layers  the decode-attention kernel's launch shapes at W2-like contexts, 16 layers' caches in one CUDA graph
+#   mixed   where a continuous-batching step with a newcomer's prefill goes (ops, prefill-attention shapes, engine
+#           steps, and how busy the GPU is during W2 at 64 running)
 #   bench   rtx bench on W3, W1, W2 (llama-1b) and W1, W8B (llama-8b), each with its baseline in the same run
 #   w1, w3  W1 or W3 alone;  cb  continuous versus static batching on W2 at 16, 32 and 64 running at most
 #   host    where the host's time goes per step (cProfile), one stream and W2
-# Usage: benchmarks/gpu_bench.sh [tests] [checks] [sweep] [splits] [bench] [w3] [cb] [host] [bench8b]
+# Usage: benchmarks/gpu_bench.sh [tests] [checks] [sweep] [splits] [layers] [mixed] [bench] [w1] [w3] [cb] [host]
+#        [bench8b]
 #        (default: tests checks bench bench8b); results go to $OUT (or ./gpu-out)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,6 +45,10 @@ for step in "${steps[@]}"; do
       python3 benchmarks/gemv_sweep.py --splits 2>&1 | tee "$OUT/gemv_sweep.log" || status=1 ;;
     splits)
       python3 benchmarks/kernel_sweep.py --splits 2>&1 | tee "$OUT/splits_sweep.log" || status=1 ;;
+    layers)
+      python3 benchmarks/kernel_sweep.py --layers 2>&1 | tee "$OUT/layers_sweep.log" || status=1 ;;
+    mixed)
+      python3 benchmarks/gpu_mixed.py ops prefill steps busy 2>&1 | tee "$OUT/mixed.log" || status=1 ;;
     host)
       python3 benchmarks/host_profile.py 2>&1 | tee "$OUT/host_profile.log" || status=1 ;;
     w1)

@@ -6,7 +6,8 @@
 2. Where a decode step's time goes on ``dummy:llama-1b`` (bfloat16): one graph replay timed with CUDA events, against
    the whole engine step timed on the host, at batch 1 and 256; at batch 1 for each RTX_TORCH_GEMV choice.
 3. What continuous batching's steps cost on W2 (``dummy:llama-1b``, 32 running at most), steps run synchronously
-   and timed one by one: decode-only steps (CUDA graphs) against steps that carry a newcomer's prefill (eager).
+   and timed one by one: decode-only steps (decode CUDA graphs) against steps that carry a newcomer's prefill
+   (piecewise CUDA graphs around eager attention).
 Usage: python benchmarks/gpu_checks.py OUT.json [mixed]   (mixed: only the third)
 """
 

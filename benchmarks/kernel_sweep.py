@@ -5,7 +5,10 @@ With ``--splits``, times instead each number of sequence splits at W2-like conte
 [100, 2048], as when requests of W2 decode together) for several batch sizes, beside the split count
 :func:`choose_num_splits` picks for them.
 
-Usage: python benchmarks/kernel_sweep.py [--splits]
+With ``--layers``, times launch shapes at W2-like contexts as a decode step runs
+them: 16 layers' calls, each on its own cache, replayed from one CUDA graph.
+
+Usage: python benchmarks/kernel_sweep.py [--splits | --layers]
 """
 
 from __future__ import annotations
@@ -67,7 +70,52 @@ def splits_case(batch: int) -> None:
         print(f"  splits={splits:2d}: {ms * 1000:8.1f} us  ({floor_us / (ms * 1000):.0%} of the floor)")
 
 
+def layers_case(batch: int, num_layers: int = 16) -> None:
+    """Launch shapes timed the way a decode step runs them: one call per layer, each on its own cache, captured in
+    one CUDA graph, so K/V come from HBM (a single cache of W2's contexts fits in the 50 MB L2 and reads too fast)."""
+    lens = torch.randint(100, 2049, (batch,), generator=torch.Generator().manual_seed(batch))
+    layers = [_inputs(lens) for _ in range(num_layers)]
+    floor_us = layers[0][5]
+    chosen = choose_num_splits(batch, KVH, 4096)
+    rows = []
+    for splits, block_n, warps, stages in itertools.product(
+            sorted({max(1, chosen // 2), chosen, chosen * 2}), (32, 64, 128), (2, 4, 8), (1, 3)):
+        shape = dict(block_n=block_n, num_warps=warps, num_stages=stages)
+
+        def step():
+            for q, k, v, tables, seq_lens, _ in layers:
+                decode_attention(q, k, v, tables, seq_lens, 0.125, splits, **shape)
+
+        try:
+            step()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+        except Exception as exc:  # a shape the compiler refuses (e.g. too much shared memory)
+            print(f"  {splits=} {shape}: {type(exc).__name__}")
+            continue
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        rows.append((start.elapsed_time(end) / 20 / num_layers * 1000, splits, shape))
+    rows.sort(key=lambda r: r[0])
+    print(f"\nbatch {batch}, contexts uniform in [100, 2048], {num_layers} layers in one graph: floor {floor_us:.1f} us "
+          f"per layer; choose_num_splits = {chosen}")
+    default = [r for r in rows if r[1] == chosen and r[2] == dict(block_n=64 if chosen > 1 else 128, num_warps=4,
+                                                                   num_stages=3)]
+    for us, splits, shape in rows[:8] + default:
+        print(f"  {us:7.1f} us per layer  splits={splits} {shape}")
+
+
 def main() -> None:
+    if "--layers" in sys.argv[1:]:
+        for batch in (32, 64, 128):
+            layers_case(batch)
+        return
     if "--splits" in sys.argv[1:]:
         for batch in (1, 8, 16, 32, 64, 128, 256):
             splits_case(batch)

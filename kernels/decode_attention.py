@@ -27,8 +27,13 @@ import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
-# Keys per inner-loop tile, gathered through the block table; independent of the cache's block size. Untuned.
+# Keys per inner-loop tile, gathered through the block table; independent of the cache's block size. Unsplit
+# programs walk whole contexts and do better with the larger tile (benchmarks/kernel_sweep.py --layers, H200,
+# 2026-11-29, llama-1b heads, W2 contexts, 16 layers' caches in one graph: 64 requests 50.0 us per layer unsplit
+# with 128 against 53.4 in 2 splits with 64; 128 requests 87.2 against 93.6 unsplit with 64); split programs
+# (32 requests: 27.4 us in 4 splits) gained nothing from it.
 _BLOCK_N = 64
+_BLOCK_N_UNSPLIT = 128
 # Splits shorter than this many tokens cost more in the merge than they gain in parallelism.
 _MIN_TOKENS_PER_SPLIT = 256
 _MAX_SPLITS = 32
@@ -57,11 +62,13 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, max_seq_len_hint: int,
     One program per SM is not enough: contexts differ in length, and the longest request's programs then run
     alone at the end. Measured on the H200 (benchmarks/kernel_sweep.py --splits, 2026-11-29, llama-1b heads,
     contexts uniform in [100, 2048]): 32 requests took 54 us unsplit and 36 us in 4 splits; 64 requests 69 and
-    64 us in 2; from 128 requests splitting gained little. A power of two, at most one split per 256 tokens.
+    64 us in 2; from 128 requests splitting gained little. From two programs per SM on, no split (see _BLOCK_N).
+    A power of two, at most one split per 256 tokens.
     """
     programs = batch_size * num_kv_heads
     target = _PROGRAMS_PER_SM * num_sms
-    if programs >= target:
+    # From two programs per SM on, one split with the larger tile beat two splits (64 requests: see _BLOCK_N).
+    if 2 * programs >= target:
         return 1
     by_occupancy = triton.next_power_of_2(triton.cdiv(target, programs))
     by_length = max(1, max_seq_len_hint // _MIN_TOKENS_PER_SPLIT)
@@ -175,7 +182,7 @@ def decode_attention(
     num_splits: int,
     out: torch.Tensor | None = None,
     workspace: DecodeWorkspace | None = None,
-    block_n: int = _BLOCK_N,
+    block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
 ) -> torch.Tensor:
@@ -184,8 +191,8 @@ def decode_attention(
     :param num_splits: sequence splits per request (a host int, so the launch is graph-capturable); see
         :func:`choose_num_splits`.
     :param workspace: scratch for ``num_splits > 1``; allocated here when omitted.
-    :param block_n, num_warps, num_stages: stage 1's tile of keys and launch shape (benchmarks/kernel_sweep.py
-        times the alternatives).
+    :param block_n, num_warps, num_stages: stage 1's tile of keys (None: by the split count) and launch shape
+        (benchmarks/kernel_sweep.py times the alternatives).
     """
     batch, num_heads, head_size = q.shape
     num_kv_heads, _, block_size, _ = k_cache.shape
@@ -203,6 +210,8 @@ def decode_attention(
         out = torch.empty_like(q)
     group = num_heads // num_kv_heads
     direct = num_splits == 1
+    if block_n is None:
+        block_n = _BLOCK_N_UNSPLIT if direct else _BLOCK_N
     if direct:
         partial, lse = out, out  # lse is unused on the direct path
         partial_strides = (out.stride(0), out.stride(1), 0)

@@ -105,10 +105,16 @@ def prefill_attention(
     scale: float,
     max_query_len: int,
     out: torch.Tensor | None = None,
+    block_rows: int = _BLOCK_ROWS,
+    block_n: int = _BLOCK_N,
+    num_warps: int = 4,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     """Causal attention of each request's chunk over its whole paged context; returns ``out`` ``[T, H, D]``.
 
     :param max_query_len: the longest chunk (a host int; it sizes the grid).
+    :param block_rows, block_n, num_warps, num_stages: the launch shape (benchmarks/gpu_mixed.py times the
+        alternatives).
     """
     num_tokens, num_heads, head_size = q.shape
     num_kv_heads, _, block_size, _ = k_cache.shape
@@ -127,7 +133,7 @@ def prefill_attention(
         return out
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    block_q = max(1, _BLOCK_ROWS // group_pad)
+    block_q = max(1, block_rows // group_pad)
     grid = (num_reqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
@@ -138,7 +144,8 @@ def prefill_attention(
         out.stride(0), out.stride(1),
         block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_SIZE=head_size,
-        BLOCK_SIZE=block_size, BLOCK_N=_BLOCK_N,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -85,7 +85,7 @@ def test_decode_attention_reuses_a_larger_workspace():
 
 
 @pytest.mark.parametrize("batch, kv_heads, hint, expected", [
-    (1, 8, 4096, 16), (1, 8, 300, 1), (4, 8, 2048, 8), (32, 8, 4096, 4), (64, 8, 4096, 2), (128, 8, 4096, 1),
+    (1, 8, 4096, 16), (1, 8, 300, 1), (4, 8, 2048, 8), (32, 8, 4096, 4), (64, 8, 4096, 1), (128, 8, 4096, 1),
     (256, 8, 128, 1), (1, 1, 1 << 20, 32)])
 def test_choose_num_splits(batch, kv_heads, hint, expected):
     assert choose_num_splits(batch, kv_heads, hint) == expected

@@ -34,6 +34,24 @@ def test_triton_path_matches_torch_path(monkeypatch):
     assert _tokens(monkeypatch, "triton", max_num_batched_tokens=32) == expected
 
 
+def test_piecewise_segments_match_torch_path(monkeypatch):
+    # Steps with prefill tokens run through the piecewise-graph segments (uncaptured here), padded to a ladder of
+    # token counts: the padding rows must not disturb the cache or the real rows.
+    from rtx_plugins.backends.torch_backend.piecewise_graphs import PiecewiseGraphs
+
+    expected = _tokens(monkeypatch, "torch", max_num_batched_tokens=32)
+    monkeypatch.setenv("RTX_TORCH_KERNELS", "triton")
+    engine = make_engine(device="cpu", dtype="float32", block_size=8, max_num_batched_tokens=32)
+    backend = engine.backend
+    backend._mixed = PiecewiseGraphs(backend.model, backend.kv_caches, backend.device, sizes=[4, 16, 40])
+    calls = []
+    hidden_states = backend._mixed.hidden_states
+    backend._mixed.hidden_states = lambda batch, meta: calls.append(batch.num_tokens) or hidden_states(batch, meta)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert [r.token_ids for r in engine.generate(PROMPTS, params)] == expected
+    assert calls and any(n not in (4, 16, 40) for n in calls)
+
+
 def test_single_stream_matches_torch_path(monkeypatch):
     # Alone, a request decodes one row per step: its projections run through the GEMV kernel.
     prompts = PROMPTS[3:4]

@@ -62,11 +62,14 @@ class TorchBackend(ExecutionBackend):
         self._triton = kernels == "triton" or (
             kernels == "auto" and self._device.type == "cuda" and importlib.util.find_spec("triton") is not None)
         self._graphs = None
+        # Piecewise graphs for steps that carry prefill tokens (everything but attention captured).
+        self._mixed = None
         if self._triton:
             # Imported only here: CPU installs need not have Triton.
-            from rtx_plugins.backends.torch_backend import cuda_graphs, triton_attention
+            from rtx_plugins.backends.torch_backend import cuda_graphs, piecewise_graphs, triton_attention
             self._gpu_attention = triton_attention
             self._graph_module = cuda_graphs
+            self._piecewise_module = piecewise_graphs
         if self._device.type == "cpu":
             tune_allocator()
             if self.dtype == torch.float32 and not self._triton:
@@ -126,18 +129,25 @@ class TorchBackend(ExecutionBackend):
             max_len = min(cfg.max_position, self.options.max_model_len or cfg.max_position)
             self._graphs = self._graph_module.DecodeGraphs(
                 self._decode_logits, self.options.max_batch_size, max_len, block_size, cfg.num_kv_heads, self._device)
+            self._mixed = self._piecewise_module.PiecewiseGraphs(self.model, self.kv_caches, self._device)
             with torch.inference_mode():
                 self._graphs.capture()
+                self._mixed.capture()
 
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
         if self._graphs is not None and self._graphs.can_run(batch):
             return self._graphs.run(batch)
         if self._triton:
-            gpu = self._gpu_attention
-            meta = gpu.TritonAttentionMetadata.from_batch(batch, self._device, self.model_config.num_kv_heads)
-            hidden = self.model.hidden_states(self._to_device(batch.input_ids), self._to_device(batch.positions),
-                                              self.kv_caches, meta, gpu.triton_paged_attention)
+            gpu, cfg = self._gpu_attention, self.model_config
+            meta = gpu.TritonAttentionMetadata.from_batch(batch, self._device, cfg.num_kv_heads, cfg.num_heads,
+                                                          cfg.head_dim)
+            if self._mixed is not None and self._mixed.can_run(batch):
+                hidden = self._mixed.hidden_states(batch, meta)
+            else:
+                hidden = self.model.hidden_states(self._to_device(batch.input_ids),
+                                                  self._to_device(batch.positions), self.kv_caches, meta,
+                                                  gpu.triton_paged_attention)
         else:
             hidden = self._torch_hidden_states(batch)
         return self.model.compute_logits(hidden[self._to_device(batch.logits_indices)]).float()

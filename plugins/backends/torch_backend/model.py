@@ -36,16 +36,21 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: object, attention: AttentionFn) -> torch.Tensor:
-        n = x.shape[0]
-        qkv = self.qkv_proj(x)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project_qkv(x)
         # Rotary embedding is the attention function's job: a fused kernel can rotate and store K/V in one pass.
-        out = attention(q, k, v, positions, self.rotary, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(n, q_size))
+        return self.project_out(attention(q, k, v, positions, self.rotary, kv_cache, meta, self.scale))
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [n, heads, d], k and v [n, kv_heads, d]: views into one packed projection, before rotary embedding."""
+        n = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        return (q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim),
+                v.reshape(n, self.num_kv_heads, self.head_dim))
+
+    def project_out(self, attn_out: torch.Tensor) -> torch.Tensor:
+        """[n, heads, d] -> [n, hidden]."""
+        return self.o_proj(attn_out.reshape(attn_out.shape[0], self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -70,6 +75,18 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, positions, kv_cache, meta, attention):
         h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, positions, kv_cache, meta, attention)
+        return self.after_attention(h, residual)
+
+    # The layer in two halves around attention, for runners that launch attention on its own (piecewise CUDA
+    # graphs): forward == after_attention(o_proj(attention(before_attention(x))))
+
+    def before_attention(self, x: torch.Tensor, residual: torch.Tensor | None):
+        """(q, k, v, residual): the input norm and the qkv projection, before rotary embedding."""
+        h, residual = self.input_layernorm(x, residual)
+        return (*self.self_attn.project_qkv(h), residual)
+
+    def after_attention(self, h: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``h``: the attention block's output after o_proj; returns (MLP output, residual)."""
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from rtxcore.contracts.backend import ForwardBatch
-from rtx_kernels.decode_attention import choose_num_splits, decode_attention
+from rtx_kernels.decode_attention import DecodeWorkspace, choose_num_splits, decode_attention
 from rtx_kernels.prefill_attention import prefill_attention
 from rtx_kernels.rotary import apply_rotary
 from rtx_plugins.backends.torch_backend.layers import RotaryEmbedding
@@ -34,9 +34,14 @@ class TritonAttentionMetadata:
     prefill_seq_lens: torch.Tensor | None = None
     prefill_block_tables: torch.Tensor | None = None
     max_query_len: int = 0
+    # Split-K scratch shared by every layer's decode attention in an eager step (None: each call allocates its own,
+    # as inside a captured graph, whose pool must own it).
+    decode_workspace: DecodeWorkspace | None = None
 
     @classmethod
-    def from_batch(cls, batch: ForwardBatch, device: torch.device, num_kv_heads: int) -> "TritonAttentionMetadata":
+    def from_batch(cls, batch: ForwardBatch, device: torch.device, num_kv_heads: int, num_heads: int = 0,
+                   head_size: int = 0) -> "TritonAttentionMetadata":
+        """:param num_heads, head_size: when given, the step's split-K scratch is allocated once here."""
         nd = batch.num_decodes
         tables = _to(batch.block_tables, device, torch.int32)
         seq_lens = _to(torch.tensor(batch.seq_lens, dtype=torch.int32), device)
@@ -47,6 +52,8 @@ class TritonAttentionMetadata:
             decode_seq_lens=seq_lens[:nd],
             num_splits=choose_num_splits(nd, num_kv_heads, max(batch.seq_lens[:nd])) if nd else 1,
         )
+        if meta.num_splits > 1 and num_heads:
+            meta.decode_workspace = DecodeWorkspace.allocate(nd, num_heads, meta.num_splits, head_size, device)
         if batch.num_reqs > nd:
             qsl = batch.query_start_loc
             first = qsl[nd]
@@ -74,14 +81,29 @@ def triton_paged_attention(
 ) -> torch.Tensor:
     """q: [tokens, heads, d]; k, v: [tokens, kv_heads, d] before rotary embedding (views into the packed QKV
     projection); caches: [kv_heads, num_blocks, block_size, d]."""
+    rotate_and_store(q, k, v, positions, rotary, kv_cache, meta.slot_mapping)
+    return attend(q, kv_cache, meta, scale)
+
+
+def rotate_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                     rotary: RotaryEmbedding, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                     slot_mapping: torch.Tensor) -> None:
+    """Rotate q and k in place and store the new K/V in their slots, in one kernel. Its grid is the token count
+    alone, so piecewise CUDA graphs capture it with the projections around it."""
+    apply_rotary(q, k, positions, rotary.cos, rotary.sin, v, kv_cache[0], kv_cache[1], slot_mapping)
+
+
+def attend(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: TritonAttentionMetadata,
+           scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of the step's rotated queries ``q`` [tokens, heads, d] over the cache, whose slots already hold
+    this step's K/V; writes ``out`` (allocated when None) and returns it."""
     k_cache, v_cache = kv_cache
-    # One kernel rotates q and k in place and stores the new K/V in their slots.
-    apply_rotary(q, k, positions, rotary.cos, rotary.sin, v, k_cache, v_cache, meta.slot_mapping)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     nd = meta.num_decodes
     if nd:
         decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
-                         meta.num_splits, out=out[:nd])
+                         meta.num_splits, out=out[:nd], workspace=meta.decode_workspace)
     if meta.num_prefills:
         prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_query_start_loc, meta.prefill_seq_lens,
                           meta.prefill_block_tables, scale, meta.max_query_len, out=out[nd:])

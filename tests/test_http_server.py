@@ -513,3 +513,14 @@ def test_an_unexpected_error_is_a_json_500_and_the_app_keeps_serving(caplog):
         assert "unhandled error in GET /metrics (request_id=r1)" in caplog.text
         assert c.get("/health").status_code == 200
         assert_error(c.post("/v1/completions", json={"prompt": "hi"}), 503)  # not loaded: nobody called load()
+
+
+def test_sse_events_stay_one_line_for_every_line_splitter():
+    import json
+
+    from rtxcore.server.http.sse import sse_data
+
+    text = "a\nb\rc\x0bd\x0ce\x1cf\x1dg\x1eh\x85i\u2028j\u2029k"
+    event = sse_data({"text": text}).decode()
+    assert event.endswith("\n\n") and len(event[:-2].splitlines()) == 1
+    assert json.loads(event[len("data: "):-2]) == {"text": text}

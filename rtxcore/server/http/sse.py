@@ -20,9 +20,16 @@ log = logging.getLogger("rtx.http")
 DONE = b"data: [DONE]\n\n"
 
 
+# Line breaks to str.splitlines() (and so to httpx's aiter_lines) that JSON leaves raw: generated text can hold them,
+# and a client splitting lines that way would get half an event.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse_data(payload: Any) -> bytes:
-    """One ``data:`` event; JSON never contains a raw newline, so it cannot break the framing."""
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    """One ``data:`` event on one line for every line splitter: JSON escapes newlines and control characters, and
+    the Unicode line separators it leaves raw are escaped here."""
+    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
+    return b"data: " + text.encode() + b"\n\n"
 
 
 class EventStreamResponse:

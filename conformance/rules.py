@@ -14,7 +14,10 @@ RULES: dict[str, str] = {
     "scheduler.no_drop": "every queued request stays accounted for (waiting or running) until it finishes",
     "scheduler.finished_stay_out": "a finished or aborted request is never scheduled again and holds no KV space",
     "scheduler.preemption": "a preempted request holds no KV space, restarts from 0 and is not scheduled that step",
-    "scheduler.progress": "every admitted request finishes under a finite workload (no stall, bounded steps)",
+    "scheduler.progress": "every admitted request finishes under a finite workload (no stall, bounded steps, merge "
+                          "windows of at most a second in a row)",
+    "scheduler.admission": "a refused request comes with a reason and a positive retry-after, holds no KV space and "
+                           "is never scheduled",
     # eviction policies
     "eviction.only_candidates": "evict() returns only a current candidate, never an in-use or pinned block",
     "eviction.evicts_when_asked": "evict() returns a candidate whenever there is one, and None only when none",

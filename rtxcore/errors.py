@@ -30,3 +30,16 @@ class PluginError(RtxError):
 
 class ConfigError(RtxError, ValueError):
     """An engine, cache or scheduler setting is invalid."""
+
+
+class AdmissionRefused(RtxError):
+    """A scheduler will not take a request now (its lane's queue is full, its predicted wait misses the lane's
+    target, or brownout sheds its lane); servers answer 429 with ``Retry-After``.
+
+    ``code`` is a short label for metrics (``queue_full``, ``predicted_wait``, ``brownout``).
+    """
+
+    def __init__(self, message: str, retry_after_s: float, code: str):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.code = code

@@ -43,6 +43,9 @@ class Request:
     num_preemptions: int = 0
     # Mixed into block hashes so requests with different salts never share cached blocks.
     cache_salt: str | None = None
+    # SLA lane (see rtxcore.lanes) and the tenant it was admitted for (None when unauthenticated).
+    lane: str = "standard"
+    tenant: str | None = None
     # Tokens sampled on the device whose values the host has not read yet (asynchronous scheduling): counted by
     # num_tokens, so the next step computes them, but not in all_token_ids.
     num_pending_tokens: int = 0

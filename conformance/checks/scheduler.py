@@ -7,15 +7,20 @@ and finishes requests at ``max_tokens`` (some are aborted on the way). Token val
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from rtx_conformance.rules import ContractViolation, require
 from rtxcore.contracts.eviction import EvictionPolicy
 from rtxcore.contracts.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from rtxcore.errors import RtxError
+from rtxcore.errors import AdmissionRefused, RtxError
 from rtxcore.kv.manager import KVCacheManager
 from rtxcore.request import Request, RequestStatus
 from rtxcore.sampling_params import SamplingParams
+
+
+# Longest a scheduler may hold waiting work in a row (merge windows) before that counts as a stall.
+MAX_HOLD_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +85,8 @@ class SchedulerRun:
     num_finished: int = 0
     num_aborted: int = 0
     num_preemptions: int = 0
+    # Requests add_request refused (AdmissionRefused), which the harness then forgets.
+    num_refused: int = 0
     max_step_tokens: int = 0
     finished_ids: list[str] = field(default_factory=list)
 
@@ -96,7 +103,10 @@ class _Harness:
         self.scheduler, self.kv, self.workload = scheduler, kv, workload
         self.live: dict[str, Request] = {}
         self.done: dict[str, Request] = {}
+        self.refused: set[str] = set()
         self.result = SchedulerRun()
+        # Seconds the scheduler has held its work in a row (merge windows), bounded by rule scheduler.progress.
+        self._held_s = 0.0
 
     def run(self) -> SchedulerRun:
         pending = sorted(enumerate(self.workload.requests), key=lambda item: item[1].arrival_step)
@@ -112,6 +122,13 @@ class _Harness:
             require(step < max_steps, "scheduler.progress",
                     f"{len(self.live)} request(s) still unfinished after {max_steps} steps")
             out = self._schedule(step)
+            if out.hold_s > 0 and not out.scheduled and not out.preempted:
+                self._held_s += out.hold_s
+                require(self._held_s <= MAX_HOLD_S, "scheduler.progress",
+                        f"step {step}: held waiting work for {self._held_s:.3f}s in a row (at most {MAX_HOLD_S}s)")
+                time.sleep(out.hold_s)
+                continue
+            self._held_s = 0.0
             self._check(step, out)
             self._advance(out)
             step += 1
@@ -120,8 +137,17 @@ class _Harness:
 
     def _add(self, index: int, spec: WorkloadRequest) -> None:
         req = Request(f"r{index}", list(spec.prompt_token_ids), SamplingParams(max_tokens=spec.max_tokens))
+        try:
+            self.scheduler.add_request(req)
+        except AdmissionRefused as exc:
+            require(str(exc) != "" and exc.retry_after_s > 0, "scheduler.admission",
+                    f"{req.req_id} refused without a reason or a positive retry-after: {exc!r}")
+            require(not self.kv.block_ids(req.req_id), "scheduler.admission",
+                    f"{req.req_id} was refused but holds KV blocks")
+            self.refused.add(req.req_id)
+            self.result.num_refused += 1
+            return
         self.live[req.req_id] = req
-        self.scheduler.add_request(req)
 
     def _abort_due(self, step: int) -> None:
         for req_id, spec in self._specs():
@@ -155,6 +181,8 @@ class _Harness:
                 "scheduler.max_num_seqs", f"step {step}: {self.scheduler.num_running} running, "
                 f"{len(ids)} scheduled, max_num_seqs is {config.max_num_seqs}")
         for req, n in zip(out.scheduled, out.num_scheduled_tokens):
+            require(req.req_id not in self.refused, "scheduler.admission",
+                    f"step {step} scheduled {req.req_id}, which add_request refused")
             require(req.req_id in self.live and self.live[req.req_id] is req, "scheduler.finished_stay_out",
                     f"step {step} scheduled {req.req_id}, which finished or was never added")
             left = req.num_tokens - req.num_computed_tokens

@@ -32,6 +32,8 @@ def add_parser(sub) -> None:
                    help=f"requests in flight before answering 429 (default: {d.max_active_requests})")
     g.add_argument("--shutdown-grace", type=float, default=d.shutdown_grace_s,
                    help=f"seconds running requests get to finish on SIGINT/SIGTERM (default: {d.shutdown_grace_s:g})")
+    g.add_argument("--config", default=None, metavar="FILE",
+                   help="TOML file with [lanes], [scheduler], [brownout] and [tenants] (docs/serving.md)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log level on stderr (default: info)")
     add_engine_options(p)
@@ -43,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
     from rtxcore.models.source import resolve_model
     from rtxcore.server.launcher import serve
     from rtxcore.server.runtime import ServeSettings, ServingRuntime
+    from rtxcore.server.serve_config import load_serve_config
+    from rtxcore.server.tenants import TenantRegistry
 
     if not 0 <= args.port <= 65535 or (args.grpc_port is not None and not 0 <= args.grpc_port <= 65535):
         raise ConfigError("ports must be in [0, 65535]")
@@ -51,8 +55,15 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout,
         max_active_requests=args.max_active_requests, shutdown_grace_s=args.shutdown_grace,
         served_model_name=args.served_model_name)
+    config_file = load_serve_config(args.config)
+    tenants = TenantRegistry.from_config(config_file.tenants)
     config = engine_config(args)
+    config.scheduling.lanes = config_file.lanes
+    config.scheduling.options = config_file.scheduler_options
     resolve_model(config.model)  # a model that cannot be found fails now, before the server starts listening
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return serve(ServingRuntime(config, settings))
+    if tenants.auth_required:
+        logging.getLogger("rtx.server").info("API keys required: %d tenants (%s)", len(tenants.tenants),
+                                             ", ".join(sorted(tenants.tenants)))
+    return serve(ServingRuntime(config, settings, tenants))

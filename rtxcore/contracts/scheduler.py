@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from rtxcore.errors import ConfigError
+from rtxcore.lanes import DEFAULT_LANES, LaneSpec
 from rtxcore.request import Request
 
 
@@ -22,6 +23,10 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     # A prompt longer than what is left of the budget is prefilled in chunks instead of stalling decodes.
     enable_chunked_prefill: bool = True
+    # SLA lanes by name; lane-aware schedulers act on their targets, others may ignore them.
+    lanes: dict[str, LaneSpec] = field(default_factory=lambda: dict(DEFAULT_LANES))
+    # Settings only one scheduler plugin understands (e.g. sla-lanes' ``brownout`` table), by plugin convention.
+    options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -58,6 +63,9 @@ class SchedulerOutput:
     num_scheduled_tokens: list[int] = field(default_factory=list)
     # Requests preempted this step (their KV freed; they will recompute from the start).
     preempted: list[Request] = field(default_factory=list)
+    # Nothing scheduled on purpose: the scheduler holds waiting work for up to this many seconds to merge it with
+    # arrivals about to come (a batch merge window). The engine steps again when it passes or a request arrives.
+    hold_s: float = 0.0
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -77,7 +85,11 @@ class Scheduler(ABC):
 
     @abstractmethod
     def add_request(self, req: Request) -> None:
-        """Queue a new request (status WAITING)."""
+        """Queue a new request (status WAITING).
+
+        :raises rtxcore.errors.AdmissionRefused: the scheduler will not take it now (queue full, predicted to miss
+            its lane's target, shed by brownout); nothing is changed and the server answers 429 with Retry-After.
+        """
 
     @abstractmethod
     def schedule(self) -> SchedulerOutput:
@@ -107,3 +119,23 @@ class Scheduler(ABC):
 
     def has_unfinished_requests(self) -> bool:
         return self.num_waiting + self.num_running > 0
+
+    def status(self) -> SchedulerStatus | None:
+        """Lane queues and brownout state for metrics and ``GET /v1/lanes``; None for a scheduler without lanes.
+
+        Called from the engine thread between steps.
+        """
+        return None
+
+
+@dataclass(slots=True)
+class SchedulerStatus:
+    # Requests queued per lane (preempted ones included).
+    queued: dict[str, int]
+    running: dict[str, int]
+    # 0 when serving normally; each level adds one degradation step.
+    brownout_level: int = 0
+    # Names of the degradation steps in force, in order.
+    brownout_steps: tuple[str, ...] = ()
+    # The overload signal brownout acts on (1.0: a protected lane is predicted to just meet its target).
+    pressure: float = 0.0

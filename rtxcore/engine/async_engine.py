@@ -19,6 +19,8 @@ from typing import AsyncIterator, Callable
 from rtxcore.engine.llm_engine import LLMEngine, Prompt
 from rtxcore.engine.outputs import RequestOutput
 from rtxcore.errors import RtxError
+from rtxcore.lanes import DEFAULT_LANE
+from rtxcore.request import Request
 from rtxcore.sampling_params import SamplingParams
 
 log = logging.getLogger("rtx.engine")
@@ -30,6 +32,8 @@ class _Submission:
     prompt: Prompt
     params: SamplingParams
     cache_salt: str | None
+    lane: str
+    tenant: str | None
     sink: Callable[[RequestOutput | BaseException], None]
     accepted: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     # When generate() queued it (time.monotonic()); the wait until the engine thread adds it is the merge wait.
@@ -49,11 +53,17 @@ class StepObserver:
 
     # After each step: (engine, the step's outputs, the step's duration in seconds).
     on_step: Callable[[LLMEngine, list[RequestOutput], float], None]
-    # A submission entered the scheduler: (req_id, when generate() queued it, when the engine thread added it), both
-    # on the time.monotonic() clock.
-    on_admit: Callable[[str, float, float], None] | None = None
+    # A submission entered the scheduler: (the request, when generate() queued it, when the engine thread added it),
+    # both on the time.monotonic() clock.
+    on_admit: Callable[[Request, float, float], None] | None = None
     # A request in the engine was aborted: (engine, its final output, whose finish_reason is "abort").
     on_abort: Callable[[LLMEngine, RequestOutput], None] | None = None
+    # The engine is idle (no request): called every IDLE_TICK_S, so gauges and time-driven state (brownout) move on.
+    on_idle: Callable[[LLMEngine], None] | None = None
+
+
+# How often observers hear from an idle engine.
+IDLE_TICK_S = 0.25
 
 
 class AsyncEngine:
@@ -67,6 +77,7 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rtx-engine", daemon=True)
         self.last_step_time = 0.0
+        self._last_tick = 0.0
         self.error: BaseException | None = None
         self.num_steps = 0
 
@@ -91,7 +102,8 @@ class AsyncEngine:
     # -- requests -------------------------------------------------------------------------------------------------
 
     async def generate(self, prompt: Prompt, params: SamplingParams, req_id: str | None = None,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, lane: str = DEFAULT_LANE,
+                       tenant: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Validation errors raise before the first output; leaving the iterator early
         (client gone, cancellation) aborts the request."""
         loop = asyncio.get_running_loop()
@@ -101,7 +113,7 @@ class AsyncEngine:
         def sink(item: RequestOutput | BaseException) -> None:
             loop.call_soon_threadsafe(outputs.put_nowait, item)
 
-        sub = _Submission(req_id, prompt, params, cache_salt, sink)
+        sub = _Submission(req_id, prompt, params, cache_salt, lane, tenant, sink)
         self._inbox.put(sub)
         self._wake.set()
         await asyncio.wrap_future(sub.accepted)  # re-raises the engine's validation error
@@ -142,9 +154,17 @@ class AsyncEngine:
                 if not self.engine.has_unfinished_requests():
                     self._wake.wait(0.05)
                     self._wake.clear()
+                    if time.monotonic() - self._last_tick >= IDLE_TICK_S:
+                        self._last_tick = time.monotonic()
+                        self._observe("on_idle", self.engine)
                     continue
                 start = time.monotonic()
                 outputs = self.engine.step()
+                if self.engine.hold_s > 0 and not outputs:
+                    # The scheduler is merging arrivals: sleep until its window closes or a request comes in.
+                    self._wake.wait(self.engine.hold_s)
+                    self._wake.clear()
+                    continue
                 self.num_steps += 1
                 self.last_step_time = time.monotonic()
                 # Observers first, so metrics already count a request when its stream sees the final output.
@@ -199,10 +219,11 @@ class AsyncEngine:
                         self._observe("on_abort", self.engine, out)
                 continue
             try:
-                self.engine.add_request(item.prompt, item.params, req_id=item.req_id, cache_salt=item.cache_salt)
+                self.engine.add_request(item.prompt, item.params, req_id=item.req_id, cache_salt=item.cache_salt,
+                                        lane=item.lane, tenant=item.tenant)
             except BaseException as exc:
                 item.accepted.set_exception(exc)
                 continue
             self._sinks[item.req_id] = item.sink
             item.accepted.set_result(item.req_id)
-            self._observe("on_admit", item.req_id, item.submitted_at, time.monotonic())
+            self._observe("on_admit", self.engine.requests[item.req_id], item.submitted_at, time.monotonic())

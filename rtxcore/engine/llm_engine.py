@@ -17,6 +17,7 @@ from rtxcore.engine.output_processor import OutputProcessor
 from rtxcore.engine.outputs import CompletionResult, RequestOutput
 from rtxcore.errors import CapacityError, InvalidRequestError, PluginError
 from rtxcore.kv.manager import KVCacheManager
+from rtxcore.lanes import DEFAULT_LANE, check_lane_name
 from rtxcore.models.source import ModelSource, resolve_model
 from rtxcore.registry import PluginRegistry, load_plugins
 from rtxcore.request import Request, RequestStatus
@@ -56,6 +57,8 @@ class LLMEngine:
         # Running requests whose sampling needs all earlier tokens on the host (see SamplingParams).
         self._num_history_reqs = 0
         self._ids = itertools.count()
+        # Set by each step: how long the scheduler holds its waiting work to merge arrivals (0: no hold).
+        self.hold_s = 0.0
 
     def _make_backend(self) -> ExecutionBackend:
         record = self.registry.get("backend", self.config.backend)
@@ -82,9 +85,14 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------------------------------
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, req_id: str | None = None,
-                    cache_salt: str | None = None) -> str:
-        """Validate and queue a request; raises :class:`InvalidRequestError` naming the problem, changing nothing."""
+                    cache_salt: str | None = None, lane: str = DEFAULT_LANE, tenant: str | None = None) -> str:
+        """Validate and queue a request, changing nothing if it fails.
+
+        :raises InvalidRequestError: naming the problem.
+        :raises AdmissionRefused: the scheduler will not take it now.
+        """
         params = params or SamplingParams()
+        check_lane_name(lane)
         token_ids = self.encode(prompt)
         req_id = req_id if req_id is not None else f"req-{next(self._ids)}"
         if req_id in self.requests:
@@ -99,14 +107,14 @@ class LLMEngine:
         if self.kv_cache.blocks_needed(total) > self.kv_cache.num_usable_blocks:
             raise CapacityError(f"request needs up to {total} tokens of KV cache but the whole cache holds "
                                 f"{self.kv_cache.num_usable_blocks * self.config.block_size}", param="max_tokens")
-        req = Request(req_id, token_ids, params, cache_salt=cache_salt)
+        req = Request(req_id, token_ids, params, cache_salt=cache_salt, lane=lane, tenant=tenant)
+        self.scheduler.add_request(req)  # first: a refusal must leave nothing behind
         if params.needs_output_history:
             self._num_history_reqs += 1
         if params.seed is not None:
             self._generators[req_id] = torch.Generator(device=self.backend.device).manual_seed(params.seed)
         self.requests[req_id] = req
         self.output_processor.add(req)
-        self.scheduler.add_request(req)
         return req_id
 
     def encode(self, prompt: Prompt) -> list[int]:
@@ -155,6 +163,7 @@ class LLMEngine:
             # Penalties need every earlier token on the host before sampling: no overlap this step.
             outputs, prev = self._process(prev), None
         sched = self.scheduler.schedule()
+        self.hold_s = sched.hold_s
         if sched.is_empty:
             return outputs + (self._process(prev) if prev is not None else [])
         plan = build_step(sched, self.kv_cache.block_table, self.config.block_size, self._generators,

@@ -11,21 +11,32 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
 from rtxcore.engine.async_engine import StepObserver
 from rtxcore.engine.llm_engine import LLMEngine
 from rtxcore.engine.outputs import RequestOutput
+from rtxcore.lanes import DEFAULT_LANE
 from rtxcore.metrics.prometheus import Families
+from rtxcore.request import Request
 from rtxcore.metrics.timeline import AttributeValue, RequestTimeline
+
+
+# Distinct tenant label values; further tenants are labelled "other".
+MAX_TENANT_LABELS = 100
 
 
 @dataclass(slots=True)
 class _LiveRequest:
     # When the request was submitted (time.monotonic()): the start of queue time, TTFT and end-to-end latency.
     enqueue_time: float
+    lane: str = DEFAULT_LANE
+    tenant: str | None = None
     # When its previous token-carrying output was observed; None before the first token.
     last_token_time: float | None = None
+    # Its lane's inter-token histogram and its tenant's token counter, looked up once per request.
+    lane_itl: Histogram | None = None
+    tenant_tokens: Counter | None = None
 
 
 class EngineMetrics:
@@ -40,11 +51,14 @@ class EngineMetrics:
         # KV-cache counters at the previous step, to turn the manager's totals into counter increments.
         self._kv_for: object = None
         self._kv_totals = (0, 0, 0)
+        # Tenant label values handed out so far: bounded, so a config with many tenants cannot blow up the series.
+        self._tenant_labels: set[str] = set()
 
     # -- what servers call ----------------------------------------------------------------------------------------
 
     def observer(self) -> StepObserver:
-        return StepObserver(on_step=self._on_step, on_admit=self._on_admit, on_abort=self._on_abort)
+        return StepObserver(on_step=self._on_step, on_admit=self._on_admit, on_abort=self._on_abort,
+                            on_idle=self._update_engine_state)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text for ``GET /metrics`` and its content type."""
@@ -59,9 +73,27 @@ class EngineMetrics:
         self.model_name = self.timeline.model_name = name
         self._m = self._families.bind(name)
 
-    def record_rejection(self, reason: str) -> None:
-        """A request the server refused before it reached the engine (e.g. ``"overloaded"`` for a 429)."""
+    def record_rejection(self, reason: str, lane: str | None = None, tenant: str | None = None) -> None:
+        """A request the server or scheduler refused (e.g. ``"overloaded"`` for a 429), with its lane and tenant
+        when it got far enough to have them."""
         self._families.rejected.labels(self.model_name, reason).inc()
+        if lane is not None:
+            self._families.lane_requests.labels(self.model_name, lane, self.tenant_label(tenant), reason).inc()
+
+    def record_admission(self, lane: str, tenant: str | None, num_requests: int = 1) -> None:
+        """Requests the engine accepted, by lane and tenant."""
+        self._families.lane_requests.labels(self.model_name, lane, self.tenant_label(tenant), "admitted").inc(
+            num_requests)
+
+    def tenant_label(self, tenant: str | None) -> str:
+        """``tenant`` as a label value: ``anonymous`` without one, ``other`` past :data:`MAX_TENANT_LABELS`."""
+        if tenant is None:
+            return "anonymous"
+        if tenant not in self._tenant_labels:
+            if len(self._tenant_labels) >= MAX_TENANT_LABELS:
+                return "other"
+            self._tenant_labels.add(tenant)
+        return tenant
 
     def record_timeout(self) -> None:
         """A request the server aborted for running past its timeout (its abort is counted by the engine too)."""
@@ -79,8 +111,8 @@ class EngineMetrics:
 
     # -- the observer (engine thread) -----------------------------------------------------------------------------
 
-    def _on_admit(self, req_id: str, submitted_at: float, admitted_at: float) -> None:
-        self._live[req_id] = _LiveRequest(submitted_at)
+    def _on_admit(self, req: Request, submitted_at: float, admitted_at: float) -> None:
+        self._live[req.req_id] = _LiveRequest(submitted_at, req.lane, req.tenant)
         self._m.merge_wait.observe(admitted_at - submitted_at)
 
     def _on_step(self, engine: LLMEngine, outputs: list[RequestOutput], step_seconds: float) -> None:
@@ -108,13 +140,23 @@ class EngineMetrics:
     def _on_tokens(self, engine: LLMEngine, out: RequestOutput, now: float) -> None:
         live = self._live.get(out.req_id)
         if live is None:  # added to the engine directly, not through AsyncEngine.generate
-            live = self._live[out.req_id] = _LiveRequest(self._arrival_time(engine, out))
+            req = engine.requests.get(out.req_id)
+            live = self._live[out.req_id] = _LiveRequest(self._arrival_time(engine, out),
+                                                         req.lane if req is not None else DEFAULT_LANE,
+                                                         req.tenant if req is not None else None)
         if live.last_token_time is None:
             req = engine.requests.get(out.req_id)
             first_token_time = req.first_token_time if req is not None else out.timings.first_token_time
-            self._m.time_to_first_token.observe(first_token_time - live.enqueue_time)
+            ttft = first_token_time - live.enqueue_time
+            self._m.time_to_first_token.observe(ttft)
+            f = self._families
+            f.lane_time_to_first_token.labels(self.model_name, live.lane).observe(ttft)
+            live.lane_itl = f.lane_inter_token_latency.labels(self.model_name, live.lane)
+            live.tenant_tokens = f.tenant_generation_tokens.labels(self.model_name, self.tenant_label(live.tenant))
         else:
             self._m.inter_token_latency.observe(now - live.last_token_time)
+            live.lane_itl.observe(now - live.last_token_time)
+        live.tenant_tokens.inc(len(out.new_token_ids))
         live.last_token_time = now
 
     def _on_finished(self, out: RequestOutput) -> None:
@@ -145,6 +187,15 @@ class EngineMetrics:
         kv = engine.kv_cache
         m.requests_waiting.set(engine.scheduler.num_waiting)
         m.requests_running.set(engine.scheduler.num_running)
+        status = engine.scheduler.status()
+        if status is not None:
+            f = self._families
+            for lane, n in status.queued.items():
+                f.lane_queued.labels(self.model_name, lane).set(n)
+            for lane, n in status.running.items():
+                f.lane_running.labels(self.model_name, lane).set(n)
+            f.brownout_level.labels(self.model_name).set(status.brownout_level)
+            f.brownout_pressure.labels(self.model_name).set(status.pressure)
         m.kv_cache_usage.set(kv.usage)
         m.kv_cache_fragmentation.set(kv.fragmentation)
         stats = kv.stats

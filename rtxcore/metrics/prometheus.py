@@ -11,8 +11,10 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-# Label every family carries. Later issues add lane and tenant here.
+# Label every family carries; lane- and tenant-labelled families add LANE_LABEL / TENANT_LABEL.
 MODEL_LABEL = "model"
+LANE_LABEL = "lane"
+TENANT_LABEL = "tenant"
 
 # Seconds, from sub-millisecond GPU decode steps to multi-minute CPU generations.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
@@ -62,16 +64,16 @@ class Families:
         # Every family, in creation order.
         self.all: list[Histogram | Counter | Gauge] = []
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            self.all.append(Histogram(name, doc, labels, buckets=buckets, registry=registry))
+        def histogram(name: str, doc: str, buckets: tuple[float, ...], extra: tuple[str, ...] = ()) -> Histogram:
+            self.all.append(Histogram(name, doc, labels + extra, buckets=buckets, registry=registry))
             return self.all[-1]
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             self.all.append(Counter(name, doc, labels + extra, registry=registry))
             return self.all[-1]
 
-        def gauge(name: str, doc: str) -> Gauge:
-            self.all.append(Gauge(name, doc, labels, registry=registry))
+        def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Gauge:
+            self.all.append(Gauge(name, doc, labels + extra, registry=registry))
             return self.all[-1]
 
         self.time_to_first_token = histogram(
@@ -124,6 +126,24 @@ class Families:
         self.kv_cache_fragmentation = gauge(
             "rtx_kv_cache_fragmentation_ratio",
             "Fraction of the slots in KV blocks held by requests that hold no token (partly filled last blocks).")
+
+        lane, tenant = (LANE_LABEL,), (TENANT_LABEL,)
+        self.lane_time_to_first_token = histogram(
+            "rtx_lane_time_to_first_token_seconds", "Time to first token by SLA lane.", LATENCY_BUCKETS, lane)
+        self.lane_inter_token_latency = histogram(
+            "rtx_lane_inter_token_latency_seconds", "Inter-token latency by SLA lane.", STEP_BUCKETS, lane)
+        self.lane_requests = counter(
+            "rtx_lane_requests", "Requests by lane, tenant and outcome: admitted, or the reason they were refused.",
+            (LANE_LABEL, TENANT_LABEL, "outcome"))
+        self.lane_queued = gauge("rtx_lane_requests_queued", "Requests queued per lane (lane-aware schedulers).", lane)
+        self.lane_running = gauge("rtx_lane_requests_running", "Requests running per lane (lane-aware schedulers).",
+                                  lane)
+        self.brownout_level = gauge(
+            "rtx_brownout_level", "Degradation steps in force (0: none; lane-aware schedulers with brownout).")
+        self.brownout_pressure = gauge(
+            "rtx_brownout_pressure", "Overload signal brownout acts on (1.0: a protected lane just meets its target).")
+        self.tenant_generation_tokens = counter(
+            "rtx_tenant_generation_tokens", "Tokens generated per tenant.", tenant)
 
     def bind(self, model: str) -> BoundFamilies:
         return BoundFamilies(

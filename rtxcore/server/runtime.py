@@ -15,6 +15,7 @@ from rtxcore.engine.async_engine import AsyncEngine
 from rtxcore.engine.config import EngineConfig
 from rtxcore.errors import ConfigError
 from rtxcore.models.source import DEFAULT_MODEL
+from rtxcore.server.tenants import TenantRegistry
 
 log = logging.getLogger("rtx.server")
 
@@ -45,11 +46,14 @@ class ServeSettings:
 
 
 class ServingRuntime:
-    def __init__(self, engine_config: EngineConfig, settings: ServeSettings | None = None):
+    def __init__(self, engine_config: EngineConfig, settings: ServeSettings | None = None,
+                 tenants: TenantRegistry | None = None):
         from rtxcore.metrics import EngineMetrics
 
         self.engine_config = engine_config
         self.settings = settings or ServeSettings()
+        # API keys and limits; an empty registry serves unauthenticated.
+        self.tenants = tenants or TenantRegistry([])
         self.model_name = self.settings.served_model_name or engine_config.model or DEFAULT_MODEL
         self.backend_name = engine_config.backend
         self.metrics = EngineMetrics(self.model_name)

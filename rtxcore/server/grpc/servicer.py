@@ -11,20 +11,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import secrets
 
 import grpc
 
 from rtxcore.engine.async_engine import AsyncEngine
 from rtxcore.engine.outputs import RequestOutput
-from rtxcore.errors import InvalidRequestError, RtxError
+from rtxcore.errors import AdmissionRefused, InvalidRequestError, RtxError
+from rtxcore.lanes import DEFAULT_LANE, check_lane_name
 from rtxcore.sampling_params import SamplingParams
 from rtxcore.server.grpc.codegen import ensure_generated
+from rtxcore.server.http.auth import presented_key
 from rtxcore.server.runtime import ServingRuntime
+from rtxcore.server.tenants import AuthError, NotEntitled, RateLimited, Tenant, cache_salt
 
 ensure_generated()
 from rtxcore._generated import rtx_pb2, rtx_pb2_grpc  # noqa: E402
 
+
+# Metadata keys naming the request's lane and prefix-cache salt (as the HTTP header and body field do).
+LANE_METADATA = "x-rtx-lane"
+CACHE_SALT_METADATA = "x-rtx-cache-salt"
 
 SERVICE_NAME = rtx_pb2.DESCRIPTOR.services_by_name["Rtx"].full_name
 # Seconds a client is told to wait before retrying when the server is full or still loading.
@@ -41,36 +49,63 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
 
     async def Generate(self, request: rtx_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         engine = await self._engine(context, request.model)
+        metadata = dict(context.invocation_metadata() or ())
+        tenant = await self._authenticate(context, metadata)
         try:
             prompt = _prompt(request)
             params = _sampling_params(request)
+            lane = check_lane_name(metadata.get(LANE_METADATA) or (tenant.default_lane if tenant else DEFAULT_LANE),
+                                   param=LANE_METADATA)
+            if tenant is not None:
+                lane = tenant.lane_for(lane)
         except InvalidRequestError as exc:
             await _abort_invalid(context, exc)
+        except NotEntitled as exc:
+            self.runtime.metrics.record_rejection("not_entitled", lane=lane, tenant=tenant.name)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         tokenizer = engine.engine.tokenizer
         if isinstance(prompt, str) and prompt and tokenizer is not None:
             # Off the event loop and off the engine thread: a long prompt takes a while to encode.
             prompt = await asyncio.to_thread(tokenizer.encode, prompt)
-        await self._admit(context)
-        req_id = request.request_id or f"grpc-{secrets.token_hex(12)}"
-        metadata = dict(context.invocation_metadata() or ())
-        self.runtime.metrics.annotate(req_id, metadata.get("traceparent"), metadata.get("tracestate"),
-                                      request_id=req_id, protocol="grpc")
-        stream = engine.generate(prompt, params, req_id=req_id)
-        accepted = False
+        tenant_name = tenant.name if tenant is not None else None
+        num_prompt_tokens = len(prompt) if isinstance(prompt, list) else 0
         try:
-            async with self._statuses_for_errors(context):
+            lease = self.runtime.tenants.acquire(tenant, 1, num_prompt_tokens + params.max_tokens)
+        except RateLimited as exc:
+            self.runtime.metrics.record_rejection(exc.code, lane=lane, tenant=tenant_name)
+            await _abort_retry_later(context, str(exc), exc.retry_after_s)
+        try:
+            await self._admit(context)
+        except BaseException:
+            self.runtime.tenants.release(lease, 0)
+            raise
+        req_id = request.request_id or f"grpc-{secrets.token_hex(12)}"
+        self.runtime.metrics.annotate(req_id, metadata.get("traceparent"), metadata.get("tracestate"),
+                                      request_id=req_id, protocol="grpc", lane=lane, tenant=tenant_name or "")
+        stream = engine.generate(prompt, params, req_id=req_id,
+                                 cache_salt=cache_salt(tenant, metadata.get(CACHE_SALT_METADATA)), lane=lane,
+                                 tenant=tenant_name)
+        accepted = False
+        used = num_prompt_tokens
+        try:
+            async with self._statuses_for_errors(context, lane, tenant_name):
                 async for out in stream:
-                    accepted = True
+                    if not accepted:
+                        accepted = True
+                        self.runtime.metrics.record_admission(lane, tenant_name)
+                    used = out.num_prompt_tokens + out.num_output_tokens
                     await context.write(_response(out))
         finally:
             # On cancellation or any error this leaves the stream early, which aborts the engine's request.
             await stream.aclose()
             self.runtime.release()
+            self.runtime.tenants.release(lease, used)
             if not accepted:
                 self.runtime.metrics.forget(req_id)
 
     async def Embed(self, request: rtx_pb2.EmbedRequest, context: grpc.aio.ServicerContext) -> rtx_pb2.EmbedResponse:
         engine = await self._engine(context, request.model)
+        await self._authenticate(context, dict(context.invocation_metadata() or ()))
         inputs = [*request.inputs, *(list(t.ids) for t in request.token_inputs)]
         if not inputs:
             await _abort_invalid(context, InvalidRequestError("inputs must hold at least one input", param="inputs"))
@@ -88,12 +123,16 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
                                      model=self.runtime.model_name, prompt_tokens=num_tokens)
 
     @contextlib.asynccontextmanager
-    async def _statuses_for_errors(self, context: grpc.aio.ServicerContext):
+    async def _statuses_for_errors(self, context: grpc.aio.ServicerContext, lane: str | None = None,
+                                   tenant: str | None = None):
         """Run the body under the request timeout and turn rtx errors into gRPC statuses (context.abort raises)."""
         timeout_s = self.runtime.settings.request_timeout_s
         try:
             async with asyncio.timeout(timeout_s):
                 yield
+        except AdmissionRefused as exc:
+            self.runtime.metrics.record_rejection(exc.code, lane=lane, tenant=tenant)
+            await _abort_retry_later(context, str(exc), exc.retry_after_s)
         except InvalidRequestError as exc:
             await _abort_invalid(context, exc)
         except TimeoutError:
@@ -121,6 +160,15 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
                                 f"model {model!r} does not exist; this server serves {runtime.model_name!r}",
                                 trailing_metadata=(("rtx-param", "model"),))
         return engine
+
+    async def _authenticate(self, context: grpc.aio.ServicerContext, metadata: dict) -> Tenant | None:
+        """The caller's tenant from its ``authorization: Bearer`` (or ``x-api-key``) metadata, or UNAUTHENTICATED."""
+        try:
+            return self.runtime.tenants.authenticate(presented_key(metadata.get("authorization"),
+                                                                   metadata.get("x-api-key")))
+        except AuthError as exc:
+            self.runtime.metrics.record_rejection("unauthorized")
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
 
     async def _admit(self, context: grpc.aio.ServicerContext) -> None:
         """Take an admission slot (give it back with ``runtime.release()``) or abort with RESOURCE_EXHAUSTED."""
@@ -156,6 +204,11 @@ def _response(out: RequestOutput) -> rtx_pb2.GenerateResponse:
     return rtx_pb2.GenerateResponse(request_id=out.req_id, text=out.new_text, token_ids=out.new_token_ids,
                                     finished=out.finished, finish_reason=out.finish_reason or "", usage=usage,
                                     logprobs=logprobs)
+
+
+async def _abort_retry_later(context: grpc.aio.ServicerContext, message: str, retry_after_s: float) -> None:
+    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message,
+                        trailing_metadata=(("retry-after", str(max(1, math.ceil(retry_after_s)))),))
 
 
 async def _abort_invalid(context: grpc.aio.ServicerContext, exc: InvalidRequestError) -> None:

@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from rtxcore.errors import InvalidRequestError, RtxError
+from rtxcore.server.http.auth import AuthMiddleware
 from rtxcore.server.http.errors import APIError, api_error_handler, http_exception_handler
 from rtxcore.server.http.generation import ClientGone
 from rtxcore.server.http.middleware import RequestContextMiddleware
@@ -27,7 +28,8 @@ CLIENT_CLOSED_REQUEST = 499
 def build_app(runtime: ServingRuntime) -> Starlette:
     return Starlette(
         routes=[*OpenAIRoutes(runtime).routes(), *NativeRoutes(runtime).routes()],
-        middleware=[Middleware(RequestContextMiddleware, max_body_bytes=runtime.settings.max_body_bytes)],
+        middleware=[Middleware(RequestContextMiddleware, max_body_bytes=runtime.settings.max_body_bytes),
+                    Middleware(AuthMiddleware, runtime=runtime)],
         exception_handlers={
             APIError: api_error_handler,
             HTTPException: http_exception_handler,

@@ -1,16 +1,59 @@
-"""Helpers every route uses: the JSON body, the model name check, the request id, token text."""
+"""Helpers every route uses: the JSON body, the model name check, the request id, the route (tenant, lane, cache
+salt), token text."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
 
 from rtxcore.engine.llm_engine import LLMEngine
 from rtxcore.engine.outputs import TokenLogprob
+from rtxcore.errors import InvalidRequestError
+from rtxcore.lanes import DEFAULT_LANE, check_lane_name
 from rtxcore.server.http.errors import APIError
+from rtxcore.server.http.protocol import RoutingFields
 from rtxcore.server.runtime import ServingRuntime
+from rtxcore.server.tenants import NotEntitled, Tenant, cache_salt
+
+# Names a request's lane, as the body's "lane" field does.
+LANE_HEADER = "x-rtx-lane"
+
+
+@dataclass(slots=True, frozen=True)
+class Route:
+    """Who a request is for and where it runs."""
+
+    tenant: Tenant | None
+    lane: str
+    # Tenant and request salt combined (rtxcore.server.tenants.cache_salt).
+    cache_salt: str | None
+
+    @property
+    def tenant_name(self) -> str | None:
+        return self.tenant.name if self.tenant is not None else None
+
+
+def route(runtime: ServingRuntime, request: Request, fields: RoutingFields) -> Route:
+    """The request's route: 400 for an unknown or conflicting lane, 403 for a lane its tenant may not use."""
+    tenant = request.state.tenant
+    header = request.headers.get(LANE_HEADER)
+    if header is not None:
+        check_lane_name(header.strip(), param=LANE_HEADER)
+        header = header.strip()
+        if fields.lane is not None and fields.lane != header:
+            raise InvalidRequestError(f"lane {fields.lane!r} in the body contradicts {LANE_HEADER}: {header}",
+                                      param="lane")
+    lane = fields.lane or header
+    if tenant is not None:
+        try:
+            lane = tenant.lane_for(lane)
+        except NotEntitled as exc:
+            runtime.metrics.record_rejection("not_entitled", lane=lane, tenant=tenant.name)
+            raise APIError(403, str(exc), param="lane") from None
+    return Route(tenant, lane or DEFAULT_LANE, cache_salt(tenant, fields.cache_salt))
 
 
 async def read_json(request: Request) -> dict[str, Any]:

@@ -7,6 +7,7 @@ answered with a 500 that carries no traceback (the traceback goes to the log).
 from __future__ import annotations
 
 import json
+import math
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -17,6 +18,8 @@ from rtxcore.errors import InvalidRequestError
 # The ``type`` OpenAI's clients see for each status; ``code`` says more precisely what happened.
 _TYPES = {
     400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
@@ -26,7 +29,7 @@ _TYPES = {
     503: "service_unavailable_error",
     504: "timeout_error",
 }
-_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large", 422: "invalid_json",
+_CODES = {401: "invalid_api_key", 403: "not_entitled", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large", 422: "invalid_json",
           429: "server_overloaded", 500: "internal_error", 503: "not_ready", 504: "timeout"}
 
 # Seconds a client is told to wait before retrying a 429 or a 503.
@@ -65,6 +68,11 @@ def not_ready(reason: str) -> APIError:
 def overloaded(num_active: int) -> APIError:
     return APIError(429, f"the server is at its limit of {num_active} active requests; retry later",
                     headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def too_many_requests(message: str, retry_after_s: float, code: str) -> APIError:
+    """429 with ``Retry-After`` in whole seconds, rounded up so a client that waits it is not refused early."""
+    return APIError(429, message, code=code, headers={"Retry-After": str(max(1, math.ceil(retry_after_s)))})
 
 
 async def api_error_handler(request: Request, exc: Exception) -> Response:

@@ -18,11 +18,13 @@ from starlette.requests import Request
 from rtxcore.engine.async_engine import AsyncEngine
 from rtxcore.engine.llm_engine import LLMEngine
 from rtxcore.engine.outputs import RequestOutput, TokenLogprob
-from rtxcore.errors import InvalidRequestError, RtxError
+from rtxcore.errors import AdmissionRefused, InvalidRequestError, RtxError
 from rtxcore.sampling_params import SamplingParams
-from rtxcore.server.http.errors import APIError, not_ready, overloaded
+from rtxcore.server.http.common import Route
+from rtxcore.server.http.errors import APIError, not_ready, overloaded, too_many_requests
 from rtxcore.server.http.protocol import Prompt
 from rtxcore.server.runtime import ServingRuntime
+from rtxcore.server.tenants import Lease, RateLimited
 
 T = TypeVar("T")
 
@@ -41,10 +43,13 @@ class Choice:
     num_prompt_tokens: int
     text: str = ""
     num_tokens: int = 0
+    # Prompt tokens found in the prefix cache.
+    num_cached_tokens: int = 0
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def add(self, out: RequestOutput) -> None:
+        self.num_cached_tokens = out.num_cached_tokens
         self.text += out.new_text
         self.num_tokens += len(out.new_token_ids)
         if out.logprobs:
@@ -67,10 +72,12 @@ async def tokenize(engine: LLMEngine, prompts: list[Prompt], param: str = "promp
 
 class Generation:
     def __init__(self, runtime: ServingRuntime, req_id: str, prompts: list[list[int]], params: SamplingParams,
-                 traceparent: str | None = None):
+                 traceparent: str | None, route: Route, lease: Lease):
         assert runtime.async_engine is not None
         self.runtime = runtime
         self.req_id = req_id
+        self.route = route
+        self._lease = lease
         self.choices = [Choice(i, len(p)) for i, p in enumerate(prompts)]
         self.deadline = asyncio.get_running_loop().time() + runtime.settings.request_timeout_s
         self._engine = runtime.async_engine
@@ -78,7 +85,8 @@ class Generation:
         base = f"{req_id}.{next(_submissions)}"
         self._req_ids = [f"{base}-{i}" for i in range(len(prompts))]
         for engine_req_id in self._req_ids:
-            runtime.metrics.annotate(engine_req_id, traceparent=traceparent, request_id=req_id)
+            runtime.metrics.annotate(engine_req_id, traceparent=traceparent, request_id=req_id, lane=route.lane,
+                                     tenant=route.tenant_name or "")
         self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
         self._buffer: deque[tuple[int, RequestOutput | BaseException]] = deque()
         self._tasks = [asyncio.ensure_future(self._pump(i, p, params)) for i, p in enumerate(prompts)]
@@ -87,17 +95,30 @@ class Generation:
 
     @classmethod
     async def start(cls, runtime: ServingRuntime, req_id: str, prompts: list[list[int]], params: SamplingParams,
-                    traceparent: str | None = None) -> Generation:
+                    traceparent: str | None, route: Route) -> Generation:
         """Admit and submit; returns once the engine has accepted every prompt (so errors are still 4xx).
 
-        :raises APIError: 429 when the server is full, 400 when the engine refuses a prompt, 504 on timeout.
+        :raises APIError: 429 when the server, the tenant's limits or the lane are full, 400 when the engine
+            refuses a prompt, 504 on timeout.
         """
+        metrics = runtime.metrics
+        try:
+            lease = runtime.tenants.acquire(route.tenant, len(prompts),
+                                            sum(len(p) for p in prompts) + params.max_tokens * len(prompts))
+        except RateLimited as exc:
+            metrics.record_rejection(exc.code, lane=route.lane, tenant=route.tenant_name)
+            raise too_many_requests(str(exc), exc.retry_after_s, "rate_limited") from None
         if not runtime.try_admit(len(prompts)):
-            runtime.metrics.record_rejection("overloaded")
+            runtime.tenants.release(lease, 0)
+            metrics.record_rejection("overloaded", lane=route.lane, tenant=route.tenant_name)
             raise overloaded(runtime.settings.max_active_requests)
-        gen = cls(runtime, req_id, prompts, params, traceparent)
+        gen = cls(runtime, req_id, prompts, params, traceparent, route, lease)
         try:
             await gen._wait_accepted()
+        except AdmissionRefused as exc:
+            gen.close()
+            metrics.record_rejection(exc.code, lane=route.lane, tenant=route.tenant_name)
+            raise too_many_requests(str(exc), exc.retry_after_s, exc.code) from None
         except InvalidRequestError as exc:
             gen.close()
             raise APIError.invalid(exc) from None
@@ -107,12 +128,15 @@ class Generation:
         except BaseException:
             gen.close()
             raise
+        metrics.record_admission(route.lane, route.tenant_name, len(prompts))
         return gen
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, object]:
         prompt = sum(c.num_prompt_tokens for c in self.choices)
         completion = sum(c.num_tokens for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        cached = sum(c.num_cached_tokens for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def timeout_error(self) -> APIError:
         self.runtime.metrics.record_timeout()
@@ -161,13 +185,16 @@ class Generation:
         for task in self._tasks:
             task.cancel()
         self.runtime.release(len(self.choices))
+        self.runtime.tenants.release(self._lease, sum(c.num_prompt_tokens + c.num_tokens for c in self.choices))
 
     # -- internals ----------------------------------------------------------------------------------------------
 
     async def _pump(self, index: int, prompt: list[int], params: SamplingParams) -> None:
         req_id = self._req_ids[index]
         try:
-            async for out in self._engine.generate(prompt, params, req_id=req_id):
+            route = self.route
+            async for out in self._engine.generate(prompt, params, req_id=req_id, cache_salt=route.cache_salt,
+                                                   lane=route.lane, tenant=route.tenant_name):
                 self._queue.put_nowait((index, out))
         except asyncio.CancelledError:
             # Also covers a request cancelled before the engine took it: the abort is queued after the submission.
@@ -194,7 +221,15 @@ class Generation:
 
 async def embed(runtime: ServingRuntime, request: Request, token_lists: list[list[int]]) -> list[list[float]]:
     """Embeddings computed on the engine thread between two steps, within the request timeout."""
+    tenant = request.state.tenant
+    num_tokens = sum(len(t) for t in token_lists)
+    try:
+        lease = runtime.tenants.acquire(tenant, 1, num_tokens)
+    except RateLimited as exc:
+        runtime.metrics.record_rejection(exc.code, tenant=tenant.name if tenant is not None else None)
+        raise too_many_requests(str(exc), exc.retry_after_s, "rate_limited") from None
     if not runtime.try_admit(1):
+        runtime.tenants.release(lease, 0)
         runtime.metrics.record_rejection("overloaded")
         raise overloaded(runtime.settings.max_active_requests)
     try:
@@ -205,6 +240,7 @@ async def embed(runtime: ServingRuntime, request: Request, token_lists: list[lis
         raise APIError(504, f"request timed out after {runtime.settings.request_timeout_s:g}s") from None
     finally:
         runtime.release(1)
+        runtime.tenants.release(lease, num_tokens)
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:

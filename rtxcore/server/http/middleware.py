@@ -103,13 +103,13 @@ class RequestContextMiddleware:
             declared = 0
         try:
             if declared > self.max_body_bytes:
-                await _send_error(send_with_headers, self._too_large())
+                await send_error(send_with_headers, self._too_large())
             else:
                 await self.app(scope, self._limited(receive), send_with_headers)
         except Exception:  # a bug: log it, answer 500 if we still can, keep serving
             log.exception("unhandled error in %s %s (request_id=%s)", scope["method"], scope["path"], request_id)
             if status == 0:
-                await _send_error(send_with_headers, APIError(500, "internal server error; see the server log"))
+                await send_error(send_with_headers, APIError(500, "internal server error; see the server log"))
         finally:
             path = scope["path"]
             level = logging.DEBUG if path in _QUIET_PATHS and status < 500 else logging.INFO
@@ -135,7 +135,7 @@ class RequestContextMiddleware:
         return limited_receive
 
 
-async def _send_error(send: Send, error: APIError) -> None:
+async def send_error(send: Send, error: APIError) -> None:
     body = json.dumps(error.body()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                (b"connection", b"close")]

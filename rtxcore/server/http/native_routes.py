@@ -9,7 +9,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from rtxcore.errors import RtxError
-from rtxcore.server.http.common import native_logprobs, read_json, request_id, traceparent
+from rtxcore.server.http.common import native_logprobs, read_json, request_id, route, traceparent
 from rtxcore.server.http.errors import APIError
 from rtxcore.server.http.generation import Generation, embed, ensure_engine, tokenize
 from rtxcore.server.http.protocol import make_sampling_params, parse_embed, parse_generate
@@ -25,6 +25,7 @@ class NativeRoutes:
         return [
             Route("/generate", self.generate, methods=["POST"]),
             Route("/embed", self.embed, methods=["POST"]),
+            Route("/v1/lanes", self.lanes, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/ready", self.ready, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
@@ -35,9 +36,10 @@ class NativeRoutes:
         fields."""
         async_engine = ensure_engine(self.runtime)
         req = parse_generate(await read_json(request))
+        where = route(self.runtime, request, req.routing)
         prompts = await tokenize(async_engine.engine, [req.prompt])
         params = make_sampling_params(req.params)
-        gen = await Generation.start(self.runtime, request_id(request), prompts, params, traceparent(request))
+        gen = await Generation.start(self.runtime, request_id(request), prompts, params, traceparent(request), where)
         if req.stream:
             return EventStreamResponse(_native_events(gen), on_close=gen.close)
         await gen.collect(request)
@@ -53,6 +55,20 @@ class NativeRoutes:
         vectors = await embed(self.runtime, request, token_lists)
         return JSONResponse({"model": self.runtime.model_name, "embeddings": vectors,
                              "num_tokens": [len(t) for t in token_lists]})
+
+    async def lanes(self, request: Request) -> Response:
+        """The SLA lanes and their targets, and the scheduler's live state of them (queues, brownout)."""
+        async_engine = ensure_engine(self.runtime)
+        status = await async_engine.run_on_engine(lambda engine: engine.scheduler.status())
+        config = self.runtime.engine_config.scheduling
+        lanes = [{**spec.to_json(), **({"queued": status.queued.get(name, 0), "running": status.running.get(name, 0)}
+                                       if status is not None else {})}
+                 for name, spec in config.lanes.items()]
+        body = {"scheduler": self.runtime.engine_config.scheduler, "lane_aware": status is not None, "lanes": lanes,
+                "brownout_level": status.brownout_level if status is not None else None,
+                "brownout_steps": list(status.brownout_steps) if status is not None else [],
+                "pressure": status.pressure if status is not None else None}
+        return JSONResponse(body)
 
     async def health(self, request: Request) -> Response:
         """The process is alive and answering (liveness); says what it is doing."""

@@ -15,7 +15,7 @@ from starlette.routing import Route
 from rtxcore.engine.llm_engine import LLMEngine
 from rtxcore.engine.outputs import RequestOutput, TokenLogprob
 from rtxcore.errors import RtxError
-from rtxcore.server.http.common import check_model, read_json, request_id, token_text, traceparent
+from rtxcore.server.http.common import check_model, read_json, request_id, route, token_text, traceparent
 from rtxcore.server.http.errors import APIError
 from rtxcore.server.http.generation import Choice, Generation, embed, ensure_engine, tokenize
 from rtxcore.server.http.protocol import DEFAULT_CHAT_MAX_TOKENS, make_sampling_params, parse_chat, \
@@ -47,9 +47,10 @@ class OpenAIRoutes:
         engine = async_engine.engine
         req = parse_completion(await read_json(request))
         check_model(self.runtime, req.model)
+        where = route(self.runtime, request, req.routing)
         prompts = await tokenize(engine, req.prompts)
         params = make_sampling_params(req.params)
-        gen = await Generation.start(self.runtime, request_id(request), prompts, params, traceparent(request))
+        gen = await Generation.start(self.runtime, request_id(request), prompts, params, traceparent(request), where)
         header = {"id": f"cmpl-{gen.req_id}", "object": "text_completion", "created": int(time.time()),
                   "model": self.runtime.model_name}
 
@@ -78,13 +79,15 @@ class OpenAIRoutes:
         engine = async_engine.engine
         req = parse_chat(await read_json(request))
         check_model(self.runtime, req.model)
+        where = route(self.runtime, request, req.routing)
         # Reading the tokenizer is thread-safe; the template can be slow, so it runs off the event loop.
         text = await asyncio.to_thread(engine.apply_chat_template, req.messages)
         prompts = await tokenize(engine, [text], "messages")
         params = dict(req.params)
         params["max_tokens"] = req.max_tokens if req.max_tokens is not None else _room_left(engine, len(prompts[0]))
         sampling = make_sampling_params(params)
-        gen = await Generation.start(self.runtime, request_id(request), prompts, sampling, traceparent(request))
+        gen = await Generation.start(self.runtime, request_id(request), prompts, sampling, traceparent(request),
+                                     where)
         header = {"id": f"chatcmpl-{gen.req_id}", "object": "chat.completion", "created": int(time.time()),
                   "model": self.runtime.model_name}
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from rtxcore.errors import InvalidRequestError
+from rtxcore.lanes import check_lane_name
 from rtxcore.sampling_params import SamplingParams
 
 # A prompt as the API takes it: text, or token ids.
@@ -22,6 +23,16 @@ DEFAULT_CHAT_MAX_TOKENS = 4096
 _SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 
 
+@dataclass(slots=True, frozen=True)
+class RoutingFields:
+    """Where a request runs and what it may share: extensions of the OpenAI body (as vLLM has ``cache_salt``)."""
+
+    # SLA lane; None leaves it to the ``x-rtx-lane`` header or the tenant's default.
+    lane: str | None = None
+    # Only requests with the same salt (and tenant) share prefix-cache blocks.
+    cache_salt: str | None = None
+
+
 @dataclass(slots=True)
 class CompletionRequest:
     model: str | None
@@ -31,6 +42,7 @@ class CompletionRequest:
     params: dict[str, Any]
     stream: bool
     include_usage: bool
+    routing: RoutingFields
 
 
 @dataclass(slots=True)
@@ -42,6 +54,7 @@ class ChatRequest:
     max_tokens: int | None
     stream: bool
     include_usage: bool
+    routing: RoutingFields
 
 
 @dataclass(slots=True)
@@ -59,6 +72,7 @@ class GenerateRequest:
     prompt: Prompt
     params: dict[str, Any]
     stream: bool
+    routing: RoutingFields
 
 
 # -- OpenAI ------------------------------------------------------------------------------------------------------
@@ -80,7 +94,7 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
     params["max_tokens"] = 16 if max_tokens is None else max_tokens
     stream = _bool(body.get("stream", False), "stream")
     return CompletionRequest(_model(body), parse_prompts(body["prompt"], "prompt"), params, stream,
-                             _include_usage(body, stream))
+                             _include_usage(body, stream), parse_routing(body))
 
 
 def parse_chat(body: dict[str, Any]) -> ChatRequest:
@@ -104,7 +118,7 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     stream = _bool(body.get("stream", False), "stream")
     return ChatRequest(_model(body), [_message(m, i) for i, m in enumerate(messages)], params, max_tokens, stream,
-                       _include_usage(body, stream))
+                       _include_usage(body, stream), parse_routing(body))
 
 
 def parse_embedding(body: dict[str, Any]) -> EmbeddingRequest:
@@ -146,7 +160,7 @@ def parse_prompts(value: Any, param: str) -> list[Prompt]:
 
 
 def parse_generate(body: dict[str, Any]) -> GenerateRequest:
-    unknown = sorted(set(body) - _SAMPLING_FIELDS - {"prompt", "stream"})
+    unknown = sorted(set(body) - _SAMPLING_FIELDS - {"prompt", "stream", "lane", "cache_salt"})
     if unknown:
         raise InvalidRequestError(f"unknown field {unknown[0]!r}", param=unknown[0])
     if "prompt" not in body:
@@ -156,7 +170,7 @@ def parse_generate(body: dict[str, Any]) -> GenerateRequest:
         raise InvalidRequestError("prompt must be one string or one list of token ids", param="prompt")
     params = {k: v for k, v in body.items() if k in _SAMPLING_FIELDS}
     _check_lists(params)
-    return GenerateRequest(prompts[0], params, _bool(body.get("stream", True), "stream"))
+    return GenerateRequest(prompts[0], params, _bool(body.get("stream", True), "stream"), parse_routing(body))
 
 
 def parse_embed(body: dict[str, Any]) -> list[Prompt]:
@@ -166,6 +180,17 @@ def parse_embed(body: dict[str, Any]) -> list[Prompt]:
     if "inputs" not in body:
         raise InvalidRequestError("inputs is required", param="inputs")
     return parse_prompts(body["inputs"], "inputs")
+
+
+def parse_routing(body: dict[str, Any]) -> RoutingFields:
+    lane = body.get("lane")
+    if lane is not None:
+        check_lane_name(lane if isinstance(lane, str) else repr(lane))
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > 256):
+        raise InvalidRequestError("cache_salt must be a non-empty string of at most 256 characters",
+                                  param="cache_salt")
+    return RoutingFields(lane, salt)
 
 
 # -- sampling ----------------------------------------------------------------------------------------------------

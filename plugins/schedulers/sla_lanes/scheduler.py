@@ -1,0 +1,443 @@
+"""The ``sla-lanes`` scheduler: three lanes with latency targets, priority with preemption and aging, admission
+control from a learnt step-time model, a merge window for idle arrivals, and brownout under overload.
+
+Each step, in order:
+
+1. Running requests, most urgent lane first (decodes and continuing prefill chunks). When KV space runs out the
+   least urgent, most recently admitted request is preempted.
+2. Waiting requests: any that waited past its lane's aging bound (``max_wait_s``) first, oldest first; then by lane,
+   first come first served. A lane that may preempt (realtime preempts bulk by default) takes the slot or KV space
+   of the youngest running request of such a lane when it has no room.
+
+``add_request`` is the admission point: it refuses at once (``AdmissionRefused``, a 429 with ``Retry-After``) when
+the lane's queue is full, when brownout sheds the lane, or when the predicted time to first token exceeds the
+lane's target.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from rtxcore.contracts import Scheduler, SchedulerConfig, SchedulerOutput
+from rtxcore.contracts.scheduler import KVCacheAllocator, SchedulerStatus
+from rtxcore.errors import AdmissionRefused, ConfigError
+from rtxcore.lanes import LANE_NAMES, LaneSpec
+from rtxcore.request import Request, RequestStatus
+from rtx_plugins.schedulers.sla_lanes.brownout import STEPS, BrownoutConfig, BrownoutController
+from rtx_plugins.schedulers.sla_lanes.step_time import StepTimeModel
+
+# Weight of the newest request in a lane's measured TTFT ratio.
+_TTFT_WEIGHT = 0.2
+# Per brownout evaluation, how much of a lane's measured TTFT ratio is kept (about 2 s to fade at 0.1 s intervals).
+_MEASURED_FADE = 0.95
+# Weight of the newest evaluation in the smoothed pressure (evaluations come every brownout interval).
+_PRESSURE_WEIGHT = 0.3
+# A lane is never predicted to get less than this share of the engine (its wait then reads as 20x its work).
+_MIN_SHARE_LEFT = 0.05
+# Share of the tightest waiting deadline's slack a merge window may use.
+_MERGE_SLACK_SHARE = 0.1
+# A brownout-shed request is told to come back no sooner than this.
+_MIN_RETRY_AFTER_S = 1.0
+
+
+@dataclass(slots=True)
+class _Budget:
+    """What is left of one step: tokens overall, and prompt tokens (brownout may shrink those)."""
+
+    tokens: int
+    prefill: int
+    # Requests given tokens this step (a request admitted as overdue must not get a second chunk in its lane's turn).
+    scheduled: set[Request] = field(default_factory=set)
+
+    def grant(self, wanted: int) -> int:
+        """Tokens a request wanting ``wanted`` more may compute this step (one is a decode)."""
+        granted = min(wanted, self.tokens)
+        return min(granted, self.prefill) if granted > 1 else granted
+
+    def spend(self, num_tokens: int) -> None:
+        self.tokens -= num_tokens
+        if num_tokens > 1:
+            self.prefill -= num_tokens
+
+
+@dataclass(slots=True)
+class _Lane:
+    spec: LaneSpec
+    waiting: deque[Request] = field(default_factory=deque)
+    running: list[Request] = field(default_factory=list)
+    # Tokens still to prefill over the waiting requests (what admission predicts from).
+    queued_tokens: int = 0
+
+
+class SLALanesScheduler(Scheduler):
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheAllocator,
+                 clock: Callable[[], float] = time.monotonic):
+        super().__init__(config, kv_cache)
+        options = dict(config.options)
+        self.merge_window_s = float(options.pop("merge_window_s", 0.002))
+        self.brownout = BrownoutController(BrownoutConfig.from_options(options.pop("brownout", None)))
+        if options:
+            raise ConfigError(f"unknown sla-lanes option {sorted(options)[0]!r} "
+                              "(options: merge_window_s, brownout)")
+        if self.merge_window_s < 0:
+            raise ConfigError(f"merge_window_s must be >= 0, got {self.merge_window_s}")
+        self.clock = clock
+        self.lanes = [_Lane(config.lanes[name]) for name in LANE_NAMES]
+        self._by_name = {lane.spec.name: lane for lane in self.lanes}
+        self.step_time = StepTimeModel()
+        # Tokens computed per lane (by priority), decayed like the step-time model's samples.
+        self._lane_tokens = [0.0] * len(self.lanes)
+        # Recent time to first token over the target, per lane (exponentially weighted over requests).
+        self._ttft_ratio = [0.0] * len(self.lanes)
+        # When each live request arrived (scheduler clock): the start of its aging.
+        self._arrival: dict[Request, float] = {}
+        self._queued_tokens: dict[Request, int] = {}
+        # The previous schedule(): when it ran and how many tokens it scheduled (0: nothing ran).
+        self._last_schedule_time: float | None = None
+        self._last_num_tokens = 0
+        self._next_brownout_check = float("-inf")
+        self._pressure = 0.0
+        # Shed by brownout: (when, lane priority, prompt tokens), counted as demand for ``shadow_s``.
+        self._shed: deque[tuple[float, int, int]] = deque()
+
+    @classmethod
+    def describe(cls) -> dict[str, object]:
+        return {"policy": "SLA lanes (realtime, standard, bulk) with aging", "chunked_prefill": True,
+                "preemption": "recompute; realtime preempts bulk", "admission": "queue bound + predicted TTFT",
+                "brownout": list(STEPS)}
+
+    # -- bookkeeping ----------------------------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(lane.waiting) for lane in self.lanes)
+
+    @property
+    def num_running(self) -> int:
+        return sum(len(lane.running) for lane in self.lanes)
+
+    def status(self) -> SchedulerStatus:
+        # Also the idle engine's tick: brownout must be able to leave its level when no step runs.
+        self._maybe_update_brownout(self.clock())
+        return SchedulerStatus(queued={lane.spec.name: len(lane.waiting) for lane in self.lanes},
+                               running={lane.spec.name: len(lane.running) for lane in self.lanes},
+                               brownout_level=self.brownout.level, brownout_steps=self.brownout.steps,
+                               pressure=self.brownout.pressure)
+
+    # -- admission ------------------------------------------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        lane = self._by_name[req.lane]
+        spec = lane.spec
+        now = self.clock()
+        num_tokens = req.num_tokens - req.num_computed_tokens
+        shed_step = {"bulk": "shed_new_bulk", "standard": "shed_new_standard"}.get(spec.name)
+        if shed_step is not None and self.brownout.active(shed_step):
+            self._shed.append((now, spec.priority, num_tokens))
+            raise AdmissionRefused(f"the server is in brownout (level {self.brownout.level}) and sheds new "
+                                   f"{spec.name} requests; retry later", self.brownout.seconds_to_leave(now),
+                                   "brownout")
+        predicted = self.predict_ttft(spec, num_tokens)
+        if len(lane.waiting) >= spec.max_queue:
+            raise AdmissionRefused(f"the {spec.name} lane's queue is full ({spec.max_queue} requests)",
+                                   max(predicted / max(len(lane.waiting), 1), _MIN_RETRY_AFTER_S), "queue_full")
+        if predicted > spec.ttft_target_s:
+            raise AdmissionRefused(
+                f"predicted time to first token {predicted:.2f}s exceeds the {spec.name} lane's target of "
+                f"{spec.ttft_target_s:g}s", max(predicted - spec.ttft_target_s, _MIN_RETRY_AFTER_S), "predicted_wait")
+        if spec.name == "bulk" and self.brownout.active("cap_bulk_max_tokens"):
+            self._cap_max_tokens(req)
+        req.status = RequestStatus.WAITING
+        self._arrival[req] = now
+        self._push(lane, req, front=False)
+
+    def predict_ttft(self, spec: LaneSpec, num_tokens: int, extra_tokens: int = 0) -> float:
+        """Seconds until a new request of ``spec``'s lane with ``num_tokens`` prompt tokens would get its first
+        token; 0 until the step-time model has seen enough steps to be trusted."""
+        if not self.step_time.ready:
+            return 0.0
+        budget = self.config.max_num_batched_tokens
+        running = [r for lane in self.lanes for r in lane.running]
+        num_decodes = sum(1 for r in running if r.num_computed_tokens >= r.num_prompt_tokens)
+        prefill_per_step = max(1, min(budget - num_decodes, self._prefill_cap()))
+        ahead = num_tokens + extra_tokens + sum(r.num_tokens - r.num_computed_tokens for r in running
+                                                if r.num_computed_tokens < r.num_prompt_tokens)
+        num_ahead = 1
+        for lane in self.lanes[:spec.priority + 1]:
+            ahead += lane.queued_tokens
+            num_ahead += len(lane.waiting)
+        base_s, per_token_s = self.step_time.coefficients()
+        decode_step_s = base_s + per_token_s * num_decodes
+        # Every step carries the running decodes; the prefill work ahead is spread over as many steps as it needs.
+        prefill_s = math.ceil(ahead / prefill_per_step) * decode_step_s + per_token_s * ahead
+        # More urgent lanes keep arriving and go first: while this request waits, it gets only the share of the
+        # engine they leave (what they took over the recent steps).
+        stretch = 1.0 / max(1.0 - self._share_above(spec.priority), _MIN_SHARE_LEFT)
+        # Slots: requests ahead beyond the free ones wait for running ones (that this lane cannot preempt) to end.
+        holders = [r for r in running if r.lane not in spec.preempts]
+        short = num_ahead - (self.config.max_num_seqs - len(holders))
+        if short <= 0 or not holders:
+            return prefill_s * stretch
+        remaining = sorted(r.params.max_tokens - r.num_output_tokens for r in holders)
+        rounds, index = divmod(short - 1, len(remaining))
+        slot_s = (rounds * remaining[-1] + remaining[index]) * decode_step_s
+        own = num_tokens + extra_tokens
+        return stretch * max(prefill_s, slot_s + math.ceil(own / prefill_per_step) * decode_step_s + per_token_s * own)
+
+    def _share_above(self, priority: int) -> float:
+        """Share of recently computed tokens that went to lanes more urgent than ``priority``."""
+        total = sum(self._lane_tokens)
+        return sum(self._lane_tokens[:priority]) / total if total > 0 else 0.0
+
+    # -- the step -------------------------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        now = self.clock()
+        self._learn_step_time(now)
+        self._maybe_update_brownout(now)
+        out = self._hold(now) or self._build(now)
+        self._count_lane_tokens(out, now)
+        self._last_schedule_time = now
+        self._last_num_tokens = out.total_num_scheduled_tokens
+        return out
+
+    def _build(self, now: float) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = _Budget(self.config.max_num_batched_tokens, self._prefill_cap())
+        # Decodes first, most urgent lane first: every streaming request keeps its inter-token latency.
+        for lane in self.lanes:
+            self._continue_running(lane, out, budget, decodes=True)
+        # Then prefill work: requests past their aging bound, then lane by lane its running chunks and its queue,
+        # so a realtime newcomer's prompt goes before the rest of a long bulk prompt. Admitting new work right after
+        # running out of KV space would only preempt again.
+        admitting = not out.preempted and self._admit_overdue(now, out, budget)
+        for lane in self.lanes:
+            self._continue_running(lane, out, budget, decodes=False)
+            while admitting and lane.waiting and budget.tokens > 0:
+                admitting = self._admit_head(lane, now, out, budget)
+        return out
+
+    def _continue_running(self, lane: _Lane, out: SchedulerOutput, budget: _Budget, decodes: bool) -> None:
+        for req in list(lane.running):
+            if budget.tokens <= 0:
+                return
+            left = req.num_tokens - req.num_computed_tokens
+            # Preempted earlier in this step, or not this phase's kind of work.
+            if req.status is not RequestStatus.RUNNING or (left == 1) != decodes or req in budget.scheduled:
+                continue
+            num_new = budget.grant(left)
+            if num_new <= 0:
+                continue
+            if not self.kv_cache.allocate(req, num_new) and not self._preempt_until_fits(req, num_new, out):
+                continue
+            self._add_to_step(out, req, num_new)
+            budget.spend(num_new)
+            budget.scheduled.add(req)
+
+    def _admit_overdue(self, now: float, out: SchedulerOutput, budget: _Budget) -> bool:
+        """Admit every queue head past its aging bound, oldest first; False when one could not be placed."""
+        while budget.tokens > 0:
+            overdue = [lane for lane in self.lanes
+                       if lane.waiting and now - self._arrival[lane.waiting[0]] >= lane.spec.max_wait_s]
+            if not overdue:
+                return True
+            lane = min(overdue, key=lambda lane: self._arrival[lane.waiting[0]])
+            if not self._admit_head(lane, now, out, budget):
+                return False
+        return True
+
+    def _admit_head(self, lane: _Lane, now: float, out: SchedulerOutput, budget: _Budget) -> bool:
+        """Start the head of ``lane``'s queue; False (and nothing held) when it cannot run this step, in which case
+        nobody behind it may jump the queue."""
+        req = lane.waiting[0]
+        if req in out.preempted:
+            return False  # it made room for another this step; it cannot run in the same one
+        if req.num_computed_tokens == 0:
+            req.num_computed_tokens = self.kv_cache.lookup_prefix(req)
+        left = req.num_tokens - req.num_computed_tokens
+        num_new = budget.grant(left)
+        if num_new <= 0 or (num_new < left and not self.config.enable_chunked_prefill) \
+                or not self._make_room(lane, req, num_new, out, now):
+            self._release(req)
+            return False
+        if out.preempted:  # a victim scheduled earlier in this step gave its tokens back
+            budget.tokens = self.config.max_num_batched_tokens - out.total_num_scheduled_tokens - num_new
+        else:
+            budget.spend(num_new)
+        self._pop(lane)
+        if req.status is RequestStatus.WAITING:
+            req.num_cached_tokens = req.num_computed_tokens
+        req.status = RequestStatus.RUNNING
+        lane.running.append(req)
+        self._add_to_step(out, req, num_new)
+        budget.scheduled.add(req)
+        return True
+
+    def _make_room(self, lane: _Lane, req: Request, num_new: int, out: SchedulerOutput, now: float) -> bool:
+        """A slot and KV space for ``req``, preempting running requests of lanes it may preempt if need be.
+
+        Requests that waited past their aging bound are never victims: preempting them again would starve them.
+        """
+        victims = [v for name in reversed(LANE_NAMES) if name in lane.spec.preempts
+                   for v in reversed(self._by_name[name].running)
+                   if now - self._arrival[v] < self._by_name[name].spec.max_wait_s]
+        while True:
+            if self.num_running < self.config.max_num_seqs and self.kv_cache.allocate(req, num_new):
+                return True
+            if not victims:
+                return False
+            self._preempt(victims.pop(0), out)
+
+    def _preempt_until_fits(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """Preempt the least urgent, youngest running requests until ``req`` fits; False if ``req`` had to go."""
+        for lane in reversed(self.lanes):
+            while lane.running:
+                victim = lane.running[-1]
+                self._preempt(victim, out)
+                if victim is req:
+                    return False
+                if self.kv_cache.allocate(req, num_new):
+                    return True
+        return False
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        lane = self._by_name[req.lane]
+        lane.running.remove(req)
+        if req in out.scheduled:  # scheduled earlier this step: take it back out
+            index = out.scheduled.index(req)
+            del out.scheduled[index], out.num_scheduled_tokens[index]
+        self.kv_cache.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self._push(lane, req, front=True)
+        out.preempted.append(req)
+
+    def _hold(self, now: float) -> SchedulerOutput | None:
+        """A merge window: with nothing running, hold fresh arrivals briefly so they prefill together, never past
+        the point where the tightest waiting deadline would be at risk."""
+        if self.merge_window_s <= 0 or self.num_running or not self.num_waiting:
+            return None
+        heads = [lane for lane in self.lanes if lane.waiting]
+        first = min(self._arrival[r] for lane in heads for r in lane.waiting)
+        queued = sum(lane.queued_tokens for lane in self.lanes)
+        prefill_s = self.step_time.predict(min(queued, self.config.max_num_batched_tokens)) \
+            if self.step_time.ready else 0.0
+        slack = min(self._arrival[r] + lane.spec.ttft_target_s for lane in heads for r in lane.waiting) \
+            - now - prefill_s
+        # A merge window buys batching, so it may spend only a small part of the tightest request's slack.
+        window = min(self.merge_window_s, _MERGE_SLACK_SHARE * slack)
+        if now - first >= window:
+            return None
+        return SchedulerOutput(hold_s=first + window - now)
+
+    # -- brownout -------------------------------------------------------------------------------------------------
+
+    def _maybe_update_brownout(self, now: float) -> None:
+        if now >= self._next_brownout_check:
+            self._next_brownout_check = now + self.brownout.config.interval_s
+            self._update_brownout(now)
+
+    def _update_brownout(self, now: float) -> None:
+        cutoff = now - self.brownout.config.shadow_s
+        while self._shed and self._shed[0][0] < cutoff:
+            self._shed.popleft()
+        pressure, cause = 0.0, "no load"
+        busy = self.num_running + self.num_waiting > 0
+        for lane in self.lanes[:-1]:  # the lowest lane is what brownout sacrifices, not what it protects
+            shadow = sum(n for _, priority, n in self._shed if priority <= lane.spec.priority)
+            ratio = self.predict_ttft(lane.spec, 0, shadow) / lane.spec.ttft_target_s
+            if ratio > pressure:
+                pressure, cause = ratio, f"{lane.spec.name} lane predicted TTFT at {ratio:.2f}x its target"
+            # What requests actually waited lags but does not depend on the model being right; it fades when no
+            # request of the lane starts (a stale figure must not hold brownout).
+            self._ttft_ratio[lane.spec.priority] *= _MEASURED_FADE
+            measured = self._ttft_ratio[lane.spec.priority] if busy else 0.0
+            if measured > pressure:
+                pressure, cause = measured, f"{lane.spec.name} lane measured TTFT at {measured:.2f}x its target"
+        streaming = [lane.spec.itl_target_s for lane in self.lanes if lane.running]
+        if streaming and self.step_time.ready:
+            ratio = self.step_time.predict(self._last_num_tokens) / min(streaming)
+            if ratio > pressure:
+                pressure, cause = ratio, f"step time at {ratio:.2f}x the tightest inter-token target"
+        # Smoothed: one noisy evaluation must not reset the controller's hold timers.
+        self._pressure += _PRESSURE_WEIGHT * (pressure - self._pressure)
+        self.brownout.update(now, self._pressure, cause)
+        if self.brownout.active("cap_bulk_max_tokens"):
+            bulk = self._by_name["bulk"]
+            for req in (*bulk.waiting, *bulk.running):
+                self._cap_max_tokens(req)
+
+    def _cap_max_tokens(self, req: Request) -> None:
+        cap = max(self.brownout.config.bulk_max_tokens, req.num_output_tokens + req.num_pending_tokens + 1)
+        if req.params.max_tokens > cap:
+            req.params = replace(req.params, max_tokens=cap)
+
+    def _prefill_cap(self) -> int:
+        if self.brownout.active("shrink_prefill_chunk"):
+            return self.brownout.config.prefill_chunk
+        return self.config.max_num_batched_tokens
+
+    # -- helpers --------------------------------------------------------------------------------------------------
+
+    def _learn_step_time(self, now: float) -> None:
+        # Only back-to-back steps measure a step: after an idle schedule() the gap includes waiting for work.
+        if self._last_schedule_time is not None and self._last_num_tokens:
+            self.step_time.observe(self._last_num_tokens, now - self._last_schedule_time)
+
+    def _count_lane_tokens(self, out: SchedulerOutput, now: float) -> None:
+        """Per-lane token shares, and the time to first token each request completing its prompt this step sees
+        (its first token comes out of this step): the measured side of brownout's pressure."""
+        keep = 1.0 - self.step_time.forget
+        tokens = self._lane_tokens
+        for priority in range(len(tokens)):
+            tokens[priority] *= keep
+        for req, n in zip(out.scheduled, out.num_scheduled_tokens):
+            lane = self._by_name[req.lane]
+            tokens[lane.spec.priority] += n
+            if req.num_computed_tokens < req.num_prompt_tokens <= req.num_computed_tokens + n:
+                ratio = (now - self._arrival[req]) / lane.spec.ttft_target_s
+                self._ttft_ratio[lane.spec.priority] += _TTFT_WEIGHT * (ratio - self._ttft_ratio[lane.spec.priority])
+
+    @staticmethod
+    def _add_to_step(out: SchedulerOutput, req: Request, num_new: int) -> None:
+        out.scheduled.append(req)
+        out.num_scheduled_tokens.append(num_new)
+
+    def _push(self, lane: _Lane, req: Request, front: bool) -> None:
+        """Queue ``req``; a preempted one (``front``) goes back to its place by arrival, so each lane's queue stays
+        oldest first and its head is the one aging promotes."""
+        n = req.num_tokens - req.num_computed_tokens
+        self._queued_tokens[req] = n
+        lane.queued_tokens += n
+        if not front:
+            lane.waiting.append(req)
+            return
+        arrival = self._arrival[req]
+        index = next((i for i, other in enumerate(lane.waiting) if self._arrival[other] > arrival), len(lane.waiting))
+        lane.waiting.insert(index, req)
+
+    def _pop(self, lane: _Lane) -> Request:
+        req = lane.waiting.popleft()
+        lane.queued_tokens -= self._queued_tokens.pop(req)
+        return req
+
+    def _release(self, req: Request) -> None:
+        # Drop the prefix-cache hold taken by lookup_prefix; the lookup is redone when the request is retried.
+        self.kv_cache.free(req)
+        req.num_computed_tokens = 0
+
+    def finish_request(self, req: Request) -> None:
+        lane = self._by_name.get(req.lane)
+        if lane is not None:
+            if req in lane.running:
+                lane.running.remove(req)
+            elif req in self._queued_tokens:
+                lane.waiting.remove(req)
+                lane.queued_tokens -= self._queued_tokens.pop(req)
+        self._arrival.pop(req, None)
+        self.kv_cache.free(req)

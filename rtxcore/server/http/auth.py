@@ -1,0 +1,48 @@
+"""API-key authentication for the HTTP server: every route but the probes and ``/metrics`` needs a key when keys are
+configured. The tenant found is put in the request's state for the routes; the key itself goes nowhere."""
+
+from __future__ import annotations
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from rtxcore.server.http.errors import APIError
+from rtxcore.server.http.middleware import send_error
+from rtxcore.server.runtime import ServingRuntime
+from rtxcore.server.tenants import AuthError
+
+# Kubernetes probes and Prometheus scrape without credentials.
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+
+
+def presented_key(authorization: str | None, api_key: str | None) -> str | None:
+    """The key of an ``Authorization: Bearer`` header, else of an ``x-api-key`` header."""
+    if authorization:
+        scheme, _, credentials = authorization.strip().partition(" ")
+        if scheme.lower() == "bearer" and credentials.strip():
+            return credentials.strip()
+    return api_key or None
+
+
+class AuthMiddleware:
+    def __init__(self, app: ASGIApp, runtime: ServingRuntime):
+        self.app = app
+        self.runtime = runtime
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        tenants = self.runtime.tenants
+        tenant = None
+        if tenants.auth_required and scope["path"] not in OPEN_PATHS:
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]
+                       if k.lower() in (b"authorization", b"x-api-key")}
+            try:
+                tenant = tenants.authenticate(presented_key(headers.get("authorization"), headers.get("x-api-key")))
+            except AuthError as exc:
+                self.runtime.metrics.record_rejection("unauthorized")
+                await send_error(send, APIError(401, str(exc), code="invalid_api_key",
+                                                headers={"WWW-Authenticate": "Bearer"}))
+                return
+        scope["state"] = {**scope.get("state", {}), "tenant": tenant}
+        await self.app(scope, receive, send)

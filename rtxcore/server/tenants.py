@@ -1,0 +1,291 @@
+"""Tenants: API keys, per-tenant rate limits and concurrency caps, lane entitlements and cache isolation.
+
+Keys are never kept in clear: a config file names a key by its SHA-256 (``key_sha256``) or by an environment
+variable holding it (``key_env``), and keys read from the environment are hashed at start-up. A presented key is
+hashed and compared with every stored hash in constant time (``hmac.compare_digest``, no early exit), so timing says
+nothing about which key or how much of one matched. Nothing here logs a key or a hash.
+
+With no key configured the server runs unauthenticated: every request belongs to no tenant and has no limits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import math
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from rtxcore.errors import ConfigError, RtxError
+from rtxcore.lanes import DEFAULT_LANE, LANE_NAMES
+
+# Environment variable with keys of tenants: "name=key,other=key2" (e.g. from a Kubernetes Secret).
+KEYS_ENV = "RTX_API_KEYS"
+_TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+def hash_key(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8")).digest()
+
+
+class AuthError(RtxError):
+    """A missing or wrong API key (HTTP 401, gRPC UNAUTHENTICATED)."""
+
+
+class NotEntitled(RtxError):
+    """The tenant may not use the lane it asked for (HTTP 403, gRPC PERMISSION_DENIED)."""
+
+
+class RateLimited(RtxError):
+    """A tenant limit is reached (HTTP 429 with Retry-After); ``code`` says which limit."""
+
+    def __init__(self, message: str, retry_after_s: float, code: str):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.code = code
+
+
+@dataclass(slots=True)
+class TokenBucket:
+    """``rate`` units per second, holding at most ``capacity``; starts full."""
+
+    rate: float
+    capacity: float
+    level: float = -1.0
+    updated: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.level < 0:
+            self.level = self.capacity
+
+    def _refill(self, now: float) -> None:
+        self.level = min(self.capacity, self.level + (now - self.updated) * self.rate)
+        self.updated = now
+
+    def wait_for(self, amount: float, now: float) -> float:
+        """Seconds until ``amount`` is available (0: available now); inf if it exceeds the capacity."""
+        self._refill(now)
+        if amount > self.capacity:
+            return math.inf
+        return max(0.0, (amount - self.level) / self.rate)
+
+    def take(self, amount: float) -> None:
+        self.level -= amount
+
+    def give_back(self, amount: float, now: float) -> None:
+        self._refill(now)
+        self.level = min(self.capacity, self.level + amount)
+
+
+@dataclass(slots=True)
+class Tenant:
+    name: str
+    key_hashes: list[bytes]
+    lanes: tuple[str, ...] = LANE_NAMES
+    default_lane: str = DEFAULT_LANE
+    requests_per_second: float | None = None
+    # Requests that may arrive at once after a quiet spell (the request bucket's size).
+    burst: int | None = None
+    # Prompt plus max_tokens of admitted requests; what a request did not generate is given back when it ends.
+    tokens_per_minute: int | None = None
+    max_concurrency: int | None = None
+    # Limit state, guarded by the registry's lock.
+    _requests: TokenBucket | None = field(default=None, repr=False)
+    _tokens: TokenBucket | None = field(default=None, repr=False)
+    _active: int = 0
+
+    def __post_init__(self) -> None:
+        now = time.monotonic()
+        if self.requests_per_second is not None:
+            self._requests = TokenBucket(self.requests_per_second, self.burst or max(1, math.ceil(
+                self.requests_per_second)), updated=now)
+        if self.tokens_per_minute is not None:
+            self._tokens = TokenBucket(self.tokens_per_minute / 60.0, self.tokens_per_minute, updated=now)
+
+    def lane_for(self, asked: str | None) -> str:
+        """The lane a request runs in: the one it asked for if entitled, else its tenant's default."""
+        lane = asked or self.default_lane
+        if lane not in self.lanes:
+            raise NotEntitled(f"tenant {self.name!r} is not entitled to the {lane} lane "
+                              f"(entitled: {', '.join(self.lanes)})")
+        return lane
+
+
+@dataclass(slots=True)
+class Lease:
+    """What one admitted request took from its tenant's limits; :meth:`TenantRegistry.release` gives it back."""
+
+    tenant: Tenant | None
+    num_requests: int
+    reserved_tokens: int
+    released: bool = False
+
+
+class TenantRegistry:
+    def __init__(self, tenants: list[Tenant]):
+        self.tenants = {t.name: t for t in tenants}
+        self._lock = threading.Lock()
+
+    @property
+    def auth_required(self) -> bool:
+        return bool(self.tenants)
+
+    @classmethod
+    def from_config(cls, table: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
+                    ) -> TenantRegistry:
+        """Tenants from ``[tenants.<name>]`` tables plus :data:`KEYS_ENV`.
+
+        :raises ConfigError: an invalid name, setting, key reference or hash.
+        """
+        environ = os.environ if environ is None else environ
+        tenants: dict[str, Tenant] = {}
+        for name, values in (table or {}).items():
+            tenants[name] = _tenant_from_table(name, values, environ)
+        for name, key in _env_keys(environ.get(KEYS_ENV, "")):
+            if name in tenants:
+                tenants[name].key_hashes.append(hash_key(key))
+            else:
+                tenants[name] = Tenant(name, [hash_key(key)])
+        for tenant in tenants.values():
+            if not tenant.key_hashes:
+                raise ConfigError(f"tenant {tenant.name!r} has no key (set key_sha256, key_env or {KEYS_ENV})")
+        return cls(list(tenants.values()))
+
+    def authenticate(self, presented: str | None) -> Tenant | None:
+        """The tenant owning ``presented``; None when the server is unauthenticated.
+
+        :raises AuthError: keys are configured and ``presented`` is missing or matches none.
+        """
+        if not self.tenants:
+            return None
+        if not presented:
+            raise AuthError("missing API key: send it as 'Authorization: Bearer <key>'")
+        digest = hash_key(presented)
+        found: Tenant | None = None
+        for tenant in self.tenants.values():  # every hash is compared, whichever matches
+            for stored in tenant.key_hashes:
+                if hmac.compare_digest(digest, stored):
+                    found = tenant
+        if found is None:
+            raise AuthError("invalid API key")
+        return found
+
+    def acquire(self, tenant: Tenant | None, num_requests: int, num_tokens: int) -> Lease:
+        """Take ``num_requests`` requests and ``num_tokens`` tokens from ``tenant``'s limits, all or nothing.
+
+        :raises RateLimited: a limit is reached; ``retry_after_s`` says when it will not be.
+        """
+        if tenant is None:
+            return Lease(None, num_requests, num_tokens)
+        now = time.monotonic()
+        with self._lock:
+            if tenant.max_concurrency is not None and tenant._active + num_requests > tenant.max_concurrency:
+                raise RateLimited(f"tenant {tenant.name!r} is at its limit of {tenant.max_concurrency} concurrent "
+                                  "requests", 1.0, "concurrency")
+            if tenant._requests is not None:
+                wait = tenant._requests.wait_for(num_requests, now)
+                if wait > 0:
+                    raise RateLimited(f"tenant {tenant.name!r} is over its limit of {tenant.requests_per_second:g} "
+                                      "requests per second", wait, "requests_per_second")
+            if tenant._tokens is not None:
+                wait = tenant._tokens.wait_for(num_tokens, now)
+                if wait == math.inf:
+                    raise RateLimited(f"request needs {num_tokens} tokens (prompt + max_tokens), more than tenant "
+                                      f"{tenant.name!r}'s limit of {tenant.tokens_per_minute} tokens per minute",
+                                      60.0, "tokens_per_minute")
+                if wait > 0:
+                    raise RateLimited(f"tenant {tenant.name!r} is over its limit of {tenant.tokens_per_minute} "
+                                      "tokens per minute", wait, "tokens_per_minute")
+                tenant._tokens.take(num_tokens)
+            if tenant._requests is not None:
+                tenant._requests.take(num_requests)
+            tenant._active += num_requests
+        return Lease(tenant, num_requests, num_tokens)
+
+    def release(self, lease: Lease, used_tokens: int) -> None:
+        """End a lease: the concurrency slots, and the reserved tokens the requests did not use."""
+        if lease.released:
+            return
+        lease.released = True
+        tenant = lease.tenant
+        if tenant is None:
+            return
+        with self._lock:
+            tenant._active -= lease.num_requests
+            unused = lease.reserved_tokens - used_tokens
+            if tenant._tokens is not None and unused > 0:
+                tenant._tokens.give_back(unused, time.monotonic())
+
+
+def cache_salt(tenant: Tenant | None, salt: str | None) -> str | None:
+    """The prefix-cache salt of a request: its tenant's name and its own salt, so no two tenants (and no two
+    salts) ever share cached blocks, while requests of one tenant with the same salt do."""
+    if tenant is None and not salt:
+        return None
+    return json.dumps([tenant.name if tenant is not None else None, salt or None])
+
+
+def _tenant_from_table(name: str, values: Any, environ: Mapping[str, str]) -> Tenant:
+    where = f"[tenants.{name}]"
+    if not _TENANT_NAME.match(name):
+        raise ConfigError(f"tenant name {name!r} must be 1-64 letters, digits, '_', '.', '-'")
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"{where} must be a table")
+    known = {"key_sha256", "key_env", "lanes", "default_lane", "requests_per_second", "burst",
+             "tokens_per_minute", "max_concurrency"}
+    unknown = set(values) - known
+    if unknown:
+        key = sorted(unknown)[0]
+        hint = " (keys are never written in clear: use key_sha256 or key_env)" if key in ("key", "api_key") else ""
+        raise ConfigError(f"unknown setting {key!r} in {where}{hint}")
+    hashes = []
+    for digest in _as_list(values.get("key_sha256"), f"{where} key_sha256"):
+        if not isinstance(digest, str) or not _SHA256_HEX.match(digest.lower()):
+            raise ConfigError(f"{where} key_sha256 must hold 64-character hex SHA-256 digests")
+        hashes.append(bytes.fromhex(digest))
+    for var in _as_list(values.get("key_env"), f"{where} key_env"):
+        key = environ.get(var)
+        if not key:
+            raise ConfigError(f"{where} key_env names {var!r}, which is not set")
+        hashes.append(hash_key(key))
+    lanes = tuple(values.get("lanes", LANE_NAMES))
+    for lane in lanes:
+        if lane not in LANE_NAMES:
+            raise ConfigError(f"{where} lanes: unknown lane {lane!r} (lanes are: {', '.join(LANE_NAMES)})")
+    default_lane = values.get("default_lane", DEFAULT_LANE if DEFAULT_LANE in lanes else (lanes or ("",))[-1])
+    if default_lane not in lanes:
+        raise ConfigError(f"{where} default_lane {default_lane!r} is not among its lanes")
+    limits = {}
+    for setting in ("requests_per_second", "burst", "tokens_per_minute", "max_concurrency"):
+        value = values.get(setting)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            raise ConfigError(f"{where} {setting} must be a positive number, got {value!r}")
+        limits[setting] = value
+    return Tenant(name, hashes, lanes, default_lane, **limits)
+
+
+def _env_keys(value: str) -> list[tuple[str, str]]:
+    pairs = []
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        name, sep, key = item.partition("=")
+        if not sep or not key or not _TENANT_NAME.match(name):
+            # The message must not echo the item: it holds a key.
+            raise ConfigError(f"{KEYS_ENV} must be a comma-separated list of tenant=key pairs")
+        pairs.append((name, key))
+    return pairs
+
+
+def _as_list(value: Any, where: str) -> list[Any]:
+    if value is None:
+        return []
+    if isinstance(value, list):
+        return value
+    if isinstance(value, str):
+        return [value]
+    raise ConfigError(f"{where} must be a string or a list of strings")

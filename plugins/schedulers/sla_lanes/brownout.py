@@ -6,8 +6,13 @@ time over the tightest inter-token target of the lanes streaming now. 1.0 means 
 
 Hysteresis keeps it from oscillating: it climbs one level after the pressure has stayed at or above
 ``enter_pressure`` for ``enter_after_s``, and steps down one level after it has stayed below ``exit_pressure``
-(well under ``enter_pressure``) for ``exit_after_s``; in between it holds. Work shed at a level still counts
-towards the pressure for ``shadow_s``, so shedding cannot by itself make the controller leave the level that sheds.
+(well under ``enter_pressure``) for the exit hold; in between it holds. The exit hold starts at ``exit_after_s``
+and doubles (up to 8x) each time the controller has to climb again soon after stepping down, so a load that only
+fits while shed settles at its level instead of flapping; a calm spell at level 0 resets it.
+
+The ladder stops at shrinking the prefill chunk. Turning off optional work would come next, but this server has
+none to turn off (no speculative decoding); shedding the standard lane as well would refuse work that admission
+control can still place, so it is not a brownout step.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from rtxcore.errors import ConfigError
 log = logging.getLogger("rtx.brownout")
 
 # The ladder, in the order it is climbed. Each level adds the next step.
-STEPS = ("shed_new_bulk", "cap_bulk_max_tokens", "shrink_prefill_chunk", "shed_new_standard")
+STEPS = ("shed_new_bulk", "cap_bulk_max_tokens", "shrink_prefill_chunk")
+# Most the exit hold grows to, as a multiple of exit_after_s.
+_MAX_EXIT_BACKOFF = 8
 
 
 @dataclass(slots=True)
@@ -31,8 +38,6 @@ class BrownoutConfig:
     exit_pressure: float = 0.5
     enter_after_s: float = 1.0
     exit_after_s: float = 5.0
-    # How long shed work keeps counting towards the pressure.
-    shadow_s: float = 5.0
     # Pressure is re-evaluated at most this often (it walks the running requests).
     interval_s: float = 0.1
     # cap_bulk_max_tokens: bulk requests stop after this many output tokens (or the next one, if already past).
@@ -53,7 +58,7 @@ class BrownoutConfig:
         if not 0 < config.exit_pressure < config.enter_pressure:
             raise ConfigError("[brownout] needs 0 < exit_pressure < enter_pressure, got "
                               f"{config.exit_pressure} and {config.enter_pressure}")
-        for name in ("enter_after_s", "exit_after_s", "shadow_s", "interval_s"):
+        for name in ("enter_after_s", "exit_after_s", "interval_s"):
             if getattr(config, name) < 0:
                 raise ConfigError(f"[brownout] {name} must be >= 0, got {getattr(config, name)}")
         for name in ("bulk_max_tokens", "prefill_chunk"):
@@ -77,6 +82,9 @@ class BrownoutController:
         self._above_since: float | None = None
         self._below_since: float | None = None
         self._last_change = float("-inf")
+        self._last_step_down = float("-inf")
+        # Current exit hold (see the module docstring).
+        self.exit_hold_s = config.exit_after_s
 
     @property
     def steps(self) -> tuple[str, ...]:
@@ -101,8 +109,10 @@ class BrownoutController:
             self._above_since = None
             if self._below_since is None:
                 self._below_since = now
-            if (self.level > 0 and now - self._below_since >= c.exit_after_s
-                    and now - self._last_change >= c.exit_after_s):
+            if self.level == 0 and now - self._below_since >= 4 * self.exit_hold_s:
+                self.exit_hold_s = c.exit_after_s  # calm for a while: forget past flapping
+            if (self.level > 0 and now - self._below_since >= self.exit_hold_s
+                    and now - self._last_change >= self.exit_hold_s):
                 return self._change(now, self.level - 1)
         else:  # the dead band between the thresholds: hold the level
             self._above_since = self._below_since = None
@@ -110,9 +120,14 @@ class BrownoutController:
 
     def seconds_to_leave(self, now: float) -> float:
         """A lower bound on when the current level can be left: what a shed request is told to wait."""
-        return max(self.config.exit_after_s - (now - (self._below_since or now)), 1.0)
+        return max(self.exit_hold_s - (now - (self._below_since or now)), 1.0)
 
     def _change(self, now: float, level: int) -> int:
+        if level > self.level and now - self._last_step_down < 2 * self.exit_hold_s:
+            # Climbing right after stepping down: the load only fits while shed, so hold longer next time.
+            self.exit_hold_s = min(2 * self.exit_hold_s, _MAX_EXIT_BACKOFF * self.config.exit_after_s)
+        if level < self.level:
+            self._last_step_down = now
         before, self.level, self._last_change = self.level, level, now
         step = STEPS[max(level, before) - 1]
         verb = "entering" if level > before else "leaving"

@@ -101,8 +101,6 @@ class SLALanesScheduler(Scheduler):
         self._last_num_tokens = 0
         self._next_brownout_check = float("-inf")
         self._pressure = 0.0
-        # Shed by brownout: (when, lane priority, prompt tokens), counted as demand for ``shadow_s``.
-        self._shed: deque[tuple[float, int, int]] = deque()
 
     @classmethod
     def describe(cls) -> dict[str, object]:
@@ -135,9 +133,7 @@ class SLALanesScheduler(Scheduler):
         spec = lane.spec
         now = self.clock()
         num_tokens = req.num_tokens - req.num_computed_tokens
-        shed_step = {"bulk": "shed_new_bulk", "standard": "shed_new_standard"}.get(spec.name)
-        if shed_step is not None and self.brownout.active(shed_step):
-            self._shed.append((now, spec.priority, num_tokens))
+        if spec.name == "bulk" and self.brownout.active("shed_new_bulk"):
             raise AdmissionRefused(f"the server is in brownout (level {self.brownout.level}) and sheds new "
                                    f"{spec.name} requests; retry later", self.brownout.seconds_to_leave(now),
                                    "brownout")
@@ -155,7 +151,7 @@ class SLALanesScheduler(Scheduler):
         self._arrival[req] = now
         self._push(lane, req, front=False)
 
-    def predict_ttft(self, spec: LaneSpec, num_tokens: int, extra_tokens: int = 0) -> float:
+    def predict_ttft(self, spec: LaneSpec, num_tokens: int) -> float:
         """Seconds until a new request of ``spec``'s lane with ``num_tokens`` prompt tokens would get its first
         token; 0 until the step-time model has seen enough steps to be trusted."""
         if not self.step_time.ready:
@@ -164,7 +160,7 @@ class SLALanesScheduler(Scheduler):
         running = [r for lane in self.lanes for r in lane.running]
         num_decodes = sum(1 for r in running if r.num_computed_tokens >= r.num_prompt_tokens)
         prefill_per_step = max(1, min(budget - num_decodes, self._prefill_cap()))
-        ahead = num_tokens + extra_tokens + sum(r.num_tokens - r.num_computed_tokens for r in running
+        ahead = num_tokens + sum(r.num_tokens - r.num_computed_tokens for r in running
                                                 if r.num_computed_tokens < r.num_prompt_tokens)
         num_ahead = 1
         for lane in self.lanes[:spec.priority + 1]:
@@ -185,8 +181,8 @@ class SLALanesScheduler(Scheduler):
         remaining = sorted(r.params.max_tokens - r.num_output_tokens for r in holders)
         rounds, index = divmod(short - 1, len(remaining))
         slot_s = (rounds * remaining[-1] + remaining[index]) * decode_step_s
-        own = num_tokens + extra_tokens
-        return stretch * max(prefill_s, slot_s + math.ceil(own / prefill_per_step) * decode_step_s + per_token_s * own)
+        return stretch * max(prefill_s, slot_s + math.ceil(num_tokens / prefill_per_step) * decode_step_s
+                         + per_token_s * num_tokens)
 
     def _share_above(self, priority: int) -> float:
         """Share of recently computed tokens that went to lanes more urgent than ``priority``."""
@@ -343,14 +339,10 @@ class SLALanesScheduler(Scheduler):
             self._update_brownout(now)
 
     def _update_brownout(self, now: float) -> None:
-        cutoff = now - self.brownout.config.shadow_s
-        while self._shed and self._shed[0][0] < cutoff:
-            self._shed.popleft()
         pressure, cause = 0.0, "no load"
         busy = self.num_running + self.num_waiting > 0
         for lane in self.lanes[:-1]:  # the lowest lane is what brownout sacrifices, not what it protects
-            shadow = sum(n for _, priority, n in self._shed if priority <= lane.spec.priority)
-            ratio = self.predict_ttft(lane.spec, 0, shadow) / lane.spec.ttft_target_s
+            ratio = self.predict_ttft(lane.spec, 0) / lane.spec.ttft_target_s
             if ratio > pressure:
                 pressure, cause = ratio, f"{lane.spec.name} lane predicted TTFT at {ratio:.2f}x its target"
             # What requests actually waited lags but does not depend on the model being right; it fades when no

@@ -130,6 +130,40 @@ def test_budget_aging_and_no_drop(workload, max_num_seqs, budget, num_blocks):
         assert req_id in sim.finished
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(0, 40), st.sampled_from(["standard", "bulk"]), st.integers(1, 16),
+                          st.integers(1, 8)), max_size=16), st.integers(1, 4))
+def test_no_lane_starves_past_its_aging_bound_under_realtime_pressure(others, max_num_seqs):
+    """A realtime request arrives every step for 60 steps, enough to keep every slot busy; each standard or bulk
+    request still starts within its aging bound plus one request's length per older request it may queue behind."""
+    lanes = parse_lanes({"realtime": {"max_wait_s": 100.0}, "standard": {"max_wait_s": 0.5},
+                         "bulk": {"max_wait_s": 1.0}})
+    # Brownout and predicted-wait refusals would turn requests away; this is about those admitted.
+    sim = make_sim(max_num_seqs, budget=64, num_blocks=400, lanes=lanes, options={"brownout": {"enabled": False}})
+    sim.scheduler.step_time.min_samples = 10**9
+    longest_steps = 1 + 8  # a prompt fits one step (budget 64 >= 16 + decodes), then at most 8 tokens
+    arrivals = sorted((step, i, lane, p, m) for i, (step, lane, p, m) in enumerate(others))
+    older: dict[str, int] = {}
+    step = 0
+    while step < 60 or sim.live:
+        if step < 60:
+            sim.add(f"rt{step}", "realtime", 4, 2)
+        while arrivals and arrivals[0][0] <= step:
+            _, i, lane, prompt_len, max_tokens = arrivals.pop(0)
+            num_older = len(older)
+            assert sim.add(f"o{i}", lane, prompt_len, max_tokens)
+            older[f"o{i}"] = num_older
+        sim.step()
+        step += 1
+        assert step < 3000
+    for name, num_older in older.items():
+        lane = "standard" if any(n == name and ln == "standard" for n, ln in
+                                 ((f"o{i}", o[1]) for i, o in enumerate(others))) else "bulk"
+        bound = lanes[lane].max_wait_s + (num_older + 1) * longest_steps * STEP_S + STEP_S
+        waited = sim.first_scheduled[name] - sim.arrival[name]
+        assert waited <= bound + 1e-9, f"{name} ({lane}) waited {waited:.2f}s, bound {bound:.2f}s"
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.floats(0, 3), st.floats(0.05, 2.0)), min_size=1, max_size=200))
 def test_brownout_hysteresis(samples):

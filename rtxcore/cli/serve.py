@@ -34,6 +34,11 @@ def add_parser(sub) -> None:
                    help=f"seconds running requests get to finish on SIGINT/SIGTERM (default: {d.shutdown_grace_s:g})")
     g.add_argument("--config", default=None, metavar="FILE",
                    help="TOML file with [lanes], [scheduler], [brownout] and [tenants] (docs/serving.md)")
+    g.add_argument("--signing-public-key", default=d.signing_public_key, metavar="PEM",
+                   help="EC public key models are verified against (`rtx sign`); an unsigned model then loads "
+                        "with a warning, a wrongly signed one is refused")
+    g.add_argument("--require-signed-models", action="store_true", default=d.require_signed_models,
+                   help="refuse to load a model without a valid signature (needs --signing-public-key)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log level on stderr (default: info)")
     add_engine_options(p)
@@ -54,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, grpc_port=None if args.no_grpc else args.grpc_port,
         max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout,
         max_active_requests=args.max_active_requests, shutdown_grace_s=args.shutdown_grace,
-        served_model_name=args.served_model_name)
+        served_model_name=args.served_model_name, signing_public_key=args.signing_public_key,
+        require_signed_models=args.require_signed_models)
     config_file = load_serve_config(args.config)
     tenants = TenantRegistry.from_config(config_file.tenants)
     config = engine_config(args)

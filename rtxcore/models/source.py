@@ -32,6 +32,8 @@ class ModelSource(ABC):
     name: str
     #: File or directory the weights come from ("" for random weights).
     path: str
+    #: What ``--model`` named, file or directory: what a model signature covers ("" for random weights).
+    origin: str = ""
 
     @property
     @abstractmethod
@@ -69,7 +71,9 @@ def resolve_model(spec: str | None) -> ModelSource:
     from rtxcore.models.hf_dir import HFDirSource
 
     if spec is None or spec in ("", DEFAULT_MODEL, "default"):
-        return GGUFSource(default_model_path(), name=DEFAULT_MODEL)
+        source = GGUFSource(default_model_path(), name=DEFAULT_MODEL)
+        source.origin = source.path
+        return source
     if spec.startswith("dummy:"):
         return DummySource(spec.removeprefix("dummy:"))
     path = Path(os.path.expanduser(spec))
@@ -77,6 +81,8 @@ def resolve_model(spec: str | None) -> ModelSource:
         raise ModelLoadError(f"model not found: {spec!r} is neither a known model name nor an existing path")
     for source_cls in (GGUFSource, HFDirSource):
         if source_cls.matches(path):
-            return source_cls(path)
+            source = source_cls(path)
+            source.origin = str(path)
+            return source
     raise ModelLoadError(f"cannot load {spec!r}: expected a .gguf file or a directory with config.json and "
                          "*.safetensors (or a single .gguf file)")

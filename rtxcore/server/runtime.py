@@ -36,6 +36,10 @@ class ServeSettings:
     shutdown_grace_s: float = 30.0
     # Name served as the model id; None uses the model source's name.
     served_model_name: str | None = None
+    # PEM public key the model's signature is checked against before loading (rtxcore.provenance.signing).
+    signing_public_key: str | None = None
+    # Refuse a model without a valid signature; needs signing_public_key.
+    require_signed_models: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "request_timeout_s", "max_active_requests"):
@@ -43,6 +47,12 @@ class ServeSettings:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.shutdown_grace_s < 0:
             raise ConfigError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        self.signing_policy()  # a missing key file or strict mode without a key fails here
+
+    def signing_policy(self):
+        from rtxcore.provenance.signing import SigningPolicy
+
+        return SigningPolicy(self.signing_public_key, self.require_signed_models)
 
 
 class ServingRuntime:
@@ -72,9 +82,14 @@ class ServingRuntime:
     def load(self) -> None:
         """Load the model and start the engine thread (blocking). Errors are kept in :attr:`load_error`."""
         from rtxcore.engine.llm_engine import LLMEngine
+        from rtxcore.models.source import resolve_model
+        from rtxcore.provenance.signing import check_model_signature
 
         try:
-            engine = LLMEngine(self.engine_config)
+            # Verified here, where it is loaded, so that an embedding application gets the same check as the CLI.
+            source = resolve_model(self.engine_config.model)
+            check_model_signature(source.origin, self.settings.signing_policy())
+            engine = LLMEngine(self.engine_config, source=source)
             if self.settings.served_model_name is None:
                 self.model_name = engine.source.name
                 self.metrics.set_model_name(self.model_name)

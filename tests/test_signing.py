@@ -145,3 +145,31 @@ def test_a_signed_directory_covers_every_file(tmp_path, keys):
     (model / "model.onnx.data").unlink()
     with pytest.raises(SignatureError, match="Missing files"):
         verify_model(model, keys[1])
+
+
+def test_cached_onnx_exports_are_reused_only_when_signed(tmp_path, keys):
+    """With signed models required, an export kept on disk is reused only with a valid signature: unsigned or
+    changed, it is rebuilt from the (verified) weights instead of run."""
+    from functools import partial
+
+    from rtx_plugins.backends.graph_runtime.cache import GraphCache
+    from rtx_plugins.backends.graph_runtime.exporter import ExportSettings, exported_graph
+    from rtxcore.models.dummy import DummySource
+
+    private, public = keys
+    cache = GraphCache(tmp_path / "graphs", verify=partial(verify_model, public_key=public))
+    first = exported_graph(DummySource("tiny"), ExportSettings(), cache)
+    assert not first.cache_hit
+    again = exported_graph(DummySource("tiny"), ExportSettings(), cache)
+    assert not again.cache_hit  # unsigned: exported again rather than trusted
+    entry = again.path.parent
+    sign_model(entry, private)
+    signed = exported_graph(DummySource("tiny"), ExportSettings(), cache)
+    assert signed.cache_hit and signed.path == again.path
+    tampered = bytearray(signed.path.read_bytes())
+    tampered[len(tampered) // 2] ^= 0xFF
+    signed.path.write_bytes(bytes(tampered))
+    rebuilt = exported_graph(DummySource("tiny"), ExportSettings(), cache)
+    assert not rebuilt.cache_hit and rebuilt.path.read_bytes() != bytes(tampered)
+    # Without verification (no signing key configured) the cache is trusted as before.
+    assert exported_graph(DummySource("tiny"), ExportSettings(), GraphCache(tmp_path / "graphs")).cache_hit

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -53,6 +54,10 @@ class BackendOptions:
     max_model_len: int | None = None
     # Run every step eagerly (no CUDA graphs): slower, but easier to debug and profile.
     enforce_eager: bool = False
+    # Set when the server checks signed models: called on a directory of files derived from the weights and kept
+    # between runs (an exported graph, a built engine) before it is reused; raises RtxError to refuse it, and the
+    # backend then rebuilds it from the verified weights.
+    verify_artifact: Callable[[Path], object] | None = None
 
 
 @dataclass(slots=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
 
 from rtxcore.contracts.scheduler import SchedulerConfig
 from rtxcore.errors import ConfigError
@@ -34,6 +36,8 @@ class EngineConfig:
     # come back one step later. None: on for accelerators, off on the CPU (where there is nothing to overlap).
     async_scheduling: bool | None = None
     scheduling: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # See BackendOptions.verify_artifact: set by a server that checks signed models.
+    verify_artifact: Callable[[Path], object] | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

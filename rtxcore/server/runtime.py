@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from functools import partial
 import time
 from dataclasses import dataclass
 
@@ -83,12 +84,16 @@ class ServingRuntime:
         """Load the model and start the engine thread (blocking). Errors are kept in :attr:`load_error`."""
         from rtxcore.engine.llm_engine import LLMEngine
         from rtxcore.models.source import resolve_model
-        from rtxcore.provenance.signing import check_model_signature
+        from rtxcore.provenance.signing import check_model_signature, verify_model
 
         try:
             # Verified here, where it is loaded, so that an embedding application gets the same check as the CLI.
             source = resolve_model(self.engine_config.model)
-            check_model_signature(source.origin, self.settings.signing_policy())
+            policy = self.settings.signing_policy()
+            check_model_signature(source.origin, policy)
+            if policy.public_key is not None:
+                # Exports and engines cached on disk are checked too: reused only with a valid signature.
+                self.engine_config.verify_artifact = partial(verify_model, public_key=policy.public_key)
             engine = LLMEngine(self.engine_config, source=source)
             if self.settings.served_model_name is None:
                 self.model_name = engine.source.name

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -16,8 +18,11 @@ from typing import Callable
 
 import torch
 
+from rtxcore.errors import RtxError
 from rtxcore.models.config import ModelConfig
 from rtxcore.models.source import ModelSource
+
+log = logging.getLogger("rtx.graph_cache")
 
 CACHE_DIR_ENV = "RTX_GRAPH_CACHE"
 _CHUNK = 8 << 20
@@ -73,22 +78,38 @@ def model_fingerprint(config: ModelConfig) -> dict:
 
 class GraphCache:
     """A directory of ``<kind>-<digest>/`` entries, each written to a temporary directory and renamed into place,
-    so a reader never sees half a file and two processes building the same entry do not corrupt each other."""
+    so a reader never sees half a file and two processes building the same entry do not corrupt each other.
 
-    def __init__(self, root: Path | None = None):
+    With ``verify`` (a server checking signed models), an entry is reused only if ``verify(entry_dir)`` passes (it
+    raises otherwise): the key names what the file should hold, not what is on disk now, so a file changed after
+    it was written would otherwise run unchecked. An entry that fails is rebuilt from the (verified) weights.
+    """
+
+    def __init__(self, root: Path | None = None, verify: Callable[[Path], object] | None = None):
         self.root = root or default_cache_dir()
+        self.verify = verify
 
     def entry(self, key: CacheKey) -> Path:
         return self.root / f"{key.kind}-{key.digest}"
 
     def lookup(self, key: CacheKey, filename: str) -> Path | None:
         path = self.entry(key) / filename
-        return path if path.is_file() else None
+        if not path.is_file():
+            return None
+        if self.verify is not None:
+            try:
+                self.verify(path.parent)
+            except RtxError as exc:
+                log.warning("not reusing %s: %s; rebuilding it from the verified weights", path.parent, exc)
+                return None
+        return path
 
     def store(self, key: CacheKey, filename: str, build: Callable[[Path], None]) -> Path:
         """Run ``build(path)`` to write ``filename`` into a fresh entry, record the key beside it, publish it."""
         final = self.entry(key)
         self.root.mkdir(parents=True, exist_ok=True)
+        if self.verify is not None and final.exists():
+            shutil.rmtree(final)  # it failed verification in lookup: never fall back to it below
         with tempfile.TemporaryDirectory(dir=self.root, prefix=".building-") as tmp:
             build(Path(tmp) / filename)
             (Path(tmp) / "key.json").write_text(json.dumps(asdict(key), indent=2, sort_keys=True, default=str))

@@ -61,7 +61,7 @@ class DenseGraphBackend(ExecutionBackend):
             tune_allocator()  # logits and new K/V come back in fresh buffers every call: reuse their pages
         self.dtype = DTYPES[dtype]
         self._dtype_name = dtype
-        self.graph_cache = cache or GraphCache()
+        self.graph_cache = cache or GraphCache(verify=options.verify_artifact)
         # The export this backend runs; its cache_hit and export_s say what this start cost.
         self.graph: ExportedGraph | None = None
         self._config: ModelConfig | None = None

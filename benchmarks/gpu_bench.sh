@@ -12,8 +12,14 @@
 #   bench   rtx bench on W3, W1, W2 (llama-1b) and W1, W8B (llama-8b), each with its baseline in the same run
 #   w1, w3  W1 or W3 alone;  cb  continuous versus static batching on W2 at 16, 32 and 64 running at most
 #   host    where the host's time goes per step (cProfile), one stream and W2
+#   host64  the same for W2 at 64 running
+#   decode  greedy GPU == CPU and decode step times, with programmatic dependent launch (RTX_PDL=1) and without
+#   w3ab    W3 four times, alternately without and with programmatic dependent launch (no HF baseline)
+#   cb64ab  continuous versus static batching on W2 at 64 running: as built, without the attention launch cache
+#           (RTX_LAUNCH_CACHE=0), and without that and programmatic dependent launch (RTX_PDL=0)
+#   greedy  greedy GPU == CPU only;  attn  the attention kernel tests only
 # Usage: benchmarks/gpu_bench.sh [tests] [checks] [sweep] [splits] [layers] [mixed] [bench] [w1] [w3] [cb] [host]
-#        [bench8b]
+#        [bench8b] [host64] [decode] [w3ab] [cb64ab] [greedy] [attn]
 #        (default: tests checks bench bench8b); results go to $OUT (or ./gpu-out)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -51,6 +57,32 @@ for step in "${steps[@]}"; do
       python3 benchmarks/gpu_mixed.py ops prefill steps busy 2>&1 | tee "$OUT/mixed.log" || status=1 ;;
     host)
       python3 benchmarks/host_profile.py 2>&1 | tee "$OUT/host_profile.log" || status=1 ;;
+    host64)
+      python3 benchmarks/host_profile.py w2_64 2>&1 | tee "$OUT/host_profile_64.log" || status=1 ;;
+    decode)
+      for pdl in 1 0; do
+        RTX_PDL=$pdl python3 benchmarks/gpu_checks.py "$OUT/decode_pdl$pdl.json" decode 2>&1 | tee -a "$OUT/decode.log" \
+          || status=1
+      done ;;
+    w3ab)
+      for run in 1 2; do
+        for pdl in 0 1; do
+          echo "== W3, RTX_PDL=$pdl, run $run"
+          RTX_PDL=$pdl $RTX bench --workload W3 "${llama1b[@]}" --json "$OUT/W3_llama1b_pdl${pdl}_$run.json" || status=1
+        done
+      done ;;
+    cb64ab)
+      for flags in "1 1" "1 0" "0 0"; do
+        read -r pdl cache <<<"$flags"
+        echo "== CB vs static, 64 running, RTX_PDL=$pdl RTX_LAUNCH_CACHE=$cache"
+        RTX_PDL=$pdl RTX_LAUNCH_CACHE=$cache $RTX bench --workload W2 --baseline static "${llama1b[@]}" \
+          --max-num-seqs 64 --json "$OUT/W2_llama1b_cb_vs_static_64_pdl${pdl}_cache$cache.json" || status=1
+      done ;;
+    attn)
+      python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention.py 2>&1 | tee "$OUT/attention_tests.log" | tail -5
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    greedy)
+      python3 benchmarks/gpu_checks.py "$OUT/greedy.json" greedy 2>&1 | tee "$OUT/greedy.log" || status=1 ;;
     w1)
       $RTX bench --workload W1 --baseline hf "${llama1b[@]}" --json "$OUT/W1_llama1b.json" || status=1 ;;
     w3)

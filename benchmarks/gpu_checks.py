@@ -8,7 +8,8 @@
 3. What continuous batching's steps cost on W2 (``dummy:llama-1b``, 32 running at most), steps run synchronously
    and timed one by one: decode-only steps (decode CUDA graphs) against steps that carry a newcomer's prefill
    (piecewise CUDA graphs around eager attention).
-Usage: python benchmarks/gpu_checks.py OUT.json [mixed]   (mixed: only the third)
+Usage: python benchmarks/gpu_checks.py OUT.json [mixed|decode|greedy]   (mixed: only the third; decode: the first
+       two, without the RTX_TORCH_GEMV comparison; greedy: the first)
 """
 
 from __future__ import annotations
@@ -133,6 +134,17 @@ def mixed_steps(max_num_seqs: int = 32) -> dict:
 
 
 def main(out_path: str, only: str | None = None) -> None:
+    if only == "greedy":
+        with open(out_path, "w") as fh:
+            json.dump({"greedy_equal_to_cpu_first32": greedy_equality()}, fh, indent=2)
+        return
+    if only == "decode":
+        # Greedy equality and decode step times only (benchmarks/gpu_bench.sh runs it with RTX_PDL=1 and 0).
+        results = {"rtx_pdl": os.environ.get("RTX_PDL", "1"), "greedy_equal_to_cpu_first32": greedy_equality(),
+                   "decode_step": step_times(label=f", RTX_PDL={os.environ.get('RTX_PDL', '1')}")}
+        with open(out_path, "w") as fh:
+            json.dump(results, fh, indent=2)
+        return
     if only == "mixed":
         results = {"w2_steps": mixed_steps()}
         with open(out_path, "w") as fh:

@@ -2,10 +2,10 @@
 
 - ``w3``: one stream (prompt 128, 256 tokens) after a warm-up run of the same shape; CUDA graphs and asynchronous
   scheduling as in ``rtx bench``. A decode step is host-bound when this Python takes longer than a graph replay.
-- ``w2``: W2's requests with 32 running at most (its first 1,500 steps after a warm-up), where the steps that carry
-  a newcomer's prefill run eagerly and launch every kernel from Python.
+- ``w2`` (``w2_64``): W2's requests with 32 (64) running at most (its first 1,500 steps after a warm-up), where
+  the steps that carry a newcomer's prefill replay piecewise graphs and launch attention from Python.
 
-Usage: python benchmarks/host_profile.py [w3] [w2]   (prints the top functions by own and by cumulative time)
+Usage: python benchmarks/host_profile.py [w3] [w2] [w2_64]   (prints the top functions by own and by cumulative time)
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ def w3() -> None:
     _report("W3, one stream", profiler, time.perf_counter() - start, steps)
 
 
-def w2() -> None:
-    engine = _engine(32)
+def w2(max_num_seqs: int = 32) -> None:
+    engine = _engine(max_num_seqs)
     requests = [(r.prompt_token_ids, SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True))
                 for r in make_requests("W2", engine.model_config.vocab_size, seed=0)]
     _run(engine, requests[:64])
@@ -80,10 +80,10 @@ def w2() -> None:
     steps = _run(engine, requests, max_steps=1500)
     torch.cuda.synchronize()
     profiler.disable()
-    _report("W2, 32 running", profiler, time.perf_counter() - start, steps)
+    _report(f"W2, {max_num_seqs} running", profiler, time.perf_counter() - start, steps)
     _drain(engine)
 
 
 if __name__ == "__main__":
     for what in sys.argv[1:] or ["w3", "w2"]:
-        {"w3": w3, "w2": w2}[what]()
+        {"w3": w3, "w2": w2, "w2_64": lambda: w2(64)}[what]()

@@ -10,12 +10,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from rtx_kernels.pdl import launch_options, pdl_enabled, wait_for_previous
 
 _MAX_BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, num_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, num_cols, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_previous(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < num_cols
@@ -34,5 +36,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(num_tokens, num_cols, dtype=x.dtype, device=x.device)
     if num_tokens and num_cols:
         block = min(_MAX_BLOCK, triton.next_power_of_2(num_cols))
-        _silu_and_mul_kernel[(num_tokens, triton.cdiv(num_cols, block))](x, out, x.stride(0), num_cols, BLOCK=block)
+        use_pdl = pdl_enabled(x.device)
+        _silu_and_mul_kernel[(num_tokens, triton.cdiv(num_cols, block))](
+            x, out, x.stride(0), num_cols, BLOCK=block, USE_PDL=use_pdl, **launch_options(use_pdl))
     return out

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from rtx_kernels.launch import launch
+from rtx_kernels.pdl import launch_options, pdl_enabled, wait_for_previous
 
 _LOG2E = 1.4426950408889634
 # Keys per inner-loop tile, gathered through the block table; independent of the cache's block size. Unsplit
@@ -86,8 +88,9 @@ def _decode_split_kernel(
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -150,8 +153,9 @@ def _decode_merge_kernel(
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
     stride_ob, stride_oh,
-    SPLITS_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
     req = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -185,6 +189,7 @@ def decode_attention(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
+    launch_cache: dict | None = None,
 ) -> torch.Tensor:
     """Attention of each request's single query token over its paged K/V; returns ``out`` ``[B, H, D]``.
 
@@ -193,6 +198,8 @@ def decode_attention(
     :param workspace: scratch for ``num_splits > 1``; allocated here when omitted.
     :param block_n, num_warps, num_stages: stage 1's tile of keys (None: by the split count) and launch shape
         (benchmarks/kernel_sweep.py times the alternatives).
+    :param launch_cache: a dict kept for one step's layers, to launch them without Triton's dispatch
+        (:func:`rtx_kernels.launch.launch`).
     """
     batch, num_heads, head_size = q.shape
     num_kv_heads, _, block_size, _ = k_cache.shape
@@ -226,7 +233,9 @@ def decode_attention(
         partial_strides = partial.stride()[:3]
         lse_strides = lse.stride()[:2]
 
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+    use_pdl = pdl_enabled(q.device)
+    options = {"num_warps": num_warps, "num_stages": num_stages, **launch_options(use_pdl)}
+    launch(_decode_split_kernel, (batch, num_kv_heads, num_splits), (
         q, k_cache, v_cache, block_tables, seq_lens, partial, lse,
         scale * _LOG2E, num_splits,
         q.stride(0), q.stride(1),
@@ -235,18 +244,18 @@ def decode_attention(
         block_tables.stride(0),
         *partial_strides,
         *lse_strides,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_SIZE=head_size,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT=direct,
+    ), {
+        "GROUP": group, "GROUP_PAD": max(16, triton.next_power_of_2(group)), "HEAD_SIZE": head_size,
+        "BLOCK_SIZE": block_size, "BLOCK_N": block_n, "DIRECT": direct,
         # fp32 inputs would otherwise run in TF32 on the GPU and miss fp32 accuracy.
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
-    )
+        "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32", "USE_PDL": use_pdl,
+    }, options, launch_cache)
     if not direct:
-        _decode_merge_kernel[(batch, num_heads)](
+        launch(_decode_merge_kernel, (batch, num_heads), (
             partial, lse, out, num_splits,
             *partial_strides,
             *lse_strides,
             out.stride(0), out.stride(1),
-            SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_SIZE=head_size,
-        )
+        ), {"SPLITS_PAD": triton.next_power_of_2(num_splits), "HEAD_SIZE": head_size, "USE_PDL": use_pdl},
+            launch_options(use_pdl), launch_cache)
     return out

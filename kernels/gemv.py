@@ -25,6 +25,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from rtx_kernels.pdl import launch_options, pdl_enabled, wait_for_previous
 
 # Rows of x per launch: one fp32 accumulator tile per row lives in registers.
 _MAX_M = 8
@@ -99,7 +100,39 @@ def _store_row(acc, out_ptrs, stride_om, bias, M, row_mask, m: tl.constexpr):
         tl.store(out_ptrs + m * stride_om, y.to(out_ptrs.dtype.element_ty), mask=row_mask)
 
 
-@triton.autotune(configs=_CONFIGS, key=["N", "K", "BLOCK_M", "SPLIT_K"],
+@triton.jit
+def _load_weight_tile(w_ptrs, k, k_hi, cols, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        w = tl.load(w_ptrs + k)
+    else:
+        w = tl.load(w_ptrs + k, mask=(k + cols < k_hi)[None, :], other=0.0)
+    return w.to(tl.float32)
+
+
+@triton.jit
+def _accumulate(w, x_ptrs, k, k_hi, cols, stride_xm, last, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+                BLOCK_M: tl.constexpr, EVEN_K: tl.constexpr):
+    """Each row of x's accumulator tile += the weight tile times that row's K slice."""
+    if EVEN_K:
+        k_mask, zero = None, None
+    else:
+        k_mask, zero = k + cols < k_hi, 0.0
+    xk = x_ptrs + k
+    acc0 += w * tl.load(xk, mask=k_mask, other=zero).to(tl.float32)[None, :]
+    if BLOCK_M > 1:
+        acc1 += w * tl.load(xk + tl.minimum(last, 1) * stride_xm, mask=k_mask, other=zero).to(tl.float32)[None, :]
+    if BLOCK_M > 2:
+        acc2 += w * tl.load(xk + tl.minimum(last, 2) * stride_xm, mask=k_mask, other=zero).to(tl.float32)[None, :]
+        acc3 += w * tl.load(xk + tl.minimum(last, 3) * stride_xm, mask=k_mask, other=zero).to(tl.float32)[None, :]
+    if BLOCK_M > 4:
+        acc4 += w * tl.load(xk + tl.minimum(last, 4) * stride_xm, mask=k_mask, other=zero).to(tl.float32)[None, :]
+        acc5 += w * tl.load(xk + tl.minimum(last, 5) * stride_xm, mask=k_mask, other=zero).to(tl.float32)[None, :]
+        acc6 += w * tl.load(xk + tl.minimum(last, 6) * stride_xm, mask=k_mask, other=zero).to(tl.float32)[None, :]
+        acc7 += w * tl.load(xk + tl.minimum(last, 7) * stride_xm, mask=k_mask, other=zero).to(tl.float32)[None, :]
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+
+
+@triton.autotune(configs=_CONFIGS, key=["N", "K", "BLOCK_M", "SPLIT_K", "PREFETCH"],
                  prune_configs_by={"early_config_prune": _prune_configs})
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % (args["BLOCK_K"] * args["SPLIT_K"]) == 0})
 @triton.jit
@@ -108,6 +141,7 @@ def _gemv_kernel(
     M, N, K,
     stride_xm, stride_wn, stride_om, stride_os,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
+    PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -127,26 +161,23 @@ def _gemv_kernel(
     # One accumulator tile per row of x (the bucket's unused ones compile away), summed across K only at the end.
     acc0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc1, acc2, acc3, acc4, acc5, acc6, acc7 = acc0, acc0, acc0, acc0, acc0, acc0, acc0
-    for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
-        if EVEN_K:
-            k_mask, zero = None, None
-            w = tl.load(w_ptrs + k)
-        else:
-            k_mask, zero = k + cols < k_hi, 0.0
-            w = tl.load(w_ptrs + k, mask=k_mask[None, :], other=0.0)
-        w = w.to(tl.float32)
-        xk = x_ptrs + k
-        acc0 += w * tl.load(xk, mask=k_mask, other=zero).to(tl.float32)[None, :]
-        if BLOCK_M > 1:
-            acc1 += w * tl.load(xk + tl.minimum(last, 1) * stride_xm, mask=k_mask, other=zero).to(tl.float32)[None, :]
-        if BLOCK_M > 2:
-            acc2 += w * tl.load(xk + tl.minimum(last, 2) * stride_xm, mask=k_mask, other=zero).to(tl.float32)[None, :]
-            acc3 += w * tl.load(xk + tl.minimum(last, 3) * stride_xm, mask=k_mask, other=zero).to(tl.float32)[None, :]
-        if BLOCK_M > 4:
-            acc4 += w * tl.load(xk + tl.minimum(last, 4) * stride_xm, mask=k_mask, other=zero).to(tl.float32)[None, :]
-            acc5 += w * tl.load(xk + tl.minimum(last, 5) * stride_xm, mask=k_mask, other=zero).to(tl.float32)[None, :]
-            acc6 += w * tl.load(xk + tl.minimum(last, 6) * stride_xm, mask=k_mask, other=zero).to(tl.float32)[None, :]
-            acc7 += w * tl.load(xk + tl.minimum(last, 7) * stride_xm, mask=k_mask, other=zero).to(tl.float32)[None, :]
+    k_start = k_lo
+    if PREFETCH:
+        # The first weight tile is loaded before waiting for the previous kernel (programmatic dependent launch:
+        # weights are never written during a step), so its stream overlaps that kernel's tail and the launch gap.
+        w = _load_weight_tile(w_ptrs, k_lo, k_hi, cols, EVEN_K)
+        wait_for_previous(USE_PDL)
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _accumulate(
+            w, x_ptrs, k_lo, k_hi, cols, stride_xm, last, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+            BLOCK_M, EVEN_K)
+        k_start = k_lo + BLOCK_K
+    else:
+        wait_for_previous(USE_PDL)
+    for k in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
+        w = _load_weight_tile(w_ptrs, k, k_hi, cols, EVEN_K)
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _accumulate(
+            w, x_ptrs, k, k_hi, cols, stride_xm, last, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+            BLOCK_M, EVEN_K)
 
     # With SPLIT_K > 1, out is the fp32 partial buffer [SPLIT_K, M, N] and the reduce kernel adds the bias.
     if HAS_BIAS and SPLIT_K == 1:
@@ -170,8 +201,9 @@ def _gemv_kernel(
 @triton.jit
 def _split_k_reduce_kernel(
     partial_ptr, bias_ptr, out_ptr, N, stride_ps, stride_om,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
     m = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -191,6 +223,7 @@ def gemv(
     out: torch.Tensor | None = None,
     *,
     split_k: int | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` in ``x``'s dtype for ``x`` [M, K] and ``weight`` [N, K]; returns ``out`` [M, N].
 
@@ -198,6 +231,9 @@ def gemv(
     ``x`` and ``out`` may have strided rows; their columns, and ``weight``'s, must be contiguous.
 
     :param split_k: splits of K; :func:`choose_split_k` when None. Results depend on it in the last bits.
+    :param pdl: launch with programmatic dependent launch, the first weight tile loaded before waiting for the
+        previous kernel (:mod:`rtx_kernels.pdl`); None: where the device supports it. Where it does not (the
+        interpreter), True still runs the prefetching variant, without the wait.
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} are not [M, K] and [N, K]")
@@ -221,12 +257,16 @@ def gemv(
     if split_k < 1:
         raise ValueError(f"split_k must be >= 1, got {split_k}")
 
+    use_pdl = pdl_enabled(x.device)
+    prefetch = use_pdl if pdl is None else pdl
+    use_pdl = use_pdl and prefetch
     for m0 in range(0, m, _MAX_M):
-        _launch(x[m0 : m0 + _MAX_M], weight, bias, out[m0 : m0 + _MAX_M], split_k)
+        _launch(x[m0 : m0 + _MAX_M], weight, bias, out[m0 : m0 + _MAX_M], split_k, prefetch, use_pdl)
     return out
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, split_k: int):
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, split_k: int,
+            prefetch: bool, use_pdl: bool):
     m, k = x.shape
     n = weight.shape[0]
     if split_k == 1:
@@ -239,9 +279,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
         m, n, k,
         x.stride(0), weight.stride(0), stride_om, stride_os,
         HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(m), SPLIT_K=split_k,
+        PREFETCH=prefetch, USE_PDL=use_pdl, **launch_options(use_pdl),
     )
     if split_k > 1:
         _split_k_reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK), m)](
             target, bias if bias is not None else target, out, n, m * n, out.stride(0),
-            HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=_REDUCE_BLOCK,
+            HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=_REDUCE_BLOCK, USE_PDL=use_pdl,
+            **launch_options(use_pdl),
         )

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from rtx_kernels.launch import launch
 
 _LOG2E = 1.4426950408889634
 # Rows (query x head pairs) and keys per tile. Untuned; 64 x 64 suits both head sizes 64 and 128 on Hopper.
@@ -109,12 +110,15 @@ def prefill_attention(
     block_n: int = _BLOCK_N,
     num_warps: int = 4,
     num_stages: int = 3,
+    launch_cache: dict | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's chunk over its whole paged context; returns ``out`` ``[T, H, D]``.
 
     :param max_query_len: the longest chunk (a host int; it sizes the grid).
     :param block_rows, block_n, num_warps, num_stages: the launch shape (benchmarks/gpu_mixed.py times the
         alternatives).
+    :param launch_cache: a dict kept for one step's layers, to launch them without Triton's dispatch
+        (:func:`rtx_kernels.launch.launch`).
     """
     num_tokens, num_heads, head_size = q.shape
     num_kv_heads, _, block_size, _ = k_cache.shape
@@ -135,7 +139,7 @@ def prefill_attention(
     group_pad = triton.next_power_of_2(group)
     block_q = max(1, block_rows // group_pad)
     grid = (num_reqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
-    _prefill_kernel[grid](
+    launch(_prefill_kernel, grid, (
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
         scale * _LOG2E,
         q.stride(0), q.stride(1),
@@ -143,9 +147,9 @@ def prefill_attention(
         *v_cache.stride()[:3],
         out.stride(0), out.stride(1),
         block_tables.stride(0),
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_SIZE=head_size,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    ), {
+        "GROUP": group, "GROUP_PAD": group_pad, "BLOCK_Q": block_q, "HEAD_SIZE": head_size,
+        "BLOCK_SIZE": block_size, "BLOCK_N": block_n,
+        "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
+    }, {"num_warps": num_warps, "num_stages": num_stages}, launch_cache)
     return out

@@ -11,14 +11,16 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from rtx_kernels.pdl import launch_options, pdl_enabled, wait_for_previous
 
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -51,9 +53,11 @@ def rms_norm(
     num_rows = x.numel() // n_cols if n_cols else 0
     if num_rows:
         block = triton.next_power_of_2(n_cols)
+        use_pdl = pdl_enabled(x.device)
         _rms_norm_kernel[(num_rows,)](
             x, residual if residual is not None else x, weight, out, residual_out,
             n_cols, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(8, max(1, block // 256)),
+            USE_PDL=use_pdl, **launch_options(use_pdl),
         )
     return out, residual_out

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from rtx_kernels.pdl import launch_options, pdl_enabled, wait_for_previous
 
 
 @triton.jit
@@ -50,8 +51,9 @@ def _rotary_kernel(
     stride_vt, stride_vh, stride_ch, stride_cb, stride_cs, block_size,
     num_q_heads, num_k_heads,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr,
-    WRITE_CACHE: tl.constexpr,
+    WRITE_CACHE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token)
     cols = tl.arange(0, HALF_PAD)
@@ -119,12 +121,13 @@ def apply_rotary(
         else:
             v = k_cache = v_cache = slot_mapping = k  # never read: WRITE_CACHE prunes their uses
             cache_strides = (0,) * 6
+        use_pdl = pdl_enabled(q.device)
         _rotary_kernel[(num_tokens,)](
             q, k, positions, cos, sin, v, k_cache, v_cache, slot_mapping,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0), *cache_strides,
             num_q_heads, num_k_heads,
             HALF=half, HALF_PAD=triton.next_power_of_2(half),
             Q_HEADS_PAD=triton.next_power_of_2(num_q_heads), K_HEADS_PAD=triton.next_power_of_2(num_k_heads),
-            WRITE_CACHE=write_cache,
+            WRITE_CACHE=write_cache, USE_PDL=use_pdl, **launch_options(use_pdl),
         )
     return q, k

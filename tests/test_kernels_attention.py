@@ -147,6 +147,39 @@ def test_prefill_of_one_token_equals_decode():
     torch.testing.assert_close(prefill, decode, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_launch_cache_reuses_kernels_across_layers(num_splits):
+    """As in a step's eager layers: one launch cache, a different KV cache per call. Every call must equal the
+    reference for its own cache (on the GPU the later calls skip Triton's dispatch; the interpreter keeps none)."""
+    gen = generator(31 + num_splits)
+    seq_lens = [5, 40, 17] if not ON_GPU else [100, 1500, 700, 33]
+    query_lens = [3, 1, 6] if not ON_GPU else [64, 1, 200, 7]
+    heads, kv_heads, head_size, block_size = (4, 2, 16, 4) if not ON_GPU else (32, 8, 64, 16)
+    dtype = torch.float32 if not ON_GPU else torch.bfloat16
+    k_cache, v_cache, block_tables = paged_cache(seq_lens, kv_heads, block_size, head_size, dtype, gen)
+    # Other layers' caches: other values, the same unowned (NaN) slots.
+    layers = [(k_cache + i * randn(*k_cache.shape, gen=gen, dtype=dtype),
+               v_cache - i * randn(*v_cache.shape, gen=gen, dtype=dtype)) for i in range(3)]
+    q = randn(len(seq_lens), heads, head_size, gen=gen, dtype=dtype)
+    q_prefill = randn(sum(query_lens), heads, head_size, gen=gen, dtype=dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32,
+                                   device=DEVICE)
+    scale = head_size**-0.5
+    cache: dict = {}
+    for k_cache, v_cache in layers:
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, k_cache, v_cache, block_tables, lens, scale, num_splits, out=out, launch_cache=cache)
+        _assert_attention_close(out, decode_attention_ref(q, k_cache, v_cache, block_tables, lens, scale), dtype)
+        out = torch.full_like(q_prefill, float("nan"))
+        prefill_attention(q_prefill, k_cache, v_cache, query_start_loc, lens, block_tables, scale, max(query_lens),
+                          out=out, launch_cache=cache)
+        ref = prefill_attention_ref(q_prefill, k_cache, v_cache, query_start_loc, lens, block_tables, scale)
+        _assert_attention_close(out, ref, dtype)
+    if ON_GPU:
+        assert len(cache) == (2 if num_splits == 1 else 3)
+
+
 def test_references_agree_with_plain_softmax_attention():
     """Anchors the paged references themselves: one contiguous request equals textbook causal attention."""
     gen = generator(8)

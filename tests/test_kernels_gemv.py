@@ -32,14 +32,14 @@ def _gemv_inputs(m: int, n: int, k: int, dtype, with_bias: bool, seed: int, pad:
 
 
 def _check_gemv(m: int, n: int, k: int, dtype, with_bias: bool, split_k: int | None = None, seed: int = 0,
-                pad: int = 16):
+                pad: int = 16, pdl: bool | None = None):
     x, weight, bias = _gemv_inputs(m, n, k, dtype, with_bias, seed, pad)
     assert x.stride(0) != k and x.stride(1) == 1
     # NaN rows around out: the kernel must write all of its [m, n] view and nothing else.
     buffer = torch.full((m + 2, n), float("nan"), dtype=dtype, device=DEVICE)
     out = buffer[1 : m + 1]
 
-    got = gemv(x, weight, bias, out=out, split_k=split_k)
+    got = gemv(x, weight, bias, out=out, split_k=split_k, pdl=pdl)
 
     assert got is out
     assert buffer[0].isnan().all() and buffer[-1].isnan().all()
@@ -74,6 +74,45 @@ else:
 @pytest.mark.parametrize("n, k, split_k, dtype", GEMV_SPLIT_CASES, ids=str)
 def test_gemv_split_k_and_dtypes(n, k, split_k, dtype, m):
     _check_gemv(m, n, k, dtype, with_bias=m > 1, split_k=split_k, seed=n + m, pad=5)
+
+
+# The variant that loads its first weight tile before waiting for the previous kernel (programmatic dependent
+# launch on the GPU; on the CPU the same code without the wait), and the one that does not, split or not.
+@pytest.mark.parametrize("pdl", [True, False], ids=["prefetch", "plain"])
+@pytest.mark.parametrize("m, split_k", [(1, 1), (3, 2), (1, None)])
+def test_gemv_first_tile_prefetch(pdl, m, split_k):
+    n, k = (3072, 2048) if ON_GPU else (37, 83)
+    _check_gemv(m, n, k, torch.bfloat16, with_bias=m > 1, split_k=split_k, seed=7 + m, pad=5, pdl=pdl)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_gemv_chain_with_programmatic_launch_in_a_cuda_graph():
+    """Each GEMV reads the one before it: the prefetch before the wait must never see a stale input."""
+    gen = generator(21)
+    weights = [(randn(2048, 2048, gen=gen) / 45.0).to(torch.bfloat16) for _ in range(6)]
+    x = randn(1, 2048, gen=gen, dtype=torch.bfloat16)
+    outs = [torch.empty(1, 2048, dtype=torch.bfloat16, device=DEVICE) for _ in weights]
+
+    def chain():
+        h = x
+        for w, o in zip(weights, outs):
+            h = gemv(h, w, out=o)
+
+    chain()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    for _ in range(3):
+        x.copy_(randn(1, 2048, gen=gen, dtype=torch.bfloat16))
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        h = x
+        for w, o in zip(weights, outs):
+            ref = gemv_ref(h, w, None)
+            _assert_gemv_close(o, ref)
+            h = o
 
 
 def test_gemv_is_deterministic():

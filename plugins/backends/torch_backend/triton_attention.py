@@ -9,6 +9,7 @@ eagerly and inside a captured CUDA graph.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,10 @@ from rtx_kernels.prefill_attention import prefill_attention
 from rtx_kernels.rotary import apply_rotary
 from rtx_plugins.backends.torch_backend.layers import RotaryEmbedding
 from rtxcore.transfer import to_device_async
+
+# Eager steps launch each layer's attention kernels without Triton's dispatch after the first layer
+# (rtx_kernels.launch); RTX_LAUNCH_CACHE=0 sends every launch through Triton (to compare the two).
+_LAUNCH_CACHE = os.environ.get("RTX_LAUNCH_CACHE", "1") != "0"
 
 
 @dataclass(slots=True)
@@ -37,6 +42,8 @@ class TritonAttentionMetadata:
     # Split-K scratch shared by every layer's decode attention in an eager step (None: each call allocates its own,
     # as inside a captured graph, whose pool must own it).
     decode_workspace: DecodeWorkspace | None = None
+    # Compiled attention kernels kept for the step's later layers (rtx_kernels.launch); None inside CUDA graphs.
+    launch_cache: dict | None = None
 
     @classmethod
     def from_batch(cls, batch: ForwardBatch, device: torch.device, num_kv_heads: int, num_heads: int = 0,
@@ -52,6 +59,8 @@ class TritonAttentionMetadata:
             decode_seq_lens=seq_lens[:nd],
             num_splits=choose_num_splits(nd, num_kv_heads, max(batch.seq_lens[:nd])) if nd else 1,
         )
+        if _LAUNCH_CACHE and device.type == "cuda":
+            meta.launch_cache = {}
         if meta.num_splits > 1 and num_heads:
             meta.decode_workspace = DecodeWorkspace.allocate(nd, num_heads, meta.num_splits, head_size, device)
         if batch.num_reqs > nd:
@@ -103,8 +112,10 @@ def attend(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: T
     nd = meta.num_decodes
     if nd:
         decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
-                         meta.num_splits, out=out[:nd], workspace=meta.decode_workspace)
+                         meta.num_splits, out=out[:nd], workspace=meta.decode_workspace,
+                         launch_cache=meta.launch_cache)
     if meta.num_prefills:
         prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_query_start_loc, meta.prefill_seq_lens,
-                          meta.prefill_block_tables, scale, meta.max_query_len, out=out[nd:])
+                          meta.prefill_block_tables, scale, meta.max_query_len, out=out[nd:],
+                          launch_cache=meta.launch_cache)
     return out

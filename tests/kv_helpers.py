@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Sequence
 
+from rtx_plugins.eviction.arc import ARCPolicy
 from rtx_plugins.eviction.lfu import LFUPolicy
 from rtx_plugins.eviction.lru import LRUPolicy
 from rtxcore.contracts.eviction import EvictionPolicy
@@ -13,7 +14,7 @@ from rtxcore.kv.manager import KVCacheManager
 from rtxcore.request import Request
 from rtxcore.sampling_params import SamplingParams
 
-POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "lfu": LFUPolicy}
+POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "lfu": LFUPolicy, "arc": ARCPolicy}
 
 _req_ids = itertools.count()
 

@@ -341,7 +341,7 @@ def test_grafana_dashboard_uses_only_documented_metrics(helm):
     used = {re.sub(r"_(bucket|sum|count)$", "", m) for e in exprs for m in re.findall(r"\brtx_[a-z0-9_]+", e)}
     assert used and used <= documented, used - documented
     titles = {p["title"] for p in dashboard["panels"] if p["type"] == "row"}
-    assert titles == {"Latency and traffic", "Lanes", "Brownout", "Autoscaling", "KV cache"}
+    assert titles == {"Latency and traffic", "Lanes", "Brownout", "Autoscaling", "KV cache", "KV cache tiers"}
 
 
 def test_chart_metadata():

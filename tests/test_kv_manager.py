@@ -181,3 +181,17 @@ def test_sizes():
     assert kv.usage == pytest.approx(2 / 8)
     assert len(kv.block_ids(req.req_id)) == 2 and 0 not in kv.block_ids(req.req_id)
     assert kv.block_ids("unknown") == []
+
+
+def test_blocks_taken_back_before_they_were_computed_leave_the_cache():
+    """A scheduler may preempt a request in the very step that allocated it: the blocks allocate() registered were
+    never computed, so no later request may hit them."""
+    kv = make_manager(num_blocks=8, block_size=4)
+    req = make_request(list(range(1, 10)))
+    assert kv.lookup_prefix(req) == 0
+    assert kv.allocate(req, 9)  # registers blocks 0-1 (8 known tokens) in the cache
+    assert kv.num_cached_blocks == 2
+    kv.free(req)  # taken back: num_computed_tokens never advanced
+    assert kv.num_cached_blocks == 0
+    assert kv.lookup_prefix(make_request(list(range(1, 10)))) == 0
+    kv.check_invariants()

@@ -15,15 +15,17 @@ from conftest import make_engine
 from rtxcore.engine.async_engine import AsyncEngine
 from rtxcore.metrics import EngineMetrics
 from rtxcore.sampling_params import SamplingParams
+from rtxcore.server.durable.metrics import FAMILY_NAMES as DURABLE_FAMILIES
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 
 def documented_families() -> set[str]:
-    """Family names from the tables of docs/metrics.md, as the text parser names them (counters lose ``_total``)."""
+    """Family names from the tables of docs/metrics.md, as the text parser names them (counters lose ``_total``),
+    but for those of a server with a state dir (rtxcore.server.durable.metrics, checked below)."""
     names = re.findall(r"^\| `(rtx_[a-z0-9_]+)` \|", DOCS.read_text(), flags=re.MULTILINE)
-    return {name.removesuffix("_total") for name in names}
+    return {name.removesuffix("_total") for name in names} - set(DURABLE_FAMILIES)
 
 
 def parse(metrics: EngineMetrics) -> dict[str, dict[tuple, float]]:
@@ -66,10 +68,13 @@ async def wait_idle(engine: AsyncEngine) -> None:
 
 
 @pytest.fixture
-def served(registry):
-    """An AsyncEngine with a tight KV cache (11 usable blocks of 16 tokens) observed by fresh metrics."""
+def served(registry, tmp_path):
+    """An AsyncEngine with a tight KV cache (11 usable blocks of 16 tokens) over a host and a disk tier, observed
+    by fresh metrics."""
     metrics = EngineMetrics("tiny")
-    engine = AsyncEngine(make_engine(registry=registry, num_kv_blocks=12), observers=[metrics.observer()])
+    engine = AsyncEngine(make_engine(registry=registry, num_kv_blocks=12, kv_host_bytes=1 << 16,
+                                     kv_disk_dir=str(tmp_path), kv_snapshot_interval_s=0.01),
+                         observers=[metrics.observer()])
     engine.start()
     yield engine, metrics
     engine.stop()
@@ -115,6 +120,10 @@ def test_metrics_parse_and_every_family_moves(served):
         "rtx_requests_finished": "rtx_requests_finished_total",
         "rtx_requests_rejected": "rtx_requests_rejected_total",
         "rtx_request_timeouts": "rtx_request_timeouts_total",
+        # Preemption evicts cached blocks: they go to the host tier; snapshots write them to disk.
+        "rtx_kv_offload_blocks": "rtx_kv_offload_blocks_total",
+        "rtx_kv_offload_bytes": "rtx_kv_offload_bytes_total",
+        "rtx_kv_snapshot_blocks": "rtx_kv_snapshot_blocks_total",
     }
     for family, sample in grew.items():
         assert value(after, family, sample, **model) > value(before, family, sample, **model), family
@@ -132,6 +141,13 @@ def test_metrics_parse_and_every_family_moves(served):
     assert value(after, "rtx_requests_rejected", "rtx_requests_rejected_total", reason="overloaded") == 1
     assert value(after, "rtx_prefix_cache_hits", "rtx_prefix_cache_hits_total") <= value(
         after, "rtx_prefix_cache_queries", "rtx_prefix_cache_queries_total")
+    block_bytes = value(after, "rtx_kv_bytes_per_token") * 16
+    assert block_bytes > 0 and value(after, "rtx_kv_tier_capacity_bytes", tier="host") == (1 << 16) // block_bytes * block_bytes
+    assert value(after, "rtx_kv_offload_bytes", "rtx_kv_offload_bytes_total", tier="host") == block_bytes * value(
+        after, "rtx_kv_offload_blocks", "rtx_kv_offload_blocks_total", tier="host")
+    for tier in ("device", "host", "disk"):
+        assert 0.0 <= value(after, "rtx_kv_tier_pressure_ratio", tier=tier) <= 1.0
+        assert value(after, "rtx_kv_tier_used_bytes", tier=tier) <= value(after, "rtx_kv_tier_capacity_bytes", tier=tier)
     # Histogram buckets are cumulative and end at the count.
     buckets = [v for (name, lbls), v in after["rtx_batch_size"].items() if name == "rtx_batch_size_bucket"]
     assert buckets == sorted(buckets) and buckets[-1] == value(after, "rtx_batch_size", "rtx_batch_size_count")
@@ -166,6 +182,11 @@ def test_gauges_follow_the_engine_step_by_step(registry):
     assert value(after, "rtx_generation_tokens", "rtx_generation_tokens_total") == 6
     assert value(after, "rtx_prompt_tokens", "rtx_prompt_tokens_total") == 23
     assert value(after, "rtx_engine_steps", "rtx_engine_steps_total") == 3
+
+
+def test_every_durable_restart_family_is_documented():
+    names = re.findall(r"^\| `(rtx_[a-z0-9_]+)` \|", DOCS.read_text(), flags=re.MULTILINE)
+    assert set(DURABLE_FAMILIES) <= {name.removesuffix("_total") for name in names}
 
 
 def test_every_registered_family_is_documented():

@@ -152,3 +152,19 @@ def _wait(condition, timeout: float = 30.0) -> bool:
             return True
         time.sleep(0.1)
     return condition()
+
+
+def test_blocks_come_back_from_the_host_tier(graph_cache, registry, default_source, default_engine):
+    # A device cache of 12 blocks holds one long prompt at a time: the second prompt evicts the first, whose blocks
+    # go to the host tier and come back (through read_kv_blocks / write_kv_blocks on the flat graph caches).
+    engine = make_engine(None, registry=registry, source=default_source, backend="onnxruntime", num_kv_blocks=12,
+                         kv_host_bytes=64 << 20)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    first, second = " ".join(PROMPTS[:4] * 4), " ".join(PROMPTS[4:] * 4)
+    expected = _tokens(default_engine, [first], params)[0]
+    assert engine.generate([first], params)[0].token_ids == expected
+    assert len(engine.encode(first)) > 96 and len(engine.encode(second)) > 96
+    engine.generate([second], params)
+    again = engine.generate([first], params)[0]
+    assert engine.kv_cache.stats.num_reloaded_tokens >= 48 and again.num_cached_tokens >= 48
+    assert again.token_ids == expected

@@ -15,7 +15,7 @@ from rtx_conformance.rules import require
 from rtxcore.contracts.eviction import EvictionPolicy
 
 # Pool events, in the order the pool emits the policy calls for each.
-CACHE_NEW = 0  # a free block is handed out and cached: the policy is not told
+CACHE_NEW = 0  # a free block is handed out and cached under a content key: cached()
 RELEASE = 1  # its last user leaves: add()
 HIT_CANDIDATE = 2  # a prefix hit takes a candidate back: remove(), then touch()
 HIT_IN_USE = 3  # a prefix hit on a block someone already holds (pinning it further): touch()
@@ -106,6 +106,8 @@ def _apply(policy: EvictionPolicy, model: PoolModel, event: int, choice: int, nu
         block = _pick(model.free_blocks(), choice)
         if block is not None:
             model.in_use.add(block)
+            # Keys from a space about twice the capacity: content comes back after eviction, as in a real cache.
+            policy.cached(block, (choice % (2 * model.capacity)).to_bytes(16, "little"))
     elif event == RELEASE:
         block = _pick(model.in_use, choice)
         if block is not None:

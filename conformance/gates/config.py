@@ -46,6 +46,9 @@ class CacheGate:
     output_len: int
     block_size: int
     kv_blocks_factor: float
+    tiered_kv_blocks_factor: float
+    tiered_host_blocks_factor: float
+    tiered_max_num_seqs: int
     seed: int
 
 

@@ -30,6 +30,37 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step's tokens before scheduling the next (on accelerators the default overlaps "
                         "the two)")
+    t = p.add_argument_group("KV cache tiers")
+    t.add_argument("--kv-host-bytes", type=byte_size, default=0, metavar="SIZE",
+                   help="host memory for prefix-cache blocks the device evicts, e.g. 8GiB (default: 0, none)")
+    t.add_argument("--kv-disk-dir", default=None, metavar="DIR",
+                   help="directory for a disk tier under the host tier, kept across restarts (warm cache)")
+    t.add_argument("--kv-disk-bytes", type=byte_size, default=8 << 30, metavar="SIZE",
+                   help="most bytes the disk tier holds (default: 8GiB)")
+    t.add_argument("--kv-host-eviction-policy", default=None, metavar="NAME",
+                   help="eviction policy plugin of the host tier (default: --eviction-policy)")
+    t.add_argument("--kv-disk-eviction-policy", default=None, metavar="NAME",
+                   help="eviction policy plugin of the disk tier (default: --eviction-policy)")
+    t.add_argument("--kv-snapshot-interval", type=float, default=60.0, metavar="SECONDS",
+                   help="with --kv-disk-dir, write the prefix cache there this often for warm restarts; 0: only on "
+                        "shutdown (default: 60)")
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def byte_size(text: str) -> int:
+    """``4096``, ``512MiB``, ``8GB``...: a byte count (argparse type; a bad value exits with code 2)."""
+    number = text.strip().rstrip("BbIiKkMmGgTt")
+    unit = text.strip()[len(number):].lower()
+    try:
+        value = float(number) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 4096, 512MiB, 8GB)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative")
+    return int(value)
 
 
 def engine_cli_args(args: argparse.Namespace) -> list[str]:
@@ -48,6 +79,12 @@ def engine_cli_args(args: argparse.Namespace) -> list[str]:
         out.append("--enforce-eager")
     if args.no_async_scheduling:
         out.append("--no-async-scheduling")
+    out += ["--kv-host-bytes", str(args.kv_host_bytes), "--kv-disk-bytes", str(args.kv_disk_bytes),
+            "--kv-snapshot-interval", str(args.kv_snapshot_interval)]
+    for flag, value in (("--kv-disk-dir", args.kv_disk_dir), ("--kv-host-eviction-policy", args.kv_host_eviction_policy),
+                        ("--kv-disk-eviction-policy", args.kv_disk_eviction_policy)):
+        if value is not None:
+            out += [flag, value]
     return out
 
 
@@ -60,6 +97,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
         async_scheduling=False if args.no_async_scheduling else None,
+        kv_host_bytes=args.kv_host_bytes, kv_disk_dir=args.kv_disk_dir, kv_disk_bytes=args.kv_disk_bytes,
+        kv_host_eviction_policy=args.kv_host_eviction_policy, kv_disk_eviction_policy=args.kv_disk_eviction_policy,
+        kv_snapshot_interval_s=args.kv_snapshot_interval,
         scheduling=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs),
     )
 

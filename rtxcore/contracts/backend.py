@@ -30,6 +30,8 @@ class BackendCapabilities:
     paged_kv: bool
     # Quantization methods whose weights it can run.
     quantization_formats: tuple[str, ...] = ()
+    # Whether it can copy KV blocks out and back in (read_kv_blocks / write_kv_blocks), which KV tiers need.
+    kv_offload: bool = False
     # Largest batch (requests per step) it can run; None for no limit of its own.
     max_batch_size: int | None = None
     # False when a runtime it needs is missing; ``unavailable_reason`` then says why.
@@ -151,6 +153,18 @@ class ExecutionBackend(ABC):
     @abstractmethod
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
         """Run one step: write the new tokens' K/V into their slots and return logits [num_logits, vocab_size]."""
+
+    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """The K and V of every layer for each block, as bytes on the host: uint8 [len(block_ids), block_bytes] with
+        ``block_bytes = kv_cache_bytes_per_token() * block_size``, in the backend's own layout. The copy must reflect
+        every step already submitted (the engine spills a block just before reusing it). Needed for KV tiers
+        (``capabilities().kv_offload``)."""
+        raise NotImplementedError(f"backend {type(self).__name__} cannot copy KV blocks out")
+
+    def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Put back blocks :meth:`read_kv_blocks` returned (``data`` as it returned them) into ``block_ids``, before
+        any later step reads them."""
+        raise NotImplementedError(f"backend {type(self).__name__} cannot copy KV blocks in")
 
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
         """Final hidden states of every token, [num_tokens, hidden_size] float32, for a batch of whole prompts with

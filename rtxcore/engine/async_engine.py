@@ -35,6 +35,8 @@ class _Submission:
     lane: str
     tenant: str | None
     sink: Callable[[RequestOutput | BaseException], None]
+    # Tokens it already produced before a restart (LLMEngine.add_request's output_token_ids).
+    output_token_ids: list[int] = field(default_factory=list)
     accepted: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     # When generate() queued it (time.monotonic()); the wait until the engine thread adds it is the merge wait.
     submitted_at: float = field(default_factory=time.monotonic)
@@ -103,9 +105,11 @@ class AsyncEngine:
 
     async def generate(self, prompt: Prompt, params: SamplingParams, req_id: str | None = None,
                        cache_salt: str | None = None, lane: str = DEFAULT_LANE,
-                       tenant: str | None = None) -> AsyncIterator[RequestOutput]:
+                       tenant: str | None = None, output_token_ids: list[int] | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Validation errors raise before the first output; leaving the iterator early
-        (client gone, cancellation) aborts the request."""
+        (client gone, cancellation) aborts the request. ``output_token_ids`` resumes a request that had produced
+        them before a restart: only the outputs after them are streamed."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         req_id = req_id or f"req-{next(self._ids)}"
@@ -113,7 +117,7 @@ class AsyncEngine:
         def sink(item: RequestOutput | BaseException) -> None:
             loop.call_soon_threadsafe(outputs.put_nowait, item)
 
-        sub = _Submission(req_id, prompt, params, cache_salt, lane, tenant, sink)
+        sub = _Submission(req_id, prompt, params, cache_salt, lane, tenant, sink, list(output_token_ids or ()))
         self._inbox.put(sub)
         self._wake.set()
         await asyncio.wrap_future(sub.accepted)  # re-raises the engine's validation error
@@ -156,6 +160,7 @@ class AsyncEngine:
                     self._wake.clear()
                     if time.monotonic() - self._last_tick >= IDLE_TICK_S:
                         self._last_tick = time.monotonic()
+                        self.engine.maintain()
                         self._observe("on_idle", self.engine)
                     continue
                 start = time.monotonic()
@@ -220,7 +225,7 @@ class AsyncEngine:
                 continue
             try:
                 self.engine.add_request(item.prompt, item.params, req_id=item.req_id, cache_salt=item.cache_salt,
-                                        lane=item.lane, tenant=item.tenant)
+                                        lane=item.lane, tenant=item.tenant, output_token_ids=item.output_token_ids)
             except BaseException as exc:
                 item.accepted.set_exception(exc)
                 continue

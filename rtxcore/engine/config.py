@@ -30,6 +30,17 @@ class EngineConfig:
     # Longest sequence (prompt + output) accepted; None uses the model's context length.
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    # Lower KV tiers (rtxcore.kv.tiers): prefix-cache blocks the device evicts go to host memory (this many bytes;
+    # 0 for none), then to files under kv_disk_dir (at most kv_disk_bytes), and come back on a prefix hit.
+    kv_host_bytes: int = 0
+    kv_disk_dir: str | None = None
+    kv_disk_bytes: int = 8 << 30
+    # Eviction policies of the host and disk tiers; None uses eviction_policy.
+    kv_host_eviction_policy: str | None = None
+    kv_disk_eviction_policy: str | None = None
+    # With kv_disk_dir: write the prefix cache (device and host blocks) and its index there this often, so a
+    # restart starts warm; 0 only on shutdown (LLMEngine.save_kv_snapshot).
+    kv_snapshot_interval_s: float = 60.0
     # Never capture CUDA graphs; every step runs eagerly.
     enforce_eager: bool = False
     # Schedule step N+1 while the device computes step N, feeding it step N's tokens on the device; outputs then
@@ -46,5 +57,12 @@ class EngineConfig:
             raise ConfigError(f"num_kv_blocks must be at least 2, got {self.num_kv_blocks}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ConfigError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.kv_host_bytes < 0 or self.kv_disk_bytes <= 0:
+            raise ConfigError("kv_host_bytes must be >= 0 and kv_disk_bytes positive")
+        if self.kv_snapshot_interval_s < 0:
+            raise ConfigError(f"kv_snapshot_interval_s must be >= 0, got {self.kv_snapshot_interval_s}")
+        if (self.kv_host_bytes or self.kv_disk_dir) and not self.enable_prefix_caching:
+            raise ConfigError("KV offload (kv_host_bytes, kv_disk_dir) keeps prefix-cache blocks: it needs prefix "
+                              "caching on")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")

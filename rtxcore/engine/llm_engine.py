@@ -13,6 +13,7 @@ from rtxcore.contracts.sampler import SamplerOutput
 from rtxcore.engine.batch_builder import build_embedding_batch, build_step
 from rtxcore.engine.config import EngineConfig
 from rtxcore.engine.in_flight import InFlightStep, select_rows
+from rtxcore.engine.kv_tiers import KVTiers
 from rtxcore.engine.output_processor import OutputProcessor
 from rtxcore.engine.outputs import CompletionResult, RequestOutput
 from rtxcore.errors import CapacityError, InvalidRequestError, PluginError
@@ -22,7 +23,7 @@ from rtxcore.models.source import ModelSource, resolve_model
 from rtxcore.registry import PluginRegistry, load_plugins
 from rtxcore.request import Request, RequestStatus
 from rtxcore.sampling_params import SamplingParams
-from rtxcore.transfer import to_device_async
+from rtxcore.transfer import to_device, to_device_async
 
 Prompt = str | Sequence[int]
 
@@ -42,8 +43,14 @@ class LLMEngine:
 
         num_blocks = config.num_kv_blocks or self._num_blocks_from_memory()
         policy = self.registry.create("eviction_policy", config.eviction_policy, num_blocks)
-        self.kv_cache = KVCacheManager(num_blocks, config.block_size, policy, config.enable_prefix_caching)
         self.backend.allocate_kv_cache(num_blocks, config.block_size)
+        # Host-memory and disk tiers under the device's prefix cache, when configured.
+        self.kv_tiers = (KVTiers(config, self.backend, self.registry, self.source)
+                         if config.kv_host_bytes or config.kv_disk_dir else None)
+        self.kv_cache = KVCacheManager(num_blocks, config.block_size, policy, config.enable_prefix_caching,
+                                       self.kv_tiers.offload if self.kv_tiers is not None else None)
+        if self.kv_tiers is not None:
+            self.kv_tiers.load_snapshot()
         self.scheduler = self.registry.create("scheduler", config.scheduler, config.scheduling, self.kv_cache)
         self.sampler = self.registry.create("sampler", config.sampler)
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else self.model_config.eos_token_ids
@@ -86,15 +93,20 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------------------------------
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, req_id: str | None = None,
-                    cache_salt: str | None = None, lane: str = DEFAULT_LANE, tenant: str | None = None) -> str:
+                    cache_salt: str | None = None, lane: str = DEFAULT_LANE, tenant: str | None = None,
+                    output_token_ids: Sequence[int] = ()) -> str:
         """Validate and queue a request, changing nothing if it fails.
 
+        :param output_token_ids: tokens this request already produced (a request resumed from the journal after a
+            restart): prefilled after the prompt and counted against ``params.max_tokens``, so generation goes on
+            where it stopped.
         :raises InvalidRequestError: naming the problem.
         :raises AdmissionRefused: the scheduler will not take it now.
         """
         params = params or SamplingParams()
         check_lane_name(lane)
         token_ids = self.encode(prompt)
+        output_token_ids = self._check_resumed_outputs(output_token_ids, params)
         req_id = req_id if req_id is not None else f"req-{next(self._ids)}"
         if req_id in self.requests:
             raise InvalidRequestError(f"request id {req_id!r} is already in use", param="request_id")
@@ -108,15 +120,24 @@ class LLMEngine:
         if self.kv_cache.blocks_needed(total) > self.kv_cache.num_usable_blocks:
             raise CapacityError(f"request needs up to {total} tokens of KV cache but the whole cache holds "
                                 f"{self.kv_cache.num_usable_blocks * self.config.block_size}", param="max_tokens")
-        req = Request(req_id, token_ids, params, cache_salt=cache_salt, lane=lane, tenant=tenant)
+        req = Request(req_id, token_ids, params, all_token_ids=token_ids + output_token_ids, cache_salt=cache_salt,
+                      lane=lane, tenant=tenant)
         self.scheduler.add_request(req)  # first: a refusal must leave nothing behind
         if params.needs_output_history:
             self._num_history_reqs += 1
         if params.seed is not None:
-            self._generators[req_id] = torch.Generator(device=self.backend.device).manual_seed(params.seed)
+            self._generators[req_id] = torch.Generator(device=self.backend.device).manual_seed(
+                _resumed_seed(params.seed, len(output_token_ids)))
         self.requests[req_id] = req
         self.output_processor.add(req)
         return req_id
+
+    def _check_resumed_outputs(self, output_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        output_token_ids = self._check_token_ids(output_token_ids, "output token ids", "output_token_ids")
+        if len(output_token_ids) >= params.max_tokens:
+            raise InvalidRequestError(f"{len(output_token_ids)} output tokens already reach max_tokens "
+                                      f"({params.max_tokens}): nothing is left to generate", param="output_token_ids")
+        return output_token_ids
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -127,14 +148,17 @@ class LLMEngine:
                                           param="prompt")
             token_ids = self.tokenizer.encode(prompt)
         else:
-            token_ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}); got {bad[0]!r}",
-                                          param="prompt")
+            token_ids = self._check_token_ids(prompt, "prompt token ids", "prompt")
         if not token_ids:
             raise InvalidRequestError("prompt is empty", param="prompt")
+        return token_ids
+
+    def _check_token_ids(self, token_ids: Sequence[int], what: str, param: str) -> list[int]:
+        token_ids = list(token_ids)
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"{what} must be integers in [0, {vocab}); got {bad[0]!r}", param=param)
         return token_ids
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
@@ -163,6 +187,7 @@ class LLMEngine:
         if prev is not None and self._num_history_reqs:
             # Penalties need every earlier token on the host before sampling: no overlap this step.
             outputs, prev = self._process(prev), None
+        self.maintain()
         sched = self.scheduler.schedule()
         self.hold_s = sched.hold_s
         if sched.is_empty:
@@ -187,42 +212,63 @@ class LLMEngine:
             outputs += self._process(prev)
         return outputs
 
+    def maintain(self) -> None:
+        """Time-driven upkeep, called by every step and by an idle engine's loop: the periodic KV snapshot (so a
+        burst followed by quiet is still saved)."""
+        if self.kv_tiers is not None and self.kv_tiers.snapshot_due(time.monotonic()):
+            self.save_kv_snapshot()
+
+    def save_kv_snapshot(self) -> int:
+        """Write the prefix cache to the disk tier so that a restart starts warm (on shutdown, and periodically);
+        returns the blocks written. Call it on the engine's thread, between steps."""
+        return self.kv_tiers.save_snapshot(self.kv_cache) if self.kv_tiers is not None else 0
+
     def _fill_pending(self, plan, prev_token_ids: torch.Tensor) -> torch.Tensor:
         """The step's input ids on the device, with each not-yet-read token taken from the previous step's samples."""
         device = prev_token_ids.device
-        ids = to_device_async(plan.batch.input_ids, device)
+        host_ids = plan.batch.input_ids
         k = len(plan.pending_rows)
         if plan.pending_rows == plan.pending_src and plan.pending_rows[-1] == k - 1:
-            # The usual decode step: the same requests in the same order as the last one, so a slice copy does,
-            # without sending index lists to the device.
+            # The same requests in the same order as the last step. In the usual decode step every row is pending:
+            # the previous samples are then the whole input, used where they are (no copy, nothing pinned); with
+            # more rows, a slice copy does, without sending index lists to the device.
+            if k == len(host_ids) and prev_token_ids.dtype == host_ids.dtype:
+                return prev_token_ids[:k]
+            ids = to_device_async(host_ids, device)
             ids[:k] = prev_token_ids[:k]
             return ids
-        rows = to_device_async(torch.tensor(plan.pending_rows, dtype=torch.long), device)
-        src = to_device_async(torch.tensor(plan.pending_src, dtype=torch.long), device)
-        ids[rows] = prev_token_ids[src]
+        ids = to_device_async(host_ids, device)
+        # Destination rows and source rows in one tensor: one copy to the device instead of two.
+        index = to_device(plan.pending_rows + plan.pending_src, torch.long, device)
+        ids[index[:k]] = prev_token_ids[index[k:]]
         return ids
 
     def _launch(self, reqs: list[Request], sampled: SamplerOutput) -> InFlightStep:
         """Leave the sampled tokens on the device and queue their copy to the host; the requests count them as
         pending until the copy is read."""
+        max_model_len = self.max_model_len
         for req in reqs:
             req.num_pending_tokens += 1
             # Its last token is certain now, whatever its value: stop scheduling it (its KV may be reused after
-            # this step, which the device runs first).
-            if (req.num_output_tokens + req.num_pending_tokens >= req.params.max_tokens
-                    or req.num_tokens >= self.max_model_len):
+            # this step, which the device runs first). num_tokens and its outputs written out: a property call
+            # costs as much as the test, and this runs for every request every step.
+            num_tokens = len(req.all_token_ids) + req.num_pending_tokens
+            if num_tokens - len(req.prompt_token_ids) >= req.params.max_tokens or num_tokens >= max_model_len:
                 self.scheduler.finish_request(req)
         return InFlightStep.launch(reqs, sampled)
 
     def _process(self, step: InFlightStep) -> list[RequestOutput]:
         host = step.wait()
-        for req in step.reqs:
+        reqs, requests = step.reqs, self.requests
+        for req in reqs:
             req.num_pending_tokens -= 1
-        # Requests that finished or were aborted since the step launched drop their token.
-        rows = [row for row, req in enumerate(step.reqs) if self.requests.get(req.req_id) is req]
-        if len(rows) < len(step.reqs):
-            host = select_rows(host, rows)
-        return self._apply([step.reqs[row] for row in rows], host)
+        # Requests that finished or were aborted since the step launched drop their token. Usually none did: then
+        # the rows stay as they are, with no second list built.
+        live = [requests.get(req.req_id) is req for req in reqs]
+        if all(live):
+            return self._apply(reqs, host)
+        rows = list(itertools.compress(range(len(reqs)), live))
+        return self._apply([reqs[row] for row in rows], select_rows(host, rows))
 
     def _apply(self, reqs: list[Request], sampled: SamplerOutput) -> list[RequestOutput]:
         outputs = self.output_processor.process(reqs, sampled)
@@ -281,6 +327,15 @@ class LLMEngine:
                         yield out
         finally:
             self.abort(req_id)
+
+
+def _resumed_seed(seed: int, num_output_tokens: int) -> int:
+    """The generator seed of a request resumed after ``num_output_tokens`` tokens. The state its generator had
+    reached is lost with the process, so the same seed would replay the draws of the first tokens; a seed derived
+    from both keeps a resumed run reproducible from the journal (a fresh request is seeded with ``seed`` itself)."""
+    if num_output_tokens == 0:
+        return seed
+    return (seed * 1_000_003 + num_output_tokens) % 2**63
 
 
 def _token_groups(token_lists: list[list[int]], budget: int) -> Iterator[list[list[int]]]:

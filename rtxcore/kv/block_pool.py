@@ -13,7 +13,9 @@ padding slots at it, so it must never hold anyone's KV. A pool of ``num_blocks``
 
 from __future__ import annotations
 
+import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -21,7 +23,11 @@ from rtxcore.contracts.eviction import EvictionPolicy
 from rtxcore.errors import ConfigError, RtxError
 from rtxcore.kv.hashing import BlockHash
 
+log = logging.getLogger("rtx.kv")
+
 NULL_BLOCK_ID = 0
+# Weight of the newest allocation in the pool's pressure (an exponential moving average).
+PRESSURE_ALPHA = 0.05
 
 
 class BlockPoolError(RtxError, RuntimeError):
@@ -53,6 +59,11 @@ class BlockPool:
         self._free: deque[int] = deque(range(1, num_blocks))
         self._cached: dict[BlockHash, int] = {}
         self.num_evictions = 0
+        # Called with the (block id, hash) of cached blocks allocate() is about to reuse, while their KV is still
+        # intact: the KV tiers copy them down instead of losing them.
+        self.on_evict: Callable[[list[tuple[int, BlockHash]]], None] | None = None
+        # Share of recent allocations that had to evict a cached block (see rtxcore.kv.tiers).
+        self.pressure = 0.0
 
     @property
     def num_usable_blocks(self) -> int:
@@ -62,6 +73,11 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         """Blocks that :meth:`allocate` can hand out now: free plus evictable."""
         return len(self._free) + len(self.policy)
+
+    @property
+    def num_blocks_holding_data(self) -> int:
+        """Usable blocks in use or cached: everything but the free queue."""
+        return self.num_usable_blocks - len(self._free)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -82,10 +98,21 @@ class BlockPool:
         if num_blocks > self.num_free_blocks:
             return None
         block_ids = []
+        evicted: list[tuple[int, BlockHash]] = []
         for _ in range(num_blocks):
-            block = self.blocks[self._free.popleft()] if self._free else self._evict()
+            if self._free:
+                block = self.blocks[self._free.popleft()]
+            else:
+                block = self._evict(evicted)
             block.ref_cnt = 1
             block_ids.append(block.block_id)
+        if num_blocks:
+            self.pressure += PRESSURE_ALPHA * (len(evicted) / num_blocks - self.pressure)
+        if evicted and self.on_evict is not None:
+            try:
+                self.on_evict(evicted)
+            except Exception:  # losing the copies costs recomputation later; losing the allocation would cost more
+                log.exception("could not copy %d evicted KV blocks to a lower tier", len(evicted))
         return block_ids
 
     def lookup(self, block_hash: BlockHash) -> int | None:
@@ -108,6 +135,7 @@ class BlockPool:
             raise BlockPoolError(f"block {block_id} is already cached under another hash")
         block.block_hash = block_hash
         self._cached[block_hash] = block_id
+        self.policy.cached(block_id, block_hash)
         return block_id
 
     def incref(self, block_id: int) -> None:
@@ -140,6 +168,15 @@ class BlockPool:
         """Drop one reference on each block, in the given order (which is the order they become evictable)."""
         for block_id in block_ids:
             self.decref(block_id)
+
+    def uncache_unshared(self, block_id: int) -> None:
+        """Take an in-use block out of the prefix cache if its only user holds it (its content is not what the hash
+        says); a block others share stays, since they are relying on it."""
+        block = self._block(block_id)
+        if block.ref_cnt == 1 and block.block_hash is not None and self._cached.get(block.block_hash) == block_id:
+            del self._cached[block.block_hash]
+            self.policy.forget(block_id)
+            block.block_hash = None
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached hash; evictable blocks become free, blocks in use stay with their users.
@@ -187,7 +224,11 @@ class BlockPool:
         for block_hash, bid in self._cached.items():
             _require(self.blocks[bid].block_hash == block_hash, f"hash map entry for block {bid} is stale")
 
-    def _evict(self) -> KVBlock:
+    def cached_blocks(self) -> list[tuple[int, BlockHash]]:
+        """Every block in the prefix cache, in use or evictable, with its hash."""
+        return [(block_id, block_hash) for block_hash, block_id in self._cached.items()]
+
+    def _evict(self, evicted: list[tuple[int, BlockHash]]) -> KVBlock:
         block_id = self.policy.evict()
         if block_id is None or not 0 < block_id < self.num_blocks:
             raise BlockPoolError(f"eviction policy returned {block_id!r} though it reported candidates")
@@ -196,6 +237,7 @@ class BlockPool:
         if block.ref_cnt != 0 or block.block_hash is None:
             raise BlockPoolError(f"eviction policy returned block {block_id}, which is not evictable")
         del self._cached[block.block_hash]
+        evicted.append((block_id, block.block_hash))
         block.block_hash = None
         self.num_evictions += 1
         return block

@@ -20,6 +20,7 @@ from rtxcore.errors import ConfigError
 from rtxcore.kv.block_pool import BlockPool, BlockPoolError
 from rtxcore.kv.block_table import BlockTable
 from rtxcore.kv.hashing import BlockHash, hash_blocks
+from rtxcore.kv.offload import KVOffload
 from rtxcore.request import Request
 
 
@@ -33,6 +34,8 @@ class KVCacheStats:
     num_prefix_hit_tokens: int = 0
     # Cached blocks reclaimed to make room.
     num_evictions: int = 0
+    # Of the hit tokens, those whose blocks came back from a lower tier (host memory or disk).
+    num_reloaded_tokens: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -70,6 +73,7 @@ class KVCacheManager:
         block_size: int,
         eviction_policy: EvictionPolicy,
         enable_prefix_caching: bool = True,
+        offload: KVOffload | None = None,
     ):
         if block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {block_size}")
@@ -79,6 +83,12 @@ class KVCacheManager:
         self._requests: dict[str, _RequestBlocks] = {}
         self._table = BlockTable()
         self._stats = KVCacheStats()
+        # Lower tiers (host memory, disk) that evicted prefix-cache blocks go to, and come back from.
+        self.offload = offload
+        if offload is not None:
+            if not enable_prefix_caching:
+                raise ConfigError("KV offload keeps prefix-cache blocks: it needs prefix caching on")
+            self.pool.on_evict = offload.spill
 
     @property
     def block_size(self) -> int:
@@ -123,7 +133,7 @@ class KVCacheManager:
         """A snapshot of the counters since start-up."""
         s = self._stats
         return KVCacheStats(s.num_prefix_queries, s.num_prefix_query_tokens, s.num_prefix_hit_tokens,
-                            self.pool.num_evictions)
+                            self.pool.num_evictions, s.num_reloaded_tokens)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self._block_size)
@@ -165,6 +175,8 @@ class KVCacheManager:
                 break
             self.pool.incref(block_id)
             state.block_ids.append(block_id)
+        if self.offload is not None and len(state.block_ids) < max_hit_blocks:
+            self._reload(state, max_hit_blocks)
         self._table.append(state.row, 0, state.block_ids)
         state.num_cached_blocks = len(state.block_ids)
         num_hit_tokens = state.num_hit_tokens = len(state.block_ids) * self._block_size
@@ -220,11 +232,20 @@ class KVCacheManager:
         """Release every block ``req`` holds; does nothing for a request holding none."""
         if req.req_id in self._requests:
             state = self._drop_state(req.req_id)
+            # Blocks registered for KV the request never got to compute (taken back in the step that scheduled
+            # it) must not stay cached: a later hit, or a copy in a lower tier, would hold garbage.
+            num_valid = max(req.num_computed_tokens, state.num_hit_tokens) // self._block_size
+            for block_id in state.block_ids[num_valid:state.num_cached_blocks]:
+                self.pool.uncache_unshared(block_id)
             # Tail first: under LRU a chain's tail is then evicted before its head, which later requests need most.
             self.pool.free_blocks(reversed(state.block_ids))
 
     def reset_prefix_cache(self) -> int:
-        """Drop every cached hash (e.g. after a weight update); returns the number of blocks that left the cache."""
+        """Drop every cached hash (e.g. after a weight update), in the lower tiers too; returns the number of device
+        blocks that left the cache."""
+        if self.offload is not None:
+            for tier in self.offload.tiers:
+                tier.clear()
         return self.pool.reset_prefix_cache()
 
     def check_invariants(self) -> None:
@@ -242,6 +263,25 @@ class KVCacheManager:
                 raise BlockPoolError(
                     f"block {block.block_id} has ref_cnt {block.ref_cnt} but {num_refs[block.block_id]} holders"
                 )
+
+    def _reload(self, state: _RequestBlocks, max_hit_blocks: int) -> None:
+        """Extend the request's hit with blocks a lower tier holds, copied into fresh device blocks now, so they
+        are in place before the request's first step (prefetch at admission)."""
+        keys = state.block_hashes[len(state.block_ids):max_hit_blocks]
+        tiers = self.offload.pin_run(keys)
+        # Only what fits without taking blocks from requests: cached idle blocks may be evicted (and spilled) for it.
+        n = min(len(tiers), self.pool.num_free_blocks)
+        block_ids = self.pool.allocate(n) if n else []
+        num_loaded = self.offload.reload(keys[:len(tiers)], tiers, block_ids)
+        for block_id, key in zip(block_ids[:num_loaded], keys):
+            self.pool.cache_block(block_id, key)
+        self.pool.free_blocks(block_ids[num_loaded:])
+        state.block_ids.extend(block_ids[:num_loaded])
+        self._stats.num_reloaded_tokens += num_loaded * self._block_size
+
+    def cached_blocks(self) -> list[tuple[int, BlockHash]]:
+        """The (block id, hash) of every block in the device's prefix cache."""
+        return self.pool.cached_blocks()
 
     def _add_state(self, req_id: str) -> _RequestBlocks:
         state = self._requests[req_id] = _RequestBlocks(row=self._table.add_row())

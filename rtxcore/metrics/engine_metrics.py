@@ -51,6 +51,8 @@ class EngineMetrics:
         # KV-cache counters at the previous step, to turn the manager's totals into counter increments.
         self._kv_for: object = None
         self._kv_totals = (0, 0, 0)
+        # (tier, counter) -> the total already added to the Prometheus counter.
+        self._tier_totals: dict[tuple[str, int], int] = {}
         # Tenant label values handed out so far: bounded, so a config with many tenants cannot blow up the series.
         self._tenant_labels: set[str] = set()
 
@@ -200,7 +202,8 @@ class EngineMetrics:
         m.kv_cache_fragmentation.set(kv.fragmentation)
         stats = kv.stats
         totals = (stats.num_prefix_query_tokens, stats.num_prefix_hit_tokens, stats.num_evictions)
-        if kv is not self._kv_for:  # first step, or another engine: its totals so far are new
+        new_engine = kv is not self._kv_for
+        if new_engine:  # first step, or another engine: its totals so far are new
             self._kv_for, self._kv_totals = kv, (0, 0, 0)
         queries, hits, evictions = (now - before for now, before in zip(totals, self._kv_totals))
         self._kv_totals = totals
@@ -210,6 +213,42 @@ class EngineMetrics:
             m.prefix_cache_hits.inc(hits)
         if evictions:
             m.kv_cache_evictions.inc(evictions)
+        self._update_kv_tiers(engine, first=new_engine)
+
+    def _update_kv_tiers(self, engine: LLMEngine, first: bool) -> None:
+        f, model, kv = self._families, self.model_name, engine.kv_cache
+        block_bytes = engine.backend.kv_cache_bytes_per_token() * kv.block_size
+        f.kv_bytes_per_token.labels(model).set(engine.backend.kv_cache_bytes_per_token())
+        pool = kv.pool
+        f.kv_tier_capacity_bytes.labels(model, "device").set(pool.num_usable_blocks * block_bytes)
+        f.kv_tier_used_bytes.labels(model, "device").set(pool.num_blocks_holding_data * block_bytes)
+        f.kv_tier_usage.labels(model, "device").set(pool.num_blocks_holding_data / pool.num_usable_blocks)
+        f.kv_tier_pressure.labels(model, "device").set(pool.pressure)
+        if engine.kv_tiers is None:
+            return
+        if first:
+            self._tier_totals.clear()
+        for tier in engine.kv_tiers.tiers:
+            name = tier.name
+            f.kv_tier_capacity_bytes.labels(model, name).set(tier.capacity_bytes)
+            f.kv_tier_used_bytes.labels(model, name).set(len(tier) * tier.block_bytes)
+            f.kv_tier_usage.labels(model, name).set(tier.usage)
+            f.kv_tier_pressure.labels(model, name).set(tier.pressure)
+            st = tier.stats
+            for family, total in ((f.kv_offload_blocks, st.num_stored), (f.kv_offload_bytes, st.num_stored * block_bytes),
+                                  (f.kv_reload_blocks, st.num_loaded), (f.kv_reload_bytes, st.num_loaded * block_bytes),
+                                  (f.kv_tier_evictions, st.num_evicted), (f.kv_tier_corrupt_blocks, st.num_corrupt)):
+                self._add_total(family, name, total)
+        self._add_total(f.kv_snapshot_blocks, None, engine.kv_tiers.num_snapshot_blocks)
+
+    def _add_total(self, family, tier: str | None, total: int) -> None:
+        """Bring a Prometheus counter up to a running total kept elsewhere."""
+        key = (tier or "", id(family))
+        child = family.labels(self.model_name, tier) if tier else family.labels(self.model_name)
+        delta = total - self._tier_totals.get(key, 0)
+        if delta > 0:
+            child.inc(delta)
+            self._tier_totals[key] = total
 
     @staticmethod
     def _arrival_time(engine: LLMEngine, out: RequestOutput) -> float:

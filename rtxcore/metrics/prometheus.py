@@ -145,6 +145,32 @@ class Families:
         self.tenant_generation_tokens = counter(
             "rtx_tenant_generation_tokens", "Tokens generated per tenant.", tenant)
 
+        tier = ("tier",)
+        self.kv_bytes_per_token = gauge(
+            "rtx_kv_bytes_per_token", "KV-cache bytes one token takes across every layer and KV head.")
+        self.kv_tier_capacity_bytes = gauge(
+            "rtx_kv_tier_capacity_bytes", "Bytes of KV blocks each tier can hold (device, host, disk).", tier)
+        self.kv_tier_used_bytes = gauge(
+            "rtx_kv_tier_used_bytes", "Bytes of KV blocks each tier holds now (device: in use or cached).", tier)
+        self.kv_tier_usage = gauge("rtx_kv_tier_usage_ratio", "Used over capacity, per tier.", tier)
+        self.kv_tier_pressure = gauge(
+            "rtx_kv_tier_pressure_ratio",
+            "Share of recent insertions into a tier that had to evict a block (0: room to spare; 1: every new "
+            "block pushes an old one out).", tier)
+        self.kv_offload_blocks = counter(
+            "rtx_kv_offload_blocks", "KV blocks written into a lower tier (from the device or the tier above).", tier)
+        self.kv_offload_bytes = counter("rtx_kv_offload_bytes", "Bytes of rtx_kv_offload_blocks.", tier)
+        self.kv_reload_blocks = counter(
+            "rtx_kv_reload_blocks", "KV blocks brought back to the device from a lower tier for a prefix hit.", tier)
+        self.kv_reload_bytes = counter("rtx_kv_reload_bytes", "Bytes of rtx_kv_reload_blocks.", tier)
+        self.kv_tier_evictions = counter(
+            "rtx_kv_tier_evictions", "KV blocks that left a lower tier to make room (moved down, or dropped at the "
+            "bottom).", tier)
+        self.kv_tier_corrupt_blocks = counter(
+            "rtx_kv_tier_corrupt_blocks", "KV blocks found damaged when read back from a tier, and dropped.", tier)
+        self.kv_snapshot_blocks = counter(
+            "rtx_kv_snapshot_blocks", "KV blocks written to disk by warm-restart snapshots.")
+
     def bind(self, model: str) -> BoundFamilies:
         return BoundFamilies(
             time_to_first_token=self.time_to_first_token.labels(model),

@@ -149,6 +149,13 @@ spec:
         - --request-timeout={{ $v.server.requestTimeoutSeconds }}
         - --max-active-requests={{ $v.server.maxActiveRequests }}
         - --log-level={{ $v.server.logLevel }}
+        - --eviction-policy={{ $v.kvCache.evictionPolicy }}
+        - --kv-host-bytes={{ $v.kvCache.hostBytes }}
+        {{- if $v.state.enabled }}
+        - --state-dir={{ $v.state.mountPath }}
+        - --kv-disk-bytes={{ $v.kvCache.diskBytes }}
+        - --kv-snapshot-interval={{ $v.kvCache.snapshotIntervalSeconds }}
+        {{- end }}
         {{- if $v.signing.publicKeySecret }}
         - --signing-public-key=/etc/rtx-serve/signing/{{ $v.signing.publicKeySecretKey }}
         {{- end }}
@@ -219,6 +226,10 @@ spec:
           mountPath: {{ $v.model.mountPath }}
           readOnly: true
         {{- end }}
+        {{- if $v.state.enabled }}
+        - name: state
+          mountPath: {{ $v.state.mountPath }}
+        {{- end }}
   volumes:
     - name: serve-config
       configMap:
@@ -234,5 +245,9 @@ spec:
     {{- if $v.model.volume }}
     - name: models
       {{- toYaml $v.model.volume | nindent 6 }}
+    {{- end }}
+    {{- if $v.state.enabled }}
+    - name: state
+      {{- toYaml $v.state.volume | nindent 6 }}
     {{- end }}
 {{- end }}

@@ -16,16 +16,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-import torch
-
 from rtxcore.errors import RtxError
 from rtxcore.models.config import ModelConfig
-from rtxcore.models.source import ModelSource
 
 log = logging.getLogger("rtx.graph_cache")
 
 CACHE_DIR_ENV = "RTX_GRAPH_CACHE"
-_CHUNK = 8 << 20
 
 
 def default_cache_dir() -> Path:
@@ -34,28 +30,6 @@ def default_cache_dir() -> Path:
         return Path(os.environ[CACHE_DIR_ENV]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "rtx-serve" / "graphs"
-
-
-def weights_fingerprint(source: ModelSource) -> str:
-    """blake2b of the checkpoint's bytes: its files when it has any, else the tensors it yields (random weights)."""
-    h = hashlib.blake2b(digest_size=20)
-    if source.path:
-        for path in _checkpoint_files(Path(source.path)):
-            h.update(path.name.encode() + b"\0")
-            with open(path, "rb") as fh:
-                while chunk := fh.read(_CHUNK):
-                    h.update(chunk)
-    else:
-        for name, tensor in source.weights():
-            h.update(name.encode() + b"\0")
-            h.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def _checkpoint_files(path: Path) -> list[Path]:
-    if path.is_file():
-        return [path]
-    return sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors", ".gguf"))
 
 
 @dataclass(frozen=True, slots=True)

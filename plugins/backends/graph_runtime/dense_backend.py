@@ -18,6 +18,7 @@ from rtxcore.contracts.backend import (
     default_kv_cache_bytes,
 )
 from rtxcore.errors import ConfigError
+from rtxcore.kv.block_io import read_blocks, write_blocks
 from rtxcore.models.config import ModelConfig
 from rtxcore.models.source import ModelSource
 from rtx_plugins.backends.graph_runtime.cache import GraphCache
@@ -94,6 +95,19 @@ class DenseGraphBackend(ExecutionBackend):
         shape = (cfg.num_layers * num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
         self.key_cache = torch.zeros(shape, dtype=self.dtype, device=self._device)
         self.value_cache = torch.zeros(shape, dtype=self.dtype, device=self._device)
+        self.block_size = block_size
+
+    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        return read_blocks(self._blocked_caches(), 1, block_ids)
+
+    def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        write_blocks(self._blocked_caches(), 1, block_ids, data)
+
+    def _blocked_caches(self) -> list[torch.Tensor]:
+        # Views of the flat caches with the block as a dimension: [layers, num_blocks, block_size, heads, head_dim].
+        layers = self.model_config.num_layers
+        num_blocks = self.key_cache.shape[0] // (layers * self.block_size)
+        return [c.view(layers, num_blocks, self.block_size, *c.shape[1:]) for c in (self.key_cache, self.value_cache)]
 
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:

@@ -17,8 +17,9 @@ from typing import Callable
 import torch
 
 from rtxcore.contracts.backend import BackendOptions
+from rtxcore.models.fingerprint import weights_fingerprint
 from rtxcore.models.source import ModelSource
-from rtx_plugins.backends.graph_runtime.cache import CacheKey, GraphCache, model_fingerprint, weights_fingerprint
+from rtx_plugins.backends.graph_runtime.cache import CacheKey, GraphCache, model_fingerprint
 from rtx_plugins.backends.graph_runtime.graph import INPUT_NAMES, OUTPUT_NAMES, DenseKVGraph
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ class OnnxRuntimeBackend(DenseGraphBackend):
             devices=("cpu", "cuda") if cuda else ("cpu",),
             # ONNX Runtime's CPU kernels for float16 are few and slow; on the CPU it runs float32 only.
             dtypes=("float32", "float16") if cuda else ("float32",),
-            paged_kv=True)
+            paged_kv=True, kv_offload=True)
 
     def __init__(self, options: BackendOptions):
         from rtx_plugins.backends.onnxruntime_backend.session import choose_device

@@ -42,7 +42,7 @@ class TensorRTBackend(DenseGraphBackend):
         trt, reason = import_tensorrt()
         if trt is not None and not torch.cuda.is_available():
             reason = "TensorRT needs a CUDA GPU and torch sees none"
-        return BackendCapabilities(devices=("cuda",), dtypes=PRECISIONS, paged_kv=True, max_batch_size=MAX_BATCH,
+        return BackendCapabilities(devices=("cuda",), dtypes=PRECISIONS, paged_kv=True, kv_offload=True, max_batch_size=MAX_BATCH,
                                    available=reason is None, unavailable_reason=reason)
 
     def __init__(self, options: BackendOptions):

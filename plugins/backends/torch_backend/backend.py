@@ -15,6 +15,7 @@ from rtxcore.contracts.backend import (
     default_kv_cache_bytes,
 )
 from rtxcore.errors import ConfigError, ModelLoadError
+from rtxcore.kv.block_io import read_blocks, write_blocks
 from rtxcore.models.config import ModelConfig
 from rtxcore.models.source import ModelSource
 from rtx_kernels.cpu_ops import paged_decode_kernel
@@ -34,7 +35,7 @@ class TorchBackend(ExecutionBackend):
     @classmethod
     def capabilities(cls) -> BackendCapabilities:
         devices = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
-        return BackendCapabilities(devices=devices, dtypes=tuple(_DTYPES), paged_kv=True)
+        return BackendCapabilities(devices=devices, dtypes=tuple(_DTYPES), paged_kv=True, kv_offload=True)
 
     def __init__(self, options: BackendOptions):
         super().__init__(options)
@@ -133,6 +134,12 @@ class TorchBackend(ExecutionBackend):
             with torch.inference_mode():
                 self._graphs.capture()
                 self._mixed.capture()
+
+    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        return read_blocks([t for kv in self.kv_caches for t in kv], 1, block_ids)
+
+    def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        write_blocks([t for kv in self.kv_caches for t in kv], 1, block_ids, data)
 
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:

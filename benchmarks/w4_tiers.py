@@ -1,0 +1,171 @@
+"""W4 (steady multi-turn) scaled to this CPU, with KV tiers: prefix-cache hit rate and latency under load, with a
+device cache too small for every conversation, against the same device cache without offload and against a device
+cache with room for everything, all in one run.
+
+    .venv/bin/python benchmarks/w4_tiers.py --json w4.json
+
+Part 1, hit rate: the conversations run turn by turn (every turn of every conversation is the history so far plus
+new tokens), once per configuration; the hit rate is cached prompt tokens over prompt tokens on turns 2..N.
+Part 2, latency at load: the requests part 1 made (fixed token lists, greedy replies) arrive open-loop, Poisson, at
+``--load`` times the capacity measured in part 1 with the roomy cache, turn after turn; per configuration on a
+fresh engine, TTFT, inter-token latency and end-to-end p50/p99, and each p99 as a ratio to the roomy cache's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import random
+import sys
+import time
+
+from rtxcore.bench.loadgen.stats import percentile
+from rtxcore.cli.bench import machine_description
+from rtxcore.contracts.scheduler import SchedulerConfig
+from rtxcore.engine.async_engine import AsyncEngine
+from rtxcore.engine.config import EngineConfig
+from rtxcore.engine.llm_engine import LLMEngine
+from rtxcore.sampling_params import SamplingParams
+
+CONFIGS = ("roomy", "offload", "no-offload")
+
+
+def make_engine(args, config: str, all_blocks: int) -> LLMEngine:
+    roomy = config == "roomy"
+    blocks = int((args.roomy_factor if roomy else args.device_factor) * all_blocks) + 1
+    probe = None
+    host_bytes = 0
+    if config == "offload":
+        probe = LLMEngine(EngineConfig(model=args.model, num_kv_blocks=2, max_model_len=args.max_model_len))
+        block_bytes = probe.backend.kv_cache_bytes_per_token() * 16
+        host_bytes = int(args.host_factor * all_blocks) * block_bytes
+        del probe
+    return LLMEngine(EngineConfig(model=args.model, num_kv_blocks=blocks, kv_host_bytes=host_bytes,
+                                  max_model_len=args.max_model_len,
+                                  scheduling=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                                             max_num_batched_tokens=args.max_num_batched_tokens)))
+
+
+def turns(args, engine: LLMEngine) -> tuple[list[list[list[int]]], float, float]:
+    """Run every turn; returns each turn's prompts, the hit rate over turns 2..N and the seconds taken."""
+    rng = random.Random(args.seed)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=args.reply_tokens, temperature=0.0, ignore_eos=True)
+    history: list[list[int]] = [[] for _ in range(args.conversations)]
+    prompts_by_turn, prompt_tokens, cached_tokens = [], 0, 0
+    engine.generate([[rng.randrange(3, vocab) for _ in range(8)]], params)  # warm-up, untimed
+    start = time.perf_counter()
+    for turn in range(args.turns):
+        prompts = [h + [rng.randrange(3, vocab) for _ in range(args.new_tokens)] for h in history]
+        prompts_by_turn.append(prompts)
+        results = engine.generate(prompts, params)
+        if turn > 0:
+            prompt_tokens += sum(len(p) for p in prompts)
+            cached_tokens += sum(r.num_cached_tokens for r in results)
+        history = [p + r.token_ids for p, r in zip(prompts, results)]
+    return prompts_by_turn, cached_tokens / max(prompt_tokens, 1), time.perf_counter() - start
+
+
+async def under_load(args, engine: LLMEngine, prompts_by_turn, rate: float) -> dict[str, float]:
+    """Open-loop Poisson arrivals of every turn's requests in turn order; per-request latencies."""
+    served = AsyncEngine(engine)
+    served.start()
+    params = SamplingParams(max_tokens=args.reply_tokens, temperature=0.0, ignore_eos=True)
+    rng = random.Random(args.seed + 1)
+    ttft, itl, e2e = [], [], []
+    preemptions = 0
+
+    async def one(prompt: list[int]) -> None:
+        nonlocal preemptions
+        sent = last = time.perf_counter()
+        first = True
+        async for out in served.generate(prompt, params):
+            now = time.perf_counter()
+            if out.new_token_ids:
+                (ttft if first else itl).append(now - (sent if first else last))
+                first, last = False, now
+            if out.finished and out.timings is not None:
+                preemptions += out.timings.num_preemptions
+        e2e.append(time.perf_counter() - sent)
+
+    tasks = []
+    start = time.perf_counter()
+    await collect_warm_up(served, params)
+    for prompts in prompts_by_turn:
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(one(prompt)))
+            await asyncio.sleep(rng.expovariate(rate))
+    await asyncio.gather(*tasks)
+    elapsed = time.perf_counter() - start
+    served.stop()
+    stats = engine.kv_cache.stats
+    return {"requests": len(tasks), "seconds": round(elapsed, 2), "hit_rate": round(stats.prefix_hit_rate, 4),
+            "reloaded_tokens": stats.num_reloaded_tokens, "preemptions": preemptions,
+            **{f"{name}_{q}_ms": round(1000 * percentile(values, p), 1)
+               for name, values in (("ttft", ttft), ("itl", itl), ("e2e", e2e))
+               for q, p in (("p50", 50), ("p99", 99))}}
+
+
+async def collect_warm_up(served: AsyncEngine, params: SamplingParams) -> None:
+    async for _ in served.generate([7] * 8, params):
+        pass
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="as rtx --model (default: smollm2-135m)")
+    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=32, help="new tokens per turn (W4: ~64)")
+    p.add_argument("--reply-tokens", type=int, default=48)
+    p.add_argument("--max-num-seqs", type=int, default=4)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--device-factor", type=float, default=0.6,
+                   help="device KV blocks as a share of what every conversation's history needs (default: room "
+                        "for the running batch, --max-num-seqs conversations, but not for all)")
+    p.add_argument("--roomy-factor", type=float, default=1.5)
+    p.add_argument("--host-factor", type=float, default=1.5, help="host tier, as a share of the same")
+    p.add_argument("--load", type=float, default=1.5, help="arrival rate as a multiple of the measured capacity")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write the results here")
+    args = p.parse_args()
+    longest = args.turns * (args.new_tokens + args.reply_tokens)
+    args.max_model_len = longest + 16
+    all_blocks = args.conversations * -(-longest // 16)
+
+    report = {"command": " ".join(sys.argv), "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+              "machine": machine_description(), "args": vars(args), "hit_rate": {}, "load": {}}
+    prompts_by_turn, capacity = None, None
+    for config in CONFIGS:
+        engine = make_engine(args, config, all_blocks)
+        prompts, rate, seconds = turns(args, engine)
+        report["hit_rate"][config] = {"hit_rate_turns_2_on": round(rate, 4), "seconds": round(seconds, 2),
+                                      "device_blocks": engine.kv_cache.num_usable_blocks}
+        print(f"hit rate {config:>10}: {rate:.3f} over turns 2..{args.turns} ({seconds:.1f}s, "
+              f"{engine.kv_cache.num_usable_blocks} device blocks)", flush=True)
+        if config == "roomy":
+            prompts_by_turn = prompts
+            capacity = args.conversations * args.turns / seconds
+    rate = args.load * capacity
+    report["capacity_requests_per_s"] = round(capacity, 3)
+    report["arrival_rate_per_s"] = round(rate, 3)
+    for config in CONFIGS:
+        result = asyncio.run(under_load(args, make_engine(args, config, all_blocks), prompts_by_turn, rate))
+        report["load"][config] = result
+        print(f"at {args.load}x load {config:>10}: " + ", ".join(f"{k}={v}" for k, v in result.items()), flush=True)
+    base = report["load"]["roomy"]
+    for config in CONFIGS[1:]:
+        ratios = {f"{k}_ratio": round(report["load"][config][k] / base[k], 3)
+                  for k in ("ttft_p99_ms", "itl_p99_ms", "e2e_p99_ms") if base[k]}
+        report["load"][config].update(ratios)
+        print(f"p99 {config} / roomy: {ratios}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

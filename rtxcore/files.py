@@ -1,0 +1,38 @@
+"""Crash-safe file writes shared by what the server keeps on disk (the request journal, KV-cache snapshots)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename or a new file in ``directory`` durable (the directory entry is data too)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """``os.write`` until every byte is out: a short write would leave a partial record for the next to follow."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def replace_atomically(path: Path, data: bytes, durable: bool = True) -> None:
+    """Write ``data`` to a temporary file beside ``path`` and rename it over ``path``: a crash leaves the old file
+    or the new one, never half of one. With ``durable``, both the file and the rename are fsynced."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        write_all(fd, data)
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    if durable:
+        fsync_dir(path.parent)

@@ -1,0 +1,49 @@
+"""Copying whole KV blocks between a backend's cache tensors and the host, for backends that keep their cache as
+torch tensors with one dimension indexed by block id (the layout varies; the block dimension is what they share).
+
+A block's bytes are each tensor's slice for that block, flattened, one tensor after another: an opaque record that
+only the same backend, with the same model, dtype and block size, reads back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def read_blocks(caches: Sequence[torch.Tensor], block_dim: int, block_ids: list[int]) -> torch.Tensor:
+    """uint8 [len(block_ids), block_bytes] on the host.
+
+    Ordered after every kernel already queued on the caches' device, so the bytes are what the last step wrote.
+    """
+    device, n = caches[0].device, len(block_ids)
+    ids = torch.tensor(block_ids, dtype=torch.long).to(device)
+    out = torch.empty(n, sum(t.numel() // t.shape[block_dim] for t in caches), dtype=caches[0].dtype, device=device)
+    start = 0
+    for t in caches:
+        shape = t.shape[:block_dim] + t.shape[block_dim + 1:]
+        size = t.numel() // t.shape[block_dim]
+        # Gathered straight into the block-major buffer: one copy fewer than gathering and concatenating.
+        out[:, start:start + size].view(n, *shape).copy_(t.index_select(block_dim, ids).movedim(block_dim, 0))
+        start += size
+    # One copy to the host for all tensors: on a GPU that is one transfer instead of one per layer.
+    return out.cpu().view(torch.uint8)
+
+
+def write_blocks(caches: Sequence[torch.Tensor], block_dim: int, block_ids: list[int], data: torch.Tensor) -> None:
+    """Put bytes :func:`read_blocks` returned for the same caches into ``block_ids``."""
+    device, dtype = caches[0].device, caches[0].dtype
+    n = len(block_ids)
+    values = data.view(dtype).reshape(n, -1)
+    expected = sum(t.numel() // t.shape[block_dim] for t in caches)
+    if values.shape[1] != expected:
+        raise ValueError(f"KV block data has {values.shape[1]} values per block, the cache {expected}")
+    values = values.to(device, non_blocking=True)
+    ids = torch.tensor(block_ids, dtype=torch.long).to(device)
+    start = 0
+    for t in caches:
+        shape = t.shape[:block_dim] + t.shape[block_dim + 1:]
+        size = t.numel() // t.shape[block_dim]
+        t.index_copy_(block_dim, ids, values[:, start:start + size].reshape(n, *shape).movedim(0, block_dim))
+        start += size

@@ -1,0 +1,240 @@
+"""Lower KV-cache tiers: where prefix-cache blocks go when the device pool reuses their blocks, instead of being
+dropped, and where a later prefix hit brings them back from.
+
+A tier is a fixed number of *slots*, each holding one block's bytes under its content key (the block's prefix
+hash), with its own instance of an eviction-policy plugin choosing which slot to reuse. Tiers chain: the host tier
+hands the blocks it evicts to the disk tier below it, and the disk tier drops them. Copies are *inclusive*: a block
+brought back to the device keeps its copy here, so evicting it from the device again costs no copy. That, and a
+slot only ever being replaced when the tier is full, is what keeps blocks from thrashing between tiers.
+
+A slot that is being read is *pinned*: it is not an eviction candidate until unpinned, so it never moves.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from rtxcore.contracts.eviction import EvictionPolicy
+from rtxcore.errors import ConfigError, RtxError
+from rtxcore.kv.block_pool import PRESSURE_ALPHA
+from rtxcore.kv.hashing import BlockHash
+
+log = logging.getLogger("rtx.kv")
+
+
+class TierReadError(RtxError):
+    """A block's bytes in a tier could not be read back intact (a damaged or foreign file); the block is dropped."""
+
+
+@dataclass(slots=True)
+class TierStats:
+    # Blocks (and their bytes) written into this tier, and read back out of it to the device.
+    num_stored: int = 0
+    num_loaded: int = 0
+    # Blocks that left this tier to make room (handed to the tier below, or dropped at the bottom).
+    num_evicted: int = 0
+    # Blocks that could not be stored: every slot pinned.
+    num_rejected: int = 0
+    # Blocks found damaged on read, and dropped.
+    num_corrupt: int = 0
+
+
+class KVTier(ABC):
+    """Slots of one tier: a key-to-slot map, a free list, pins, and an eviction policy over the slots."""
+
+    def __init__(self, name: str, num_slots: int, block_bytes: int, policy: EvictionPolicy,
+                 below: KVTier | None = None):
+        if num_slots < 1:
+            raise ConfigError(f"the {name} KV tier needs at least one block of room, got {num_slots}")
+        if policy.capacity < num_slots or len(policy) != 0:
+            raise ConfigError(f"the {name} tier's eviction policy must be new and hold {num_slots} slots")
+        self.name = name
+        self.num_slots = num_slots
+        self.block_bytes = block_bytes
+        self.policy = policy
+        self.below = below
+        self.stats = TierStats()
+        # Bumped whenever a block enters or leaves: what an index of the tier's content must keep up with.
+        self.num_changes = 0
+        # Share of recent insertions that had to evict something: 0 while there is room, 1 when every new block
+        # pushes an old one out.
+        self.pressure = 0.0
+        self._slot_of: dict[BlockHash, int] = {}
+        self._key_of: list[BlockHash | None] = [None] * num_slots
+        self._pins = [0] * num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    def __contains__(self, key: BlockHash) -> bool:
+        return key in self._slot_of
+
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+    @property
+    def usage(self) -> float:
+        return len(self._slot_of) / self.num_slots
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_slots * self.block_bytes
+
+    def keys(self) -> list[BlockHash]:
+        return list(self._slot_of)
+
+    def holds(self, key: BlockHash) -> bool:
+        """Whether this tier or one below holds ``key``."""
+        return key in self._slot_of or (self.below is not None and self.below.holds(key))
+
+    def touch(self, key: BlockHash) -> None:
+        slot = self._slot_of.get(key)
+        if slot is not None:
+            self.policy.touch(slot)
+
+    def store(self, keys: list[BlockHash], data: torch.Tensor) -> None:
+        """Put blocks (uint8 rows of ``data``) under ``keys``; a key already here is only touched."""
+        for key, row in zip(keys, data):
+            if key in self._slot_of:
+                self.touch(key)
+                continue
+            slot = self._take_slot()
+            if slot is None:
+                self.stats.num_rejected += 1
+                continue
+            try:
+                self._write(slot, key, row)
+            except OSError as exc:  # a full or failing disk costs this block, never the engine
+                log.warning("could not store KV block %s in the %s tier: %s", key.hex(), self.name, exc)
+                self._free.append(slot)
+                self.stats.num_rejected += 1
+                continue
+            self._slot_of[key] = slot
+            self._key_of[slot] = key
+            self.policy.cached(slot, key)
+            self.policy.add(slot)
+            self.stats.num_stored += 1
+            self.num_changes += 1
+
+    def pin(self, key: BlockHash) -> bool:
+        """Hold ``key``'s slot in place (no eviction) until :meth:`unpin`; False when the tier lacks it."""
+        slot = self._slot_of.get(key)
+        if slot is None:
+            return False
+        if self._pins[slot] == 0:
+            self.policy.remove(slot)
+        self._pins[slot] += 1
+        return True
+
+    def unpin(self, key: BlockHash) -> None:
+        slot = self._slot_of.get(key)
+        if slot is None:  # dropped while pinned: it failed to read back
+            return
+        self._pins[slot] -= 1
+        if self._pins[slot] == 0:
+            self.policy.add(slot)
+
+    def peek(self, key: BlockHash) -> torch.Tensor:
+        """A block's bytes without counting a use (copies for a snapshot must not reorder the policy's queues).
+
+        :raises TierReadError: as :meth:`load`, without dropping the block.
+        """
+        return self._read(self._slot_of[key], key)
+
+    def load(self, key: BlockHash) -> torch.Tensor:
+        """The bytes of a pinned block.
+
+        :raises TierReadError: they could not be read back intact; the block has left the tier (and its pin).
+        """
+        slot = self._slot_of[key]
+        try:
+            data = self._read(slot, key)
+        except TierReadError:
+            self.stats.num_corrupt += 1
+            self._pins[slot] = 0
+            self._discard(slot)
+            raise
+        self.policy.touch(slot)
+        self.stats.num_loaded += 1
+        return data
+
+    def clear(self) -> int:
+        """Drop every block not pinned (the prefix cache was reset: their content may be stale); returns how many."""
+        dropped = [slot for slot in self._slot_of.values() if self._pins[slot] == 0]
+        for slot in dropped:
+            self._discard(slot)
+        return len(dropped)
+
+    def check_invariants(self) -> None:
+        """Every key in exactly one slot, pinned slots never candidates, the policy holding exactly the unpinned
+        occupied slots; for tests."""
+        assert len(self._slot_of) + len(self._free) == self.num_slots, "a slot is lost or counted twice"
+        assert len(set(self._free)) == len(self._free), "a slot is free twice"
+        for key, slot in self._slot_of.items():
+            assert self._key_of[slot] == key, f"slot {slot} does not map back to its key"
+            assert slot not in self._free, f"occupied slot {slot} is also free"
+            assert (slot in self.policy) == (self._pins[slot] == 0), f"slot {slot}'s pin and candidacy disagree"
+        assert len(self.policy) == sum(1 for s in self._slot_of.values() if self._pins[s] == 0)
+
+    def _take_slot(self) -> int | None:
+        if self._free:
+            self._note_pressure(0.0)
+            return self._free.pop()
+        slot = self.policy.evict()
+        if slot is None:
+            return None
+        self._note_pressure(1.0)
+        key = self._key_of[slot]
+        if self.below is not None and key not in self.below:
+            try:
+                self.below.store([key], self._read(slot, key).unsqueeze(0))
+            except TierReadError:
+                self.stats.num_corrupt += 1
+        self.stats.num_evicted += 1
+        self.num_changes += 1
+        del self._slot_of[key]
+        self._key_of[slot] = None
+        self._drop(slot, key)
+        return slot
+
+    def _discard(self, slot: int) -> None:
+        key = self._key_of[slot]
+        if slot in self.policy:
+            self.policy.remove(slot)
+        self.policy.forget(slot)
+        del self._slot_of[key]
+        self._key_of[slot] = None
+        self._drop(slot, key)
+        self._free.append(slot)
+        self.num_changes += 1
+
+    def _note_pressure(self, evicted: float) -> None:
+        self.pressure += PRESSURE_ALPHA * (evicted - self.pressure)
+
+    @abstractmethod
+    def _write(self, slot: int, key: BlockHash, data: torch.Tensor) -> None:
+        """Store one block's bytes in ``slot``."""
+
+    @abstractmethod
+    def _read(self, slot: int, key: BlockHash) -> torch.Tensor:
+        """One block's bytes from ``slot`` (uint8 [block_bytes]); raises :class:`TierReadError`."""
+
+    def _drop(self, slot: int, key: BlockHash) -> None:
+        """``key`` left ``slot``: release whatever storage it had beyond the slot."""
+
+
+class HostTier(KVTier):
+    """Blocks in host memory: one preallocated buffer, pinned (page-locked) where a GPU copies from it."""
+
+    def __init__(self, num_slots: int, block_bytes: int, policy: EvictionPolicy, below: KVTier | None = None,
+                 pin_memory: bool = False):
+        super().__init__("host", num_slots, block_bytes, policy, below)
+        self._buffer = torch.empty((num_slots, block_bytes), dtype=torch.uint8, pin_memory=pin_memory)
+
+    def _write(self, slot: int, key: BlockHash, data: torch.Tensor) -> None:
+        self._buffer[slot].copy_(data)
+
+    def _read(self, slot: int, key: BlockHash) -> torch.Tensor:
+        return self._buffer[slot]

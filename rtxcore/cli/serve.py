@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from rtxcore.cli.common import add_engine_options, engine_config
@@ -41,6 +42,13 @@ def add_parser(sub) -> None:
                    help="refuse to load a model without a valid signature (needs --signing-public-key)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log level on stderr (default: info)")
+    durable = p.add_argument_group("durable restarts (docs/serving.md)")
+    durable.add_argument("--state-dir", default=d.state_dir, metavar="DIR",
+                         help="keep a request journal under DIR/journal: accepted requests survive a crash or "
+                              "restart and streams are resumable (GET /v1/streams/{id}); off without it")
+    durable.add_argument("--journal-retention", type=float, default=d.journal_retention_s, metavar="SECONDS",
+                         help="how long finished requests stay resumable and in the journal "
+                              f"(default: {d.journal_retention_s:g})")
     add_engine_options(p)
     p.set_defaults(run=run)
 
@@ -60,10 +68,14 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout,
         max_active_requests=args.max_active_requests, shutdown_grace_s=args.shutdown_grace,
         served_model_name=args.served_model_name, signing_public_key=args.signing_public_key,
-        require_signed_models=args.require_signed_models)
+        require_signed_models=args.require_signed_models, state_dir=args.state_dir,
+        journal_retention_s=args.journal_retention)
     config_file = load_serve_config(args.config)
     tenants = TenantRegistry.from_config(config_file.tenants)
     config = engine_config(args)
+    if args.state_dir and config.kv_disk_dir is None and config.enable_prefix_caching:
+        # Durable state includes the prefix cache: a restart starts warm from the disk tier's snapshot.
+        config.kv_disk_dir = os.path.join(args.state_dir, "kv")
     config.scheduling.lanes = config_file.lanes
     config.scheduling.options = config_file.scheduler_options
     resolve_model(config.model)  # a model that cannot be found fails now, before the server starts listening

@@ -18,11 +18,18 @@ class OutputProcessor:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
 
     def add(self, req: Request) -> None:
+        """Track a new request; one resumed with output tokens (from a journal) has its detokenizer caught up with
+        them, so that its next text delta starts where the last one sent before the restart ended."""
         if self.tokenizer is not None:
             p = req.params
-            self._detokenizers[req.req_id] = IncrementalDetokenizer(
+            detok = IncrementalDetokenizer(
                 self.tokenizer, req.prompt_token_ids, stop=p.stop,
                 include_stop_str_in_output=p.include_stop_str_in_output, skip_special_tokens=p.skip_special_tokens)
+            # One token at a time, as they were generated: the text held back (an incomplete character, the start
+            # of a possible stop string) is then exactly what was held back when they were streamed.
+            for token in req.output_token_ids:
+                detok.update([token])
+            self._detokenizers[req.req_id] = detok
 
     def remove(self, req_id: str) -> None:
         self._detokenizers.pop(req_id, None)
@@ -54,7 +61,8 @@ class OutputProcessor:
                     text = detok.update([token])
                     if detok.finished_by_stop:
                         status, stop_reason = RequestStatus.FINISHED_STOPPED, detok.stop_reason
-                if status is None and (num_output_tokens >= p.max_tokens or req.num_tokens >= max_model_len):
+                if status is None and (num_output_tokens >= p.max_tokens
+                                       or len(all_token_ids) + req.num_pending_tokens >= max_model_len):
                     status = RequestStatus.FINISHED_LENGTH
             token_logprobs = logprobs[row] if logprobs is not None else None
             if status is not None:

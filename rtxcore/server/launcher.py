@@ -4,8 +4,8 @@ The order of a start: bind the HTTP socket (a busy port is a one-line error), st
 load the model in the background; probes answer at once and model routes say 503 until it is loaded.
 
 The order of a stop, on the first SIGINT or SIGTERM: mark the runtime draining (new requests get 503), wait up to
-``shutdown_grace_s`` for running requests to finish, then stop uvicorn, gRPC and the engine. A second signal skips
-the wait.
+``shutdown_grace_s`` for running requests to finish, then stop uvicorn, gRPC and the engine, and flush and close the
+request journal (with a state dir). A second signal skips the wait.
 """
 
 from __future__ import annotations
@@ -74,6 +74,10 @@ class Launcher:
             if await _first(self._wait_loaded(), self._stop_requested.wait(), serving) == 0:
                 if self.runtime.load_error is not None:
                     raise _load_failure(self.runtime.load_error)
+                if self.runtime.durable is not None:
+                    from rtxcore.server.http.recovery import recover
+
+                    await recover(self.runtime)  # before "ready": a resumed stream must be found when asked for
                 self._say(f"{address} model={self.runtime.model_name} backend={self.runtime.backend_name}")
                 await _first(self._stop_requested.wait(), serving)
             if not serving.done():
@@ -83,6 +87,9 @@ class Launcher:
             await asyncio.gather(serving, return_exceptions=True)
             if grpc is not None:
                 grpc.stop(1.0)
+            if self.runtime.durable is not None:
+                # Past the grace period: what still runs stays unfinished in the journal, for the next start.
+                await self.runtime.durable.stop_producers()
             self.runtime.stop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)

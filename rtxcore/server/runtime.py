@@ -11,12 +11,17 @@ import threading
 from functools import partial
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rtxcore.engine.async_engine import AsyncEngine
 from rtxcore.engine.config import EngineConfig
 from rtxcore.errors import ConfigError
 from rtxcore.models.source import DEFAULT_MODEL
 from rtxcore.server.tenants import TenantRegistry
+
+if TYPE_CHECKING:
+    from rtxcore.server.durable.registry import DurableRequests
 
 log = logging.getLogger("rtx.server")
 
@@ -41,11 +46,17 @@ class ServeSettings:
     signing_public_key: str | None = None
     # Refuse a model without a valid signature; needs signing_public_key.
     require_signed_models: bool = False
+    # Where durable state lives (the request journal under journal/); None turns durable restarts off.
+    state_dir: str | None = None
+    # How long finished requests stay resumable (GET /v1/streams/{id}, Idempotency-Key) and in the journal.
+    journal_retention_s: float = 600.0
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "request_timeout_s", "max_active_requests"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.journal_retention_s < 0:
+            raise ConfigError(f"journal_retention_s must be >= 0, got {self.journal_retention_s}")
         if self.shutdown_grace_s < 0:
             raise ConfigError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
         self.signing_policy()  # a missing key file or strict mode without a key fails here
@@ -77,6 +88,20 @@ class ServingRuntime:
         self._loaded = threading.Event()
         self._lock = threading.Lock()
         self._num_admitted = 0
+        # Resumable requests and their journal; None without a state dir.
+        self.durable = self._make_durable()
+
+    def _make_durable(self) -> DurableRequests | None:
+        if self.settings.state_dir is None:
+            return None
+        from rtxcore.server.durable.journal import Journal, JournalOptions
+        from rtxcore.server.durable.metrics import register
+        from rtxcore.server.durable.registry import DurableRequests
+
+        options = JournalOptions(retention_s=self.settings.journal_retention_s)
+        durable = DurableRequests(Journal(Path(self.settings.state_dir) / "journal", options))
+        register(self.metrics.registry, durable, lambda: self.model_name)
+        return durable
 
     # -- loading --------------------------------------------------------------------------------------------------
 
@@ -123,7 +148,8 @@ class ServingRuntime:
 
     @property
     def ready(self) -> bool:
-        return self.async_engine is not None and self.async_engine.is_running and not self.draining
+        return (self.async_engine is not None and self.async_engine.is_running and not self.draining
+                and (self.durable is None or self.durable.recovered))
 
     # -- admission ------------------------------------------------------------------------------------------------
 
@@ -140,6 +166,11 @@ class ServingRuntime:
             self._num_admitted += num_requests
             return True
 
+    def force_admit(self, num_requests: int) -> None:
+        """Take slots even past the limit: for requests admitted before a restart and resumed now."""
+        with self._lock:
+            self._num_admitted += num_requests
+
     def release(self, num_requests: int = 1) -> None:
         with self._lock:
             self._num_admitted -= num_requests
@@ -153,3 +184,15 @@ class ServingRuntime:
     def stop(self) -> None:
         if self.async_engine is not None:
             self.async_engine.stop()
+            if not self.async_engine.is_running and self.async_engine.error is None:
+                self._save_kv_snapshot()
+        if self.durable is not None:
+            self.durable.close()  # after the engine: nothing writes to the journal any more
+
+    def _save_kv_snapshot(self) -> None:
+        """With a disk KV tier, write the prefix cache there (the engine thread has stopped), so the next start is
+        warm; a failure is logged, never raised: the shutdown must go on."""
+        try:
+            self.async_engine.engine.save_kv_snapshot()
+        except Exception:
+            log.exception("could not write the KV cache snapshot at shutdown")

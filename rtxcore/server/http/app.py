@@ -17,6 +17,7 @@ from rtxcore.server.http.generation import ClientGone
 from rtxcore.server.http.middleware import RequestContextMiddleware
 from rtxcore.server.http.native_routes import NativeRoutes
 from rtxcore.server.http.openai_routes import OpenAIRoutes
+from rtxcore.server.http.stream_routes import StreamRoutes
 from rtxcore.server.runtime import ServingRuntime
 
 log = logging.getLogger("rtx.http")
@@ -27,7 +28,7 @@ CLIENT_CLOSED_REQUEST = 499
 
 def build_app(runtime: ServingRuntime) -> Starlette:
     return Starlette(
-        routes=[*OpenAIRoutes(runtime).routes(), *NativeRoutes(runtime).routes()],
+        routes=[*OpenAIRoutes(runtime).routes(), *NativeRoutes(runtime).routes(), *StreamRoutes(runtime).routes()],
         middleware=[Middleware(RequestContextMiddleware, max_body_bytes=runtime.settings.max_body_bytes),
                     Middleware(AuthMiddleware, runtime=runtime)],
         exception_handlers={

@@ -36,6 +36,12 @@ class Route:
         return self.tenant.name if self.tenant is not None else None
 
 
+def tenant_name(request: Request) -> str | None:
+    """The authenticated tenant's name, None on a server without API keys."""
+    tenant = request.state.tenant
+    return tenant.name if tenant is not None else None
+
+
 def route(runtime: ServingRuntime, request: Request, fields: RoutingFields) -> Route:
     """The request's route: 400 for an unknown or conflicting lane, 403 for a lane its tenant may not use."""
     tenant = request.state.tenant

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from rtxcore.engine.async_engine import AsyncEngine
 from rtxcore.engine.llm_engine import LLMEngine
 from rtxcore.engine.outputs import RequestOutput, TokenLogprob
-from rtxcore.errors import AdmissionRefused, InvalidRequestError, RtxError
+from rtxcore.errors import AdmissionRefused, InvalidRequestError
 from rtxcore.sampling_params import SamplingParams
 from rtxcore.server.http.common import Route
 from rtxcore.server.http.errors import APIError, not_ready, overloaded, too_many_requests
@@ -49,7 +49,8 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def add(self, out: RequestOutput) -> None:
-        self.num_cached_tokens = out.num_cached_tokens
+        # A request resumed after a restart prefills its earlier output too: only the prompt's part counts here.
+        self.num_cached_tokens = min(out.num_cached_tokens, self.num_prompt_tokens)
         self.text += out.new_text
         self.num_tokens += len(out.new_token_ids)
         if out.logprobs:
@@ -72,25 +73,31 @@ async def tokenize(engine: LLMEngine, prompts: list[Prompt], param: str = "promp
 
 class Generation:
     def __init__(self, runtime: ServingRuntime, req_id: str, prompts: list[list[int]], params: SamplingParams,
-                 traceparent: str | None, route: Route, lease: Lease):
+                 traceparent: str | None, route: Route, lease: Lease, resumed: list[Choice] | None = None,
+                 resumed_token_ids: list[list[int]] | None = None):
+        """:param resumed: the choices as a journal left them (a request resumed after a restart); finished ones
+            are not run again, the others go on after ``resumed_token_ids``, their tokens so far."""
         assert runtime.async_engine is not None
         self.runtime = runtime
         self.req_id = req_id
         self.route = route
         self._lease = lease
-        self.choices = [Choice(i, len(p)) for i, p in enumerate(prompts)]
+        self.choices = resumed or [Choice(i, len(p)) for i, p in enumerate(prompts)]
+        outputs_so_far = resumed_token_ids or [[] for _ in prompts]
+        running = [i for i, c in enumerate(self.choices) if c.finish_reason is None]
         self.deadline = asyncio.get_running_loop().time() + runtime.settings.request_timeout_s
         self._engine = runtime.async_engine
         # Unique even when clients reuse a request id.
         base = f"{req_id}.{next(_submissions)}"
         self._req_ids = [f"{base}-{i}" for i in range(len(prompts))]
-        for engine_req_id in self._req_ids:
+        for engine_req_id in (self._req_ids[i] for i in running):
             runtime.metrics.annotate(engine_req_id, traceparent=traceparent, request_id=req_id, lane=route.lane,
                                      tenant=route.tenant_name or "")
         self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
         self._buffer: deque[tuple[int, RequestOutput | BaseException]] = deque()
-        self._tasks = [asyncio.ensure_future(self._pump(i, p, params)) for i, p in enumerate(prompts)]
-        self._num_finished = 0
+        self._tasks = [asyncio.ensure_future(self._pump(i, prompts[i], params, outputs_so_far[i])) for i in running]
+        self._num_running = len(running)
+        self._num_finished = len(self.choices) - len(running)
         self._closed = False
 
     @classmethod
@@ -131,6 +138,24 @@ class Generation:
         metrics.record_admission(route.lane, route.tenant_name, len(prompts))
         return gen
 
+    @classmethod
+    async def resume(cls, runtime: ServingRuntime, req_id: str, prompts: list[list[int]], params: SamplingParams,
+                     route: Route, choices: list[Choice], token_ids: list[list[int]]) -> Generation:
+        """Go on with a request accepted before a restart. It was admitted then: tenant limits and the server's
+        request limit do not refuse it now (it counts towards them, not against them).
+
+        :raises AdmissionRefused: the scheduler cannot take it yet (the caller retries).
+        :raises InvalidRequestError: the engine can no longer run it (another model or context).
+        """
+        runtime.force_admit(len(prompts))
+        gen = cls(runtime, req_id, prompts, params, None, route, Lease(None, len(prompts), 0), choices, token_ids)
+        try:
+            await gen._wait_accepted()
+        except BaseException:
+            gen.close()
+            raise
+        return gen
+
     def usage(self) -> dict[str, object]:
         prompt = sum(c.num_prompt_tokens for c in self.choices)
         completion = sum(c.num_tokens for c in self.choices)
@@ -160,23 +185,6 @@ class Generation:
         finally:
             self.close()
 
-    async def collect(self, request: Request) -> None:
-        """Run to the end for a non-streaming response, aborting if the client leaves or the time runs out."""
-        async def drain() -> None:
-            async for _ in self.outputs():
-                pass
-
-        try:
-            await until_disconnected(request, drain())
-        except TimeoutError:
-            raise self.timeout_error() from None
-        except InvalidRequestError:
-            raise
-        except RtxError as exc:  # the engine failed under this request
-            raise APIError(500, str(exc)) from None
-        finally:
-            self.close()  # in case ``drain`` was cancelled before it started
-
     def close(self) -> None:
         """Abort whatever still runs and give back the admission slots; safe to call more than once."""
         if self._closed:
@@ -189,12 +197,13 @@ class Generation:
 
     # -- internals ----------------------------------------------------------------------------------------------
 
-    async def _pump(self, index: int, prompt: list[int], params: SamplingParams) -> None:
+    async def _pump(self, index: int, prompt: list[int], params: SamplingParams, token_ids: list[int]) -> None:
         req_id = self._req_ids[index]
         try:
             route = self.route
             async for out in self._engine.generate(prompt, params, req_id=req_id, cache_salt=route.cache_salt,
-                                                   lane=route.lane, tenant=route.tenant_name):
+                                                   lane=route.lane, tenant=route.tenant_name,
+                                                   output_token_ids=token_ids):
                 self._queue.put_nowait((index, out))
         except asyncio.CancelledError:
             # Also covers a request cancelled before the engine took it: the abort is queued after the submission.
@@ -207,7 +216,7 @@ class Generation:
     async def _wait_accepted(self) -> None:
         """Buffer outputs until each prompt has produced one (or an error, which is raised)."""
         seen: set[int] = set()
-        while len(seen) < len(self.choices):
+        while len(seen) < self._num_running:
             index, item = await self._get()
             self._buffer.append((index, item))
             seen.add(index)
@@ -277,4 +286,6 @@ def ensure_engine(runtime: ServingRuntime) -> AsyncEngine:
         raise not_ready("the model is still loading")
     if not engine.is_running:
         raise APIError(503, f"the engine has stopped: {engine.error!r}")
+    if runtime.durable is not None and not runtime.durable.recovered:
+        raise not_ready("resuming the requests of the journal")
     return engine

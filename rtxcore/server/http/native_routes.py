@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from rtxcore.errors import RtxError
-from rtxcore.server.http.common import native_logprobs, read_json, request_id, route, traceparent
+from rtxcore.server.http.common import read_json, request_id, route, traceparent
 from rtxcore.server.http.errors import APIError
+from rtxcore.server.http.formats import ResponseSpec
 from rtxcore.server.http.generation import Generation, embed, ensure_engine, tokenize
 from rtxcore.server.http.protocol import make_sampling_params, parse_embed, parse_generate
-from rtxcore.server.http.sse import EventStreamResponse, sse_data
+from rtxcore.server.http.responding import Started, serve_generation
 from rtxcore.server.runtime import ServingRuntime
 
 
@@ -34,20 +34,17 @@ class NativeRoutes:
     async def generate(self, request: Request) -> Response:
         """Stream (by default) or return one completion; the body holds the prompt and :class:`SamplingParams`
         fields."""
-        async_engine = ensure_engine(self.runtime)
-        req = parse_generate(await read_json(request))
+        return await serve_generation(self.runtime, request, self._start_generate)
+
+    async def _start_generate(self, request: Request, body: dict[str, Any]) -> Started:
+        req = parse_generate(body)
         where = route(self.runtime, request, req.routing)
-        prompts = await tokenize(async_engine.engine, [req.prompt])
+        prompts = await tokenize(self.runtime.async_engine.engine, [req.prompt])
         params = make_sampling_params(req.params)
         gen = await Generation.start(self.runtime, request_id(request), prompts, params, traceparent(request), where)
-        if req.stream:
-            return EventStreamResponse(_native_events(gen), on_close=gen.close)
-        await gen.collect(request)
-        choice = gen.choices[0]
-        return JSONResponse({"id": gen.req_id, "model": self.runtime.model_name, "text": choice.text,
-                             "num_tokens": choice.num_tokens, "finish_reason": choice.finish_reason,
-                             "logprobs": native_logprobs(choice.logprobs) if params.logprobs is not None else None,
-                             "usage": gen.usage()})
+        spec = ResponseSpec("native", req.stream, {"id": gen.req_id, "model": self.runtime.model_name},
+                            logprobs=params.logprobs is not None)
+        return Started(gen, spec, prompts, params)
 
     async def embed(self, request: Request) -> Response:
         async_engine = ensure_engine(self.runtime)
@@ -97,21 +94,3 @@ class NativeRoutes:
         if runtime.async_engine is None:
             return "loading"
         return "serving" if runtime.async_engine.is_running else "failed"
-
-
-async def _native_events(gen: Generation) -> AsyncIterator[bytes]:
-    """One event per engine output: ``{"text", "token_ids", "finished", ...}``; the last one has the usage."""
-    try:
-        async for _, out in gen.outputs():
-            event: dict[str, Any] = {"text": out.new_text, "token_ids": out.new_token_ids, "finished": out.finished}
-            if out.logprobs is not None:
-                event["logprobs"] = native_logprobs(out.logprobs)
-            if out.finished:
-                event.update(finish_reason=out.finish_reason, usage=gen.usage())
-            yield sse_data(event)
-    except TimeoutError:
-        yield sse_data(gen.timeout_error().body())
-    except RtxError as exc:
-        yield sse_data(APIError(500, str(exc)).body())
-    finally:
-        gen.close()

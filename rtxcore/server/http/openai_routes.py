@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import numpy as np
 from starlette.requests import Request
@@ -13,18 +13,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from rtxcore.engine.llm_engine import LLMEngine
-from rtxcore.engine.outputs import RequestOutput, TokenLogprob
-from rtxcore.errors import RtxError
-from rtxcore.server.http.common import check_model, read_json, request_id, route, token_text, traceparent
-from rtxcore.server.http.errors import APIError
-from rtxcore.server.http.generation import Choice, Generation, embed, ensure_engine, tokenize
+from rtxcore.server.http.common import check_model, read_json, request_id, route, traceparent
+from rtxcore.server.http.formats import ResponseSpec
+from rtxcore.server.http.generation import Generation, embed, ensure_engine, tokenize
 from rtxcore.server.http.protocol import DEFAULT_CHAT_MAX_TOKENS, make_sampling_params, parse_chat, \
     parse_completion, parse_embedding
-from rtxcore.server.http.sse import DONE, EventStreamResponse, sse_data
+from rtxcore.server.http.responding import Started, serve_generation
 from rtxcore.server.runtime import ServingRuntime
-
-# Builds one choice's part of a chunk from the output just produced.
-ChunkChoice = Callable[[Choice, RequestOutput], dict[str, Any] | None]
 
 
 class OpenAIRoutes:
@@ -43,9 +38,11 @@ class OpenAIRoutes:
     # -- completions ----------------------------------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
-        async_engine = ensure_engine(self.runtime)
-        engine = async_engine.engine
-        req = parse_completion(await read_json(request))
+        return await serve_generation(self.runtime, request, self._start_completion)
+
+    async def _start_completion(self, request: Request, body: dict[str, Any]) -> Started:
+        engine = self.runtime.async_engine.engine
+        req = parse_completion(body)
         check_model(self.runtime, req.model)
         where = route(self.runtime, request, req.routing)
         prompts = await tokenize(engine, req.prompts)
@@ -53,31 +50,17 @@ class OpenAIRoutes:
         gen = await Generation.start(self.runtime, request_id(request), prompts, params, traceparent(request), where)
         header = {"id": f"cmpl-{gen.req_id}", "object": "text_completion", "created": int(time.time()),
                   "model": self.runtime.model_name}
-
-        def logprobs(lps: list[TokenLogprob], offset: int) -> dict[str, Any] | None:
-            return _completion_logprobs(engine, lps, offset) if params.logprobs is not None else None
-
-        if req.stream:
-            def chunk_choice(choice: Choice, out: RequestOutput) -> dict[str, Any] | None:
-                if not (out.new_text or out.finished or out.logprobs):
-                    return None
-                offset = len(choice.text) - len(out.new_text)
-                return {"index": choice.index, "text": out.new_text, "logprobs": logprobs(out.logprobs or [], offset),
-                        "finish_reason": out.finish_reason}
-
-            events = _openai_events(gen, header, chunk_choice, [], req.include_usage)
-            return EventStreamResponse(events, on_close=gen.close)
-        await gen.collect(request)
-        choices = [{"index": c.index, "text": c.text, "logprobs": logprobs(c.logprobs, 0),
-                    "finish_reason": c.finish_reason} for c in gen.choices]
-        return JSONResponse({**header, "choices": choices, "usage": gen.usage()})
+        spec = ResponseSpec("completion", req.stream, header, req.include_usage, params.logprobs is not None)
+        return Started(gen, spec, prompts, params)
 
     # -- chat -----------------------------------------------------------------------------------------------------
 
     async def chat_completions(self, request: Request) -> Response:
-        async_engine = ensure_engine(self.runtime)
-        engine = async_engine.engine
-        req = parse_chat(await read_json(request))
+        return await serve_generation(self.runtime, request, self._start_chat)
+
+    async def _start_chat(self, request: Request, body: dict[str, Any]) -> Started:
+        engine = self.runtime.async_engine.engine
+        req = parse_chat(body)
         check_model(self.runtime, req.model)
         where = route(self.runtime, request, req.routing)
         # Reading the tokenizer is thread-safe; the template can be slow, so it runs off the event loop.
@@ -88,31 +71,10 @@ class OpenAIRoutes:
         sampling = make_sampling_params(params)
         gen = await Generation.start(self.runtime, request_id(request), prompts, sampling, traceparent(request),
                                      where)
-        header = {"id": f"chatcmpl-{gen.req_id}", "object": "chat.completion", "created": int(time.time()),
-                  "model": self.runtime.model_name}
-
-        def logprobs(lps: list[TokenLogprob]) -> dict[str, Any] | None:
-            return _chat_logprobs(engine, lps) if sampling.logprobs is not None else None
-
-        if req.stream:
-            header["object"] = "chat.completion.chunk"
-            first = [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None}]
-
-            def chunk_choice(choice: Choice, out: RequestOutput) -> dict[str, Any] | None:
-                if not (out.new_text or out.finished or out.logprobs):
-                    return None
-                delta = {"content": out.new_text} if out.new_text else {}
-                return {"index": choice.index, "delta": delta, "logprobs": logprobs(out.logprobs or []),
-                        "finish_reason": out.finish_reason}
-
-            events = _openai_events(gen, header, chunk_choice, first, req.include_usage)
-            return EventStreamResponse(events, on_close=gen.close)
-        await gen.collect(request)
-        choice = gen.choices[0]
-        return JSONResponse({**header, "choices": [{
-            "index": 0, "message": {"role": "assistant", "content": choice.text},
-            "logprobs": logprobs(choice.logprobs), "finish_reason": choice.finish_reason}], "usage": gen.usage()})
+        header = {"id": f"chatcmpl-{gen.req_id}", "object": "chat.completion.chunk" if req.stream else
+                  "chat.completion", "created": int(time.time()), "model": self.runtime.model_name}
+        spec = ResponseSpec("chat", req.stream, header, req.include_usage, sampling.logprobs is not None)
+        return Started(gen, spec, prompts, sampling)
 
     # -- embeddings -----------------------------------------------------------------------------------------------
 
@@ -145,51 +107,11 @@ class OpenAIRoutes:
                 "owned_by": "rtx-serve", "root": engine.source.name, "max_model_len": engine.max_model_len}
 
 
-async def _openai_events(gen: Generation, header: dict[str, Any], chunk_choice: ChunkChoice,
-                         first: list[dict[str, Any]], include_usage: bool) -> AsyncIterator[bytes]:
-    usage: dict[str, Any] = {"usage": None} if include_usage else {}
-    try:
-        if first:
-            yield sse_data({**header, "choices": first, **usage})
-        async for choice, out in gen.outputs():
-            part = chunk_choice(choice, out)
-            if part is not None:
-                yield sse_data({**header, "choices": [part], **usage})
-        if include_usage:
-            yield sse_data({**header, "choices": [], "usage": gen.usage()})
-    except TimeoutError:
-        yield sse_data(gen.timeout_error().body())
-    except RtxError as exc:
-        yield sse_data(APIError(500, str(exc)).body())
-    finally:
-        gen.close()
-    yield DONE
-
-
 def _room_left(engine: LLMEngine, num_prompt_tokens: int) -> int:
     """Chat's default max_tokens: what the context and the KV cache leave after the prompt, capped."""
     cache_tokens = engine.kv_cache.num_usable_blocks * engine.config.block_size
     room = min(engine.max_model_len, cache_tokens) - num_prompt_tokens
     return max(1, min(room, DEFAULT_CHAT_MAX_TOKENS))  # a prompt with no room left is refused by the engine
-
-
-def _completion_logprobs(engine: LLMEngine, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
-    tokens = [token_text(engine, lp.token_id) for lp in lps]
-    offsets = []
-    for token in tokens:
-        offsets.append(offset)
-        offset += len(token)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{token_text(engine, t): p for t, p in lp.top} for lp in lps], "text_offset": offsets}
-
-
-def _chat_logprobs(engine: LLMEngine, lps: list[TokenLogprob]) -> dict[str, Any]:
-    def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        token = token_text(engine, token_id)
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
-
-    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, p) for t, p in lp.top]}
-                        for lp in lps]}
 
 
 def _encode_vector(vector: list[float], encoding_format: str) -> list[float] | str:

@@ -25,24 +25,37 @@ DONE = b"data: [DONE]\n\n"
 _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
+def sse_json(payload: Any) -> str:
+    """An event's payload as JSON on one line for every line splitter: JSON escapes newlines and control characters,
+    and the Unicode line separators it leaves raw are escaped here."""
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
+
+
 def sse_data(payload: Any) -> bytes:
-    """One ``data:`` event on one line for every line splitter: JSON escapes newlines and control characters, and
-    the Unicode line separators it leaves raw are escaped here."""
-    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
-    return b"data: " + text.encode() + b"\n\n"
+    """One ``data:`` event (no id)."""
+    return b"data: " + sse_json(payload).encode() + b"\n\n"
+
+
+def sse_event(seq: int, text: str) -> bytes:
+    """One event with its id (``Last-Event-ID`` on reconnection) and the payload :func:`sse_json` made."""
+    return b"id: %d\ndata: " % seq + text.encode() + b"\n\n"
 
 
 class EventStreamResponse:
-    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None] | None = None):
-        """:param on_close: called once streaming is over, however it ended (even if ``events`` never started)."""
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None] | None = None,
+                 headers: dict[str, str] | None = None):
+        """:param on_close: called once streaming is over, however it ended (even if ``events`` never started).
+        :param headers: sent besides the event-stream ones."""
         self.events = events
         self.on_close = on_close
+        self.headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"text/event-stream; charset=utf-8"),
             (b"cache-control", b"no-cache"),
             (b"x-accel-buffering", b"no"),
+            *self.headers,
         ]})
         stream = asyncio.ensure_future(self._stream(send))
         watch = asyncio.ensure_future(_wait_for_disconnect(receive))

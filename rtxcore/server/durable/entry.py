@@ -1,0 +1,95 @@
+"""One resumable request as the server keeps it: every event sent so far, in order, and whether it has finished.
+
+Events are numbered from 1 (the SSE ``id``); a client that saw event ``n`` resumes with ``Last-Event-ID: n`` and gets
+events ``n+1...`` from :meth:`DurableRequest.follow`, the ones already sent replayed from memory, the rest as they
+come. The producer appends an event only after it is in the journal, so no client is ever ahead of the journal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+
+def new_request_id() -> str:
+    return f"rq-{secrets.token_hex(12)}"
+
+
+@dataclass(slots=True)
+class IdempotencyClaim:
+    """An ``Idempotency-Key`` and what it was first used for: a repeat must be the same request."""
+
+    key: str
+    # SHA-256 of the route and the canonical JSON body.
+    fingerprint: str
+
+
+@dataclass(slots=True, eq=False)
+class DurableRequest:
+    # The x-rtx-request-id header and the id of GET /v1/streams/{request_id}.
+    req_id: str
+    # Only this tenant may resume it (None: the server is unauthenticated).
+    tenant: str | None
+    stream: bool
+    idempotency: IdempotencyClaim | None = None
+    # Whether its SSE stream ends with a ``data: [DONE]`` event (OpenAI routes; /generate's last event says
+    # ``finished`` instead).
+    ends_with_done: bool = True
+    accepted_at: float = field(default_factory=time.time)
+    # JSON payloads of the SSE events sent so far; event n is events[n - 1].
+    events: list[str] = field(default_factory=list)
+    # Set when it finished: the response of a non-streaming request (status and body).
+    final_status: int | None = None
+    final_body: dict[str, Any] | None = None
+    finished_at: float | None = None
+    # The task producing its events (None once it ends or for one replayed from the journal).
+    producer: asyncio.Task | None = None
+    _changed: asyncio.Event | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_at is not None
+
+    @property
+    def last_seq(self) -> int:
+        return len(self.events)
+
+    def add_event(self, payload: str) -> int:
+        self.events.append(payload)
+        self._wake()
+        return len(self.events)
+
+    def finish(self, status: int, body: dict[str, Any] | None, at: float | None = None) -> None:
+        self.final_status, self.final_body = status, body
+        self.finished_at = time.time() if at is None else at
+        self._wake()
+
+    async def follow(self, after_seq: int = 0) -> AsyncIterator[tuple[int, str]]:
+        """``(seq, payload)`` of every event after ``after_seq``, replayed then live, until the request finishes."""
+        seq = after_seq
+        while True:
+            changed = self._event()
+            while seq < len(self.events):
+                seq += 1
+                yield seq, self.events[seq - 1]
+            if self.finished:
+                return
+            await changed.wait()
+
+    async def wait_finished(self) -> None:
+        while not self.finished:
+            await self._event().wait()
+
+    def _event(self) -> asyncio.Event:
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        return self._changed
+
+    def _wake(self) -> None:
+        # A fresh event per change: followers wait on the one they saw before reading, so none misses a change.
+        changed, self._changed = self._changed, None
+        if changed is not None:
+            changed.set()

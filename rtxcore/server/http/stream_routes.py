@@ -1,0 +1,41 @@
+"""``GET /v1/streams/{request_id}``: the rest of a request's response, for a client whose connection broke.
+
+A stream resumes after the event named by the ``Last-Event-ID`` header (or ``?last_event_id=``): events already
+sent are replayed from the journal's copy, then live ones follow, then ``[DONE]``; without one, from the start. A
+non-streaming request answers with its full body once it has finished. Only the tenant that made a request may
+resume it: for any other, the request does not exist (404), whether or not it does.
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from rtxcore.server.http.common import tenant_name
+from rtxcore.server.http.errors import APIError
+from rtxcore.server.http.generation import ensure_engine
+from rtxcore.server.http.responding import answer, last_event_id
+from rtxcore.server.runtime import ServingRuntime
+
+class StreamRoutes:
+    def __init__(self, runtime: ServingRuntime):
+        self.runtime = runtime
+
+    def routes(self) -> list[Route]:
+        return [Route("/v1/streams/{request_id}", self.resume, methods=["GET"])]
+
+    async def resume(self, request: Request) -> Response:
+        ensure_engine(self.runtime)
+        durable = self.runtime.durable
+        req_id = request.path_params["request_id"]
+        if durable is None:
+            raise APIError(404, "resumable streams need a server started with --state-dir", param="request_id")
+        tenant = tenant_name(request)
+        entry = durable.get(req_id, tenant)
+        if entry is None:
+            raise APIError(404, f"no request {req_id!r}: unknown, or finished longer ago than the retention window "
+                                f"({durable.options.retention_s:g}s)", param="request_id")
+        after = last_event_id(request, entry)
+        durable.stats.num_stream_resumes += 1
+        return await answer(request, entry, after, detached=True)

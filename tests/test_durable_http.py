@@ -1,0 +1,328 @@
+"""Resumable streams and durable requests through the HTTP app, in process on ``dummy:tiny``: the resume endpoint,
+``Idempotency-Key``, tenant isolation, fsync before acknowledgement, and a restart from a journal left mid-request.
+
+A restart is simulated by what a crash leaves: the journal of a finished run cut after some of a request's records
+(records are appended in order, so any prefix is a state a ``kill -9`` can leave), read by a fresh runtime.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+from starlette.testclient import TestClient
+
+from rtxcore.engine.config import EngineConfig
+from rtxcore.server.durable.records import decode_records, encode_record
+from rtxcore.server.http import build_app
+from rtxcore.server.http.recovery import recover
+from rtxcore.server.runtime import ServeSettings, ServingRuntime
+from rtxcore.server.tenants import TenantRegistry
+
+PROMPT = [3, 14, 15, 92, 65, 35]
+STREAM = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True}
+FULL = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+# dummy:tiny has no tokenizer: logprobs make every output a chunk (it names its token).
+COMPLETION_STREAM = {**FULL, "stream": True}
+KEYS = {"alice": "alice-key", "bob": "bob-key"}
+
+
+def make_runtime(state_dir: Path, tenants: TenantRegistry | None = None, **settings) -> ServingRuntime:
+    runtime = ServingRuntime(EngineConfig(model="dummy:tiny"), ServeSettings(state_dir=str(state_dir), **settings),
+                             tenants)
+    runtime.load()
+    assert runtime.load_error is None
+    return runtime
+
+
+@contextlib.contextmanager
+def serving(runtime: ServingRuntime, app=None) -> Iterator[TestClient]:
+    """The app on ``runtime`` after the journal's recovery, as the launcher runs it; stopped as on SIGTERM."""
+    with TestClient(app or build_app(runtime)) as client:
+        client.portal.call(recover, runtime)
+        try:
+            yield client
+        finally:
+            client.portal.call(runtime.durable.stop_producers)
+    runtime.stop()
+
+
+def events(body: str) -> list[tuple[int, str]]:
+    """``(id, data)`` of each SSE event of a response body."""
+    out = []
+    for block in body.strip().split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.split("\n"))
+        out.append((int(lines["id"]), lines["data"]))
+    return out
+
+
+def records(state_dir: Path) -> list[dict]:
+    return decode_records((state_dir / "journal" / "journal.log").read_bytes()).records
+
+
+def crash_copy(state_dir: Path, to: Path, keep) -> Path:
+    """A state dir holding the records of ``state_dir`` for which ``keep(record, index)`` is true, as a crash
+    would have left them."""
+    kept = [r for i, r in enumerate(records(state_dir)) if keep(r, i)]
+    (to / "journal").mkdir(parents=True)
+    (to / "journal" / "journal.log").write_bytes(b"".join(encode_record(r) for r in kept))
+    return to
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """One uninterrupted streaming and one non-streaming request; their responses and journal."""
+    state_dir = tmp_path_factory.mktemp("finished")
+    runtime = make_runtime(state_dir)
+    with serving(runtime) as client:
+        stream = client.post("/generate", json=STREAM)
+        full = client.post("/v1/completions", json=FULL, headers={"Idempotency-Key": "full-1"})
+    assert stream.status_code == 200 and full.status_code == 200
+    return state_dir, stream, full
+
+
+# -- the resume endpoint ------------------------------------------------------------------------------------------
+
+
+def test_every_event_has_an_id_and_the_stream_resumes_after_any_of_them(tmp_path):
+    with serving(make_runtime(tmp_path)) as client:
+        resp = client.post("/v1/completions", json=COMPLETION_STREAM)
+        req_id = resp.headers["x-rtx-request-id"]
+        sent = events(resp.text)
+        assert [i for i, _ in sent] == list(range(1, len(sent) + 1)) and len(sent) == 25 and sent[-1][1] == "[DONE]"
+        for last in (0, 1, 10, len(sent) - 1, len(sent)):
+            again = client.get(f"/v1/streams/{req_id}", headers={"Last-Event-ID": str(last)})
+            assert again.status_code == 200 and again.headers["x-rtx-request-id"] == req_id
+            expected = sent[last:] if last < len(sent) else sent[-1:]  # after [DONE]: [DONE] again
+            assert events(again.text) == expected
+        assert events(client.get(f"/v1/streams/{req_id}?last_event_id=5").text) == sent[5:]
+
+
+def test_native_streams_end_with_their_finished_event_and_resume_too(tmp_path):
+    with serving(make_runtime(tmp_path)) as client:
+        resp = client.post("/generate", json=STREAM)
+        sent = events(resp.text)
+        assert len(sent) == 24 and '"finished":true' in sent[-1][1]
+        req_id = resp.headers["x-rtx-request-id"]
+        assert events(client.get(f"/v1/streams/{req_id}", headers={"Last-Event-ID": "20"}).text) == sent[20:]
+        assert client.get(f"/v1/streams/{req_id}", headers={"Last-Event-ID": "24"}).text == ""
+        assert client.get(f"/v1/streams/{req_id}", headers={"Last-Event-ID": "25"}).status_code == 400
+
+
+def test_a_non_streaming_request_is_fetched_whole(tmp_path):
+    with serving(make_runtime(tmp_path)) as client:
+        resp = client.post("/v1/completions", json=FULL)
+        again = client.get(f"/v1/streams/{resp.headers['x-rtx-request-id']}")
+        assert again.status_code == 200 and again.json() == resp.json()
+
+
+@pytest.mark.parametrize("where, value, status, param", [
+    ("header", "abc", 400, "last_event_id"),
+    ("header", "-1", 400, "last_event_id"),
+    ("header", "9999", 400, "last_event_id"),
+    ("query", "1.5", 400, "last_event_id"),
+    ("both", "3", 400, "last_event_id"),
+])
+def test_bad_last_event_ids_are_400(tmp_path, where, value, status, param):
+    with serving(make_runtime(tmp_path)) as client:
+        req_id = client.post("/generate", json=STREAM).headers["x-rtx-request-id"]
+        headers = {"Last-Event-ID": value} if where in ("header", "both") else {}
+        query = f"?last_event_id={value if where == 'query' else 4}" if where in ("query", "both") else ""
+        resp = client.get(f"/v1/streams/{req_id}{query}", headers=headers)
+        assert resp.status_code == status and resp.json()["error"]["param"] == param
+
+
+def test_unknown_ids_are_404_json(tmp_path):
+    with serving(make_runtime(tmp_path)) as client:
+        resp = client.get("/v1/streams/rq-000000000000000000000000")
+        assert resp.status_code == 404 and resp.json()["error"]["param"] == "request_id"
+
+
+def test_finished_requests_are_forgotten_after_the_retention_window(tmp_path):
+    with serving(make_runtime(tmp_path, journal_retention_s=0.5)) as client:
+        resp = client.post("/v1/completions", json=FULL, headers={"Idempotency-Key": "k"})
+        req_id = resp.headers["x-rtx-request-id"]
+        assert client.get(f"/v1/streams/{req_id}").status_code == 200
+        time.sleep(1.6)  # retention, plus the registry's purge interval
+        assert client.get(f"/v1/streams/{req_id}").status_code == 404
+        again = client.post("/v1/completions", json=FULL, headers={"Idempotency-Key": "k"})
+        assert again.status_code == 200 and again.headers["x-rtx-request-id"] != req_id
+
+
+def test_without_a_state_dir_there_is_nothing_to_resume():
+    runtime = ServingRuntime(EngineConfig(model="dummy:tiny"))
+    runtime.load()
+    try:
+        with TestClient(build_app(runtime)) as client:
+            resp = client.post("/generate", json=STREAM)
+            assert '"finished":true' in events(resp.text)[-1][1] and resp.headers["x-rtx-request-id"]
+            missing = client.get(f"/v1/streams/{resp.headers['x-rtx-request-id']}")
+            assert missing.status_code == 404 and "--state-dir" in missing.json()["error"]["message"]
+            # Idempotency-Key needs the journal: without one it is ignored, and a repeat is a new request.
+            first = client.post("/v1/completions", json=FULL, headers={"Idempotency-Key": "k"})
+            second = client.post("/v1/completions", json=FULL, headers={"Idempotency-Key": "k"})
+            assert first.headers["x-rtx-request-id"] != second.headers["x-rtx-request-id"]
+    finally:
+        runtime.stop()
+
+
+# -- Idempotency-Key ---------------------------------------------------------------------------------------------
+
+
+def test_a_repeated_idempotency_key_attaches_to_the_first_request(tmp_path):
+    with serving(make_runtime(tmp_path)) as client:
+        first = client.post("/v1/completions", json=FULL, headers={"Idempotency-Key": "order-1"})
+        again = client.post("/v1/completions", json={**FULL}, headers={"Idempotency-Key": "order-1"})
+        assert again.status_code == 200 and again.json() == first.json()
+        assert again.headers["x-rtx-request-id"] == first.headers["x-rtx-request-id"]
+        streamed = client.post("/generate", json=STREAM, headers={"Idempotency-Key": "order-2"})
+        replayed = client.post("/generate", json=STREAM, headers={"Idempotency-Key": "order-2",
+                                                                  "Last-Event-ID": "20"})
+        assert events(replayed.text) == events(streamed.text)[20:]
+    accepts = [r for r in records(tmp_path) if r["t"] == "accept"]
+    assert len(accepts) == 2, "a repeated key must not start the request again"
+
+
+@pytest.mark.parametrize("key, body, status, code", [
+    ("order-1", {**FULL, "max_tokens": 5}, 422, "idempotency_key_reused"),
+    ("bad key", FULL, 400, "invalid_value"),
+    ("x" * 256, FULL, 400, "invalid_value"),
+])
+def test_bad_or_reused_idempotency_keys(tmp_path, key, body, status, code):
+    with serving(make_runtime(tmp_path)) as client:
+        client.post("/v1/completions", json=FULL, headers={"Idempotency-Key": "order-1"})
+        resp = client.post("/v1/completions", json=body, headers={"Idempotency-Key": key})
+        assert resp.status_code == status
+        assert resp.json()["error"]["code"] == code and resp.json()["error"]["param"] == "Idempotency-Key"
+
+
+def test_a_key_whose_first_use_was_refused_is_free_again(tmp_path):
+    with serving(make_runtime(tmp_path)) as client:
+        refused = client.post("/v1/completions", json={**FULL, "max_tokens": 0}, headers={"Idempotency-Key": "k"})
+        assert refused.status_code == 400
+        assert client.post("/v1/completions", json=FULL, headers={"Idempotency-Key": "k"}).status_code == 200
+
+
+# -- tenants -----------------------------------------------------------------------------------------------------
+
+
+def test_a_tenant_resumes_only_its_own_requests(tmp_path):
+    tenants = TenantRegistry.from_config({}, environ={"RTX_API_KEYS": ",".join(f"{t}={k}" for t, k in KEYS.items())})
+    alice, bob = ({"Authorization": f"Bearer {KEYS[t]}"} for t in ("alice", "bob"))
+    with serving(make_runtime(tmp_path, tenants)) as client:
+        resp = client.post("/generate", json=STREAM, headers={**alice, "Idempotency-Key": "shared"})
+        req_id = resp.headers["x-rtx-request-id"]
+        assert client.get(f"/v1/streams/{req_id}", headers=alice).status_code == 200
+        other = client.get(f"/v1/streams/{req_id}", headers=bob)
+        unknown = client.get("/v1/streams/rq-000000000000000000000000", headers=bob)
+        assert other.status_code == 404 and other.json()["error"] == {
+            **unknown.json()["error"], "message": unknown.json()["error"]["message"].replace(
+                "rq-000000000000000000000000", req_id)}
+        assert client.get(f"/v1/streams/{req_id}").status_code == 401
+        # Keys are scoped to their tenant: bob's "shared" is a request of his own.
+        bobs = client.post("/generate", json=STREAM, headers={**bob, "Idempotency-Key": "shared"})
+        assert bobs.status_code == 200 and bobs.headers["x-rtx-request-id"] != req_id
+
+
+# -- durability --------------------------------------------------------------------------------------------------
+
+
+def test_the_accept_record_is_fsynced_before_the_response_starts(tmp_path):
+    runtime = make_runtime(tmp_path)
+    journal = runtime.durable.journal
+    journal.options.sync_interval_s = 60  # no periodic sync: only the accept's commit can make it durable
+    app = build_app(runtime)
+    at_response_start: list[tuple[int, bytes]] = []
+
+    async def recording(scope, receive, send):
+        async def send_recorded(message):
+            if message["type"] == "http.response.start":
+                at_response_start.append((journal.synced_offset, journal.path.read_bytes()))
+            await send(message)
+
+        await app(scope, receive, send_recorded)
+
+    with serving(runtime, recording) as client:
+        resp = client.post("/generate", json=STREAM)
+    synced, data = at_response_start[0]
+    durable = decode_records(data[:synced]).records
+    assert {"t": "accept", "id": resp.headers["x-rtx-request-id"]}.items() <= durable[0].items()
+
+
+def test_a_stream_resumes_after_a_crash_with_no_duplicate_or_gap(finished_run, tmp_path, caplog):
+    state_dir, stream, _ = finished_run
+    sent = events(stream.text)
+    req_id = stream.headers["x-rtx-request-id"]
+    # The crash came after 9 events were journaled; the client had seen 6 of them.
+    crashed = crash_copy(state_dir, tmp_path / "crashed",
+                         lambda r, i: r["id"] == req_id and r["t"] != "finish" and r.get("seq", 0) <= 9)
+    with open(crashed / "journal" / "journal.log", "ab") as f:
+        f.write(encode_record({"t": "out", "id": req_id, "seq": 10, "ev": "cut short"})[:30])  # torn write
+    with caplog.at_level(logging.INFO, logger="rtx.journal"), serving(make_runtime(crashed)) as client:
+        resumed = client.get(f"/v1/streams/{req_id}", headers={"Last-Event-ID": "6"})
+        metrics = client.get("/metrics").text
+    assert "torn last record" in caplog.text and "resumed 1 unfinished requests" in caplog.text
+    assert resumed.status_code == 200 and events(resumed.text) == sent[6:]
+    assert 'rtx_journal_resumed_requests_total{model="dummy:tiny"} 1.0' in metrics
+    # Finished once: one finish record, after the resumed events.
+    assert [r["t"] for r in records(crashed) if r["id"] == req_id].count("finish") == 1
+
+
+def test_a_full_response_is_completed_after_a_crash_and_fetched_by_its_idempotency_key(finished_run, tmp_path):
+    state_dir, _, full = finished_run
+    req_id = full.headers["x-rtx-request-id"]
+    outputs = [i for i, r in enumerate(records(state_dir)) if r["id"] == req_id and r["t"] == "out"]
+    crashed = crash_copy(state_dir, tmp_path / "crashed",
+                         lambda r, i: r["id"] == req_id and r["t"] != "finish" and i < outputs[10])
+    with serving(make_runtime(crashed)) as client:
+        again = client.post("/v1/completions", json=FULL, headers={"Idempotency-Key": "full-1"})
+    assert again.status_code == 200 and again.headers["x-rtx-request-id"] == req_id
+    # The same response, but for the last digits of logprobs computed over re-prefilled (not decoded) KV.
+    got, expected = again.json(), full.json()
+    got_lps, expected_lps = (b["choices"][0]["logprobs"].pop("token_logprobs") for b in (got, expected))
+    assert got == expected and got_lps == pytest.approx(expected_lps, abs=1e-4)
+
+
+def test_finished_requests_stay_resumable_after_a_restart(finished_run, tmp_path):
+    state_dir, stream, _ = finished_run
+    copy = tmp_path / "copy"
+    shutil.copytree(state_dir, copy)
+    with serving(make_runtime(copy)) as client:
+        again = client.get(f"/v1/streams/{stream.headers['x-rtx-request-id']}", headers={"Last-Event-ID": "3"})
+    assert events(again.text) == events(stream.text)[3:]
+
+
+def test_a_damaged_journal_never_stops_the_server(finished_run, tmp_path, caplog):
+    state_dir, stream, _ = finished_run
+    req_id = stream.headers["x-rtx-request-id"]
+    damaged = crash_copy(state_dir, tmp_path / "damaged", lambda r, i: r["id"] == req_id)
+    path = damaged / "journal" / "journal.log"
+    data = path.read_bytes()
+    # Garbage lines, a record of an unknown request, and a damaged accept of another one.
+    bad_accept = encode_record({"t": "accept", "id": "rq-bad", "spec": {"kind": "nonsense"}})
+    path.write_bytes(b"not a record\n\x00\xff\n" + data + encode_record({"t": "out", "id": "rq-ghost", "seq": 1})
+                     + bad_accept)
+    with caplog.at_level(logging.WARNING, logger="rtx.journal"), serving(make_runtime(damaged)) as client:
+        assert client.get("/ready").status_code == 200
+        again = client.get(f"/v1/streams/{req_id}", headers={"Last-Event-ID": "2"})
+        metrics = client.get("/metrics").text
+    assert events(again.text) == events(stream.text)[2:]
+    assert 'rtx_journal_corrupt_records_total{model="dummy:tiny"} 2.0' in metrics
+    assert "request rq-ghost has no accept record" in caplog.text and "rq-bad" in caplog.text
+
+
+def test_an_unfinished_request_with_unreadable_outputs_ends_with_an_error_event(finished_run, tmp_path):
+    state_dir, stream, _ = finished_run
+    req_id = stream.headers["x-rtx-request-id"]
+    crashed = crash_copy(state_dir, tmp_path / "crashed",
+                         lambda r, i: r["id"] == req_id and r["t"] != "finish" and r.get("seq", 0) <= 4)
+    with open(crashed / "journal" / "journal.log", "ab") as f:
+        f.write(encode_record({"t": "out", "id": req_id, "o": {"c": 7, "tok": [1], "text": ""}}))  # no choice 7
+    with serving(make_runtime(crashed)) as client:
+        rest = events(client.get(f"/v1/streams/{req_id}", headers={"Last-Event-ID": "4"}).text)
+    assert [i for i, _ in rest] == [5] and "could not be resumed" in rest[0][1]

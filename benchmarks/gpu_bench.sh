@@ -17,9 +17,12 @@
 #   w3ab    W3 four times, alternately without and with programmatic dependent launch (no HF baseline)
 #   cb64ab  continuous versus static batching on W2 at 64 running: as built, without the attention launch cache
 #           (RTX_LAUNCH_CACHE=0), and without that and programmatic dependent launch (RTX_PDL=0)
+#   cb64before  continuous versus static batching on W2 at 64 running, twice each, alternately with the tree as it
+#           is and with the files under $BEFORE (same relative paths: those files as they were before a change) in
+#           their place; the tree is restored afterwards
 #   greedy  greedy GPU == CPU only;  attn  the attention kernel tests only
 # Usage: benchmarks/gpu_bench.sh [tests] [checks] [sweep] [splits] [layers] [mixed] [bench] [w1] [w3] [cb] [host]
-#        [bench8b] [host64] [decode] [w3ab] [cb64ab] [greedy] [attn]
+#        [bench8b] [host64] [decode] [w3ab] [cb64ab] [cb64before] [greedy] [attn]
 #        (default: tests checks bench bench8b); results go to $OUT (or ./gpu-out)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -77,6 +80,21 @@ for step in "${steps[@]}"; do
         echo "== CB vs static, 64 running, RTX_PDL=$pdl RTX_LAUNCH_CACHE=$cache"
         RTX_PDL=$pdl RTX_LAUNCH_CACHE=$cache $RTX bench --workload W2 --baseline static "${llama1b[@]}" \
           --max-num-seqs 64 --json "$OUT/W2_llama1b_cb_vs_static_64_pdl${pdl}_cache$cache.json" || status=1
+      done ;;
+    cb64before)
+      [ -d "${BEFORE:-}" ] || { echo "cb64before: set BEFORE to a folder of the files as they were" >&2; exit 2; }
+      after=$(mktemp -d)
+      (cd "$BEFORE" && find . -type f) >"$after.list"
+      # The tree's own versions, put back after each "before" run (the install is editable: the source is what runs).
+      while read -r f; do mkdir -p "$after/$(dirname "$f")" && cp "$f" "$after/$f"; done <"$after.list"
+      for run in 1 2; do
+        for which in after before; do
+          [ $which = before ] && cp -r "$BEFORE"/. .
+          echo "== CB vs static, 64 running, $which, run $run"
+          $RTX bench --workload W2 --baseline static "${llama1b[@]}" --max-num-seqs 64 \
+            --json "$OUT/W2_llama1b_cb_vs_static_64_${which}_$run.json" || status=1
+          [ $which = before ] && cp -r "$after"/. .
+        done
       done ;;
     attn)
       python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention.py 2>&1 | tee "$OUT/attention_tests.log" | tail -5

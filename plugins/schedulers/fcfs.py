@@ -49,14 +49,14 @@ class FCFSScheduler(Scheduler):
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
 
-        # Every running request passes here every step: locals, no min() call (it costs as much as the arithmetic
-        # around it), and a single allocate() call in the common case.
+        # Every running request passes here every step: locals, no min() call and num_tokens written out (each
+        # costs as much as the arithmetic around it), and a single allocate() call in the common case.
         running, allocate = self.running, self.kv_cache.allocate
         scheduled, num_scheduled_tokens = out.scheduled, out.num_scheduled_tokens
         index = 0
         while index < len(running) and budget > 0:
             req = running[index]
-            num_new = req.num_tokens - req.num_computed_tokens
+            num_new = len(req.all_token_ids) + req.num_pending_tokens - req.num_computed_tokens
             if num_new > budget:
                 num_new = budget
             if not allocate(req, num_new) and not self._preempt_until_fits(req, num_new, out):

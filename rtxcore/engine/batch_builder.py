@@ -39,9 +39,11 @@ def build_step(sched: SchedulerOutput, block_table_of: Callable[[list[str]], np.
     KV-cache manager.
     :param pending_reqs: the previous step's sampling requests, in row order, when its tokens are still on the
         device (asynchronous scheduling): a request's pending token is the input of one row of this step."""
-    # Decodes first, shortest context first: backends attend over them in batches of similar length.
+    # Decodes first, shortest context first: backends attend over them in batches of similar length. Here and in
+    # the loop below num_tokens is written out: a property call costs as much as the rest of the work on a request.
     scheduled, counts = sched.scheduled, sched.num_scheduled_tokens
-    keys = [req.num_tokens if n == 1 else _PREFILL for req, n in zip(scheduled, counts)]
+    keys = [len(req.all_token_ids) + req.num_pending_tokens if n == 1 else _PREFILL
+            for req, n in zip(scheduled, counts)]
     order = sorted(range(len(scheduled)), key=keys.__getitem__)
     reqs = [scheduled[i] for i in order]
     counts = [counts[i] for i in order]
@@ -52,21 +54,24 @@ def build_step(sched: SchedulerOutput, block_table_of: Callable[[list[str]], np.
     sampling_rows: list[int] = []
     pending_rows: list[int] = []
     pending_src: list[int] = []
-    src_row = {id(req): i for i, req in enumerate(pending_reqs)}
+    # Keyed by the requests themselves: they hash by identity (eq=False), with no id() call per entry.
+    src_row = {req: i for i, req in enumerate(pending_reqs)}
     for row, (req, start, n) in enumerate(zip(reqs, starts, counts)):
         token_ids = req.all_token_ids
+        num_known = len(token_ids)
         end = start + n
-        if end > len(token_ids):
+        if end > num_known:
             # The last token was sampled by the previous step and is still on the device: a placeholder here.
-            input_ids += token_ids[start:]
+            if start < num_known:
+                input_ids += token_ids[start:]
             pending_rows.append(len(input_ids))
-            pending_src.append(src_row[id(req)])
+            pending_src.append(src_row[req])
             input_ids.append(0)
         elif n == 1:
             input_ids.append(token_ids[start])
         else:
             input_ids += token_ids[start:end]
-        if end == req.num_tokens:
+        if end == num_known + req.num_pending_tokens:
             sampling_rows.append(row)
 
     num_reqs, num_tokens, num_decodes = len(reqs), len(input_ids), counts.count(1)

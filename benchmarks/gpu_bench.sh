@@ -21,8 +21,10 @@
 #           is and with the files under $BEFORE (same relative paths: those files as they were before a change) in
 #           their place; the tree is restored afterwards
 #   greedy  greedy GPU == CPU only;  attn  the attention kernel tests only
+#   w4tiers W4 with KV tiers (benchmarks/w4_tiers.py) on llama-1b: hit rate and p99 at 1.5x load, device cache
+#           with room for everything, too small with a host tier under it, too small without
 # Usage: benchmarks/gpu_bench.sh [tests] [checks] [sweep] [splits] [layers] [mixed] [bench] [w1] [w3] [cb] [host]
-#        [bench8b] [host64] [decode] [w3ab] [cb64ab] [cb64before] [greedy] [attn]
+#        [bench8b] [host64] [decode] [w3ab] [cb64ab] [cb64before] [greedy] [attn] [w4tiers]
 #        (default: tests checks bench bench8b); results go to $OUT (or ./gpu-out)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -96,6 +98,11 @@ for step in "${steps[@]}"; do
           [ $which = before ] && cp -r "$after"/. .
         done
       done ;;
+    w4tiers)
+      python3 benchmarks/w4_tiers.py --model dummy:llama-1b --conversations 32 --turns 8 --new-tokens 64 \
+        --reply-tokens 128 --max-num-seqs 16 --max-num-batched-tokens 2048 --json "$OUT/w4_tiers_llama1b.json" \
+        2>&1 | tee "$OUT/w4_tiers.log"
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     attn)
       python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention.py 2>&1 | tee "$OUT/attention_tests.log" | tail -5
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;

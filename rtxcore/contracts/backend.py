@@ -155,15 +155,16 @@ class ExecutionBackend(ABC):
         """Run one step: write the new tokens' K/V into their slots and return logits [num_logits, vocab_size]."""
 
     def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """The K and V of every layer for each block, as bytes on the host: uint8 [len(block_ids), block_bytes] with
-        ``block_bytes = kv_cache_bytes_per_token() * block_size``, in the backend's own layout. The copy must reflect
-        every step already submitted (the engine spills a block just before reusing it). Needed for KV tiers
+        """The K and V of every layer for each block, as bytes: uint8 [len(block_ids), block_bytes] with
+        ``block_bytes = kv_cache_bytes_per_token() * block_size``, in the backend's own layout, on the host or on
+        the backend's device (copied out on the same stream, without waiting). The bytes must reflect every step
+        already submitted (the engine spills a block just before reusing it). Needed for KV tiers
         (``capabilities().kv_offload``)."""
         raise NotImplementedError(f"backend {type(self).__name__} cannot copy KV blocks out")
 
     def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """Put back blocks :meth:`read_kv_blocks` returned (``data`` as it returned them) into ``block_ids``, before
-        any later step reads them."""
+        """Put back blocks :meth:`read_kv_blocks` returned into ``block_ids`` before any later step reads them;
+        ``data`` may be on the host or on the device."""
         raise NotImplementedError(f"backend {type(self).__name__} cannot copy KV blocks in")
 
     def embed(self, batch: ForwardBatch) -> torch.Tensor:

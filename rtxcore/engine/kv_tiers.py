@@ -57,7 +57,7 @@ class KVTiers:
             self.disk = DiskTier(Path(config.kv_disk_dir), slots, self.block_bytes, policy,
                                  cache_fingerprint(self.identity))
             tiers.append(self.disk)
-        self.offload = KVOffload(tiers, backend.read_kv_blocks, backend.write_kv_blocks)
+        self.offload = KVOffload(tiers, backend.read_kv_blocks, backend.write_kv_blocks, backend.device)
         self._read_blocks = backend.read_kv_blocks
         self._last_snapshot = time.monotonic()
         # Blocks written by snapshots since start, and the disk tier's change count the index last described.

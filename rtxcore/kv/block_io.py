@@ -13,9 +13,10 @@ import torch
 
 
 def read_blocks(caches: Sequence[torch.Tensor], block_dim: int, block_ids: list[int]) -> torch.Tensor:
-    """uint8 [len(block_ids), block_bytes] on the host.
+    """uint8 [len(block_ids), block_bytes] on the caches' device.
 
-    Ordered after every kernel already queued on the caches' device, so the bytes are what the last step wrote.
+    Queued after every kernel already queued on that device's stream, so the bytes are what the last step wrote;
+    nothing waits for the GPU here (the host tier copies them out asynchronously).
     """
     device, n = caches[0].device, len(block_ids)
     ids = torch.tensor(block_ids, dtype=torch.long).to(device)
@@ -27,8 +28,7 @@ def read_blocks(caches: Sequence[torch.Tensor], block_dim: int, block_ids: list[
         # Gathered straight into the block-major buffer: one copy fewer than gathering and concatenating.
         out[:, start:start + size].view(n, *shape).copy_(t.index_select(block_dim, ids).movedim(block_dim, 0))
         start += size
-    # One copy to the host for all tensors: on a GPU that is one transfer instead of one per layer.
-    return out.cpu().view(torch.uint8)
+    return out.view(torch.uint8)
 
 
 def write_blocks(caches: Sequence[torch.Tensor], block_dim: int, block_ids: list[int], data: torch.Tensor) -> None:

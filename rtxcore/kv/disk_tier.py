@@ -48,6 +48,9 @@ class DiskTier(KVTier):
         self.blocks_dir = root / "blocks"
         self.blocks_dir.mkdir(parents=True, exist_ok=True)
 
+    def store(self, keys: list[BlockHash], data: torch.Tensor) -> None:
+        super().store(keys, data.cpu())  # one copy from the device for the batch, not one per file
+
     def path(self, key: BlockHash) -> Path:
         name = key.hex()
         return self.blocks_dir / name[:2] / (name + SUFFIX)

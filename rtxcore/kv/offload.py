@@ -36,7 +36,8 @@ class OffloadStats:
 
 
 class KVOffload:
-    def __init__(self, tiers: Sequence[KVTier], read_blocks: ReadBlocks, write_blocks: WriteBlocks):
+    def __init__(self, tiers: Sequence[KVTier], read_blocks: ReadBlocks, write_blocks: WriteBlocks,
+                 device: torch.device | str = "cpu"):
         if not tiers:
             raise ValueError("KV offload needs at least one lower tier")
         # Top first; each tier hands what it evicts to the next.
@@ -45,6 +46,8 @@ class KVOffload:
             upper.below = lower
         self._read = read_blocks
         self._write = write_blocks
+        # Where reloaded blocks are staged before the backend scatters them into its cache.
+        self.device = torch.device(device)
         self.stats = OffloadStats()
 
     @property
@@ -94,13 +97,19 @@ class KVOffload:
                     break
             for start in range(0, len(rows), COPY_CHUNK_BLOCKS):
                 end = min(start + COPY_CHUNK_BLOCKS, len(rows))
-                data = torch.stack(rows[start:end])
+                data = torch.empty((end - start, rows[start].numel()), dtype=torch.uint8, device=self.device)
+                for i in range(start, end):
+                    # From pinned host memory this is an asynchronous copy, ordered before the next step.
+                    data[i - start].copy_(rows[i], non_blocking=True)
                 self._write(block_ids[start:end], data)
                 # Inclusive: a block read from disk also goes to the tiers above, which reload faster.
                 from_below = [i for i in range(start, end) if tiers[i] is not self.top]
                 if from_below:
                     self.top.store([keys[i] for i in from_below], data[[i - start for i in from_below]])
         finally:
+            if self.device.type == "cuda":
+                for tier in set(tiers):
+                    tier.note_uploads()
             for key, tier in zip(keys, tiers):
                 tier.unpin(key)
         self.stats.num_reloaded += len(rows)

@@ -45,6 +45,7 @@ def copy_to_disk(disk: DiskTier, device_blocks: list[tuple[int, BlockHash]],
     the number of blocks written. :func:`write_index` then makes them a snapshot."""
     written = 0
     if host is not None:
+        host.sync_for_host()
         for key in host.keys():
             if key not in disk:
                 try:

@@ -189,6 +189,7 @@ class KVTier(ABC):
         key = self._key_of[slot]
         if self.below is not None and key not in self.below:
             try:
+                self.sync_for_host()
                 self.below.store([key], self._read(slot, key).unsqueeze(0))
             except TierReadError:
                 self.stats.num_corrupt += 1
@@ -210,6 +211,13 @@ class KVTier(ABC):
         self._free.append(slot)
         self.num_changes += 1
 
+    def sync_for_host(self) -> None:
+        """Wait for copies still writing into this tier, before the host reads its bytes (for another tier or a
+        snapshot); readers on the device's stream need no wait."""
+
+    def note_uploads(self) -> None:
+        """Rows :meth:`load` returned were queued for an asynchronous copy to the device."""
+
     def _note_pressure(self, evicted: float) -> None:
         self.pressure += PRESSURE_ALPHA * (evicted - self.pressure)
 
@@ -226,15 +234,47 @@ class KVTier(ABC):
 
 
 class HostTier(KVTier):
-    """Blocks in host memory: one preallocated buffer, pinned (page-locked) where a GPU copies from it."""
+    """Blocks in host memory: one preallocated buffer, pinned (page-locked) where a GPU copies from it.
+
+    With a GPU, copies between the buffer and the device run asynchronously on the device's current stream, so
+    they are ordered with the steps and with each other without the engine waiting; the host waits only when it
+    reads or writes the buffer itself (a copy down to disk, a snapshot, bytes that come from the host).
+    """
 
     def __init__(self, num_slots: int, block_bytes: int, policy: EvictionPolicy, below: KVTier | None = None,
                  pin_memory: bool = False):
         super().__init__("host", num_slots, block_bytes, policy, below)
         self._buffer = torch.empty((num_slots, block_bytes), dtype=torch.uint8, pin_memory=pin_memory)
+        # The last queued copy into the buffer (from the device) and out of it (to the device).
+        self._pending_writes: torch.cuda.Event | None = None
+        self._pending_reads: torch.cuda.Event | None = None
+
+    def store(self, keys: list[BlockHash], data: torch.Tensor) -> None:
+        super().store(keys, data)
+        if data.is_cuda:
+            self._pending_writes = _record_event()
+
+    def note_uploads(self) -> None:
+        if self._buffer.is_pinned():
+            self._pending_reads = _record_event()
+
+    def sync_for_host(self) -> None:
+        if self._pending_writes is not None:
+            self._pending_writes.synchronize()
+            self._pending_writes = None
 
     def _write(self, slot: int, key: BlockHash, data: torch.Tensor) -> None:
-        self._buffer[slot].copy_(data)
+        if not data.is_cuda and self._pending_reads is not None:
+            # A host-side write must not overtake an upload still queued from this buffer.
+            self._pending_reads.synchronize()
+            self._pending_reads = None
+        self._buffer[slot].copy_(data, non_blocking=data.is_cuda)
 
     def _read(self, slot: int, key: BlockHash) -> torch.Tensor:
         return self._buffer[slot]
+
+
+def _record_event() -> torch.cuda.Event:
+    event = torch.cuda.Event()
+    event.record()
+    return event

@@ -127,8 +127,8 @@ def test_serve_streams_and_cancels(graph_cache, ort_engine):
             aborts = _metric(http, "rtx_request_aborts_total")
             long = {**body, "max_tokens": 2000, "ignore_eos": True}
             with http.stream("POST", "/v1/completions", json=long) as r:
-                lines = r.iter_lines()
-                assert next(lines).startswith("data: ")
+                # The first event arrives (its "id:" line comes before its "data:" line).
+                assert next(line for line in r.iter_lines() if line.startswith("data: "))
             # Leaving the block closed the connection mid-stream: the server aborts the request and frees its KV.
             assert _wait(lambda: _metric(http, "rtx_request_aborts_total") == aborts + 1)
             assert _wait(lambda: _metric(http, "rtx_kv_cache_usage_ratio") == 0)

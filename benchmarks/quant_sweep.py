@@ -1,0 +1,158 @@
+"""Time the weight-only quantized linear layers (``int8_linear``, ``int4_linear``) against bf16 cuBLAS
+(``torch.nn.functional.linear``) and the bf16 Triton ``gemv`` on the projections of Llama-3.1-8B, on the GPU.
+
+Each measurement captures CALLS_PER_GRAPH back-to-back calls in one CUDA graph and times its replays with CUDA
+events (median of REPLAYS), as the engine's decode step runs them, so launch overhead is left out. The calls rotate
+through enough copies of the weights (>= 4, >= 2x the L2 in total) that no call finds its weight in L2. Effective
+bandwidth counts the bytes of the weight in its stored format (int4: the packed words, scales and zero points).
+
+Usage: python benchmarks/quant_sweep.py [summary.json] [--rows 1,4,256] [--group-size 128] [--shapes qkv,lm_head]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down_proj": (4096, 14336),
+          "lm_head": (128256, 4096)}
+CALLS_PER_GRAPH = 20
+REPLAYS = 15
+COPY_BW = 4.24e12  # bytes/s, device-to-device copy measured on the H200 (shared/ENVIRONMENT.md)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("summary", nargs="?", help="write a JSON summary here")
+    parser.add_argument("--rows", default="1,4,256", help="comma-separated M values (default: 1,4,256)")
+    parser.add_argument("--group-size", type=int, default=128, help="int4 group size along K (default: 128)")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {list(SHAPES)}")
+    args = parser.parse_args(argv)
+    args.rows = [int(r) for r in args.rows.split(",")]
+    args.shapes = args.shapes.split(",")
+    unknown = set(args.shapes) - set(SHAPES)
+    if unknown:
+        parser.error(f"unknown shapes {sorted(unknown)}")
+    return args
+
+
+def time_graph(fn, num_copies: int) -> float:
+    """Median microseconds per call of ``fn(i)`` (i: which weight copy) over CALLS_PER_GRAPH calls in one graph."""
+    for i in range(num_copies):  # warm-up, and autotuning, outside the capture
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(CALLS_PER_GRAPH):
+            fn(i % num_copies)
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / CALLS_PER_GRAPH)
+    return statistics.median(times)
+
+
+def random_int8(n: int, k: int):
+    weight = torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda")
+    scale = torch.rand(n, device="cuda") / (64 * math.sqrt(k)) + 1e-4
+    return weight, scale
+
+
+def random_int4(n: int, k: int, group: int):
+    # Random bits are random nibbles; the top one makes some words negative, as real packed weights do.
+    packed = torch.randint(-2**31, 2**31, (n, k // 8), dtype=torch.int32, device="cuda")
+    scale = torch.rand(n, k // group, device="cuda") / (8 * math.sqrt(k)) + 1e-4
+    zero = torch.randint(0, 16, (n, k // group), dtype=torch.uint8, device="cuda")
+    return packed, scale, zero
+
+
+def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def best_config(kernel) -> str:
+    config = getattr(kernel, "best_config", None)
+    if config is None:
+        return ""
+    tiles = " ".join(f"{k}={v}" for k, v in config.kwargs.items())
+    return f"{tiles} warps={config.num_warps} stages={config.num_stages}"
+
+
+def sweep_shape(name: str, n: int, k: int, rows: list[int], group: int, l2_bytes: int) -> list[dict]:
+    from rtx_kernels import quant_matmul
+    from rtx_kernels.gemv import gemv
+    from rtx_kernels.quant_matmul import int4_linear, int8_linear
+    from rtx_kernels.quant_reference import dequantize_int4, dequantize_int8
+
+    dtype = torch.bfloat16
+    weight_bytes = {"cublas": n * k * 2, "gemv": n * k * 2, "int8": n * k + n * 4,
+                    "int4": n * k // 2 + n * (k // group) * 5}
+
+    def copies(nbytes: int) -> int:
+        return max(4, math.ceil(2 * l2_bytes / nbytes))
+
+    bf16 = [torch.randn(n, k, device="cuda", dtype=dtype) / math.sqrt(k) for _ in range(copies(weight_bytes["cublas"]))]
+    int8 = [random_int8(n, k) for _ in range(copies(weight_bytes["int8"]))]
+    int4 = [random_int4(n, k, group) for _ in range(copies(weight_bytes["int4"]))]
+    # Correctness against the dequantized weight in bf16 cuBLAS, once per shape.
+    deq8 = dequantize_int8(*int8[0], dtype=dtype)
+    deq4 = dequantize_int4(*int4[0], group, dtype=dtype)
+
+    results = []
+    for m in rows:
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        err8 = relative_error(int8_linear(x, *int8[0]), F.linear(x, deq8))
+        err4 = relative_error(int4_linear(x, *int4[0], group), F.linear(x, deq4))
+        if max(err8, err4) > 2e-2:
+            raise AssertionError(f"{name} M={m}: relative error int8 {err8:.1e}, int4 {err4:.1e}")
+        timed = {"cublas": time_graph(lambda i, x=x: F.linear(x, bf16[i]), len(bf16))}
+        if m <= 8:
+            timed["gemv"] = time_graph(lambda i, x=x: gemv(x, bf16[i]), len(bf16))
+        timed["int8"] = time_graph(lambda i, x=x: int8_linear(x, *int8[i]), len(int8))
+        config8 = best_config(quant_matmul._gemv_kernel if m <= 8 else quant_matmul._gemm_kernel)
+        timed["int4"] = time_graph(lambda i, x=x: int4_linear(x, *int4[i], group), len(int4))
+        config4 = best_config(quant_matmul._gemv_kernel if m <= 8 else quant_matmul._gemm_kernel)
+        for method, us in timed.items():
+            results.append({
+                "matrix": name, "n": n, "k": k, "m": m, "method": method, "us": us,
+                "weight_gbps": weight_bytes[method] / us / 1e3, "speedup_vs_cublas": timed["cublas"] / us,
+                "config": {"int8": config8, "int4": config4}.get(method, ""),
+                "rel_err": {"int8": err8, "int4": err4}.get(method),
+            })
+    return results
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    props = torch.cuda.get_device_properties(0)
+    print(f"{props.name}: {props.multi_processor_count} SMs, L2 {props.L2_cache_size / 2**20:.0f} MiB; x bf16, "
+          f"int4 group {args.group_size}; {CALLS_PER_GRAPH} calls per graph, median of {REPLAYS} replays; "
+          f"copy bandwidth {COPY_BW / 1e12:.2f} TB/s")
+    results = []
+    for name in args.shapes:
+        n, k = SHAPES[name]
+        results += sweep_shape(name, n, k, args.rows, args.group_size, props.L2_cache_size)
+        torch.cuda.empty_cache()  # the shape's weights, freed on return
+
+    print(f"\n{'matrix':<10}{'N':>7}{'K':>6}{'M':>5}  {'method':<7}{'us':>9}{'GB/s':>8}{'x cuBLAS':>10}  config")
+    for r in results:
+        print(f"{r['matrix']:<10}{r['n']:>7}{r['k']:>6}{r['m']:>5}  {r['method']:<7}{r['us']:>9.2f}"
+              f"{r['weight_gbps']:>8.0f}{r['speedup_vs_cublas']:>10.2f}  {r['config']}")
+    if args.summary:
+        with open(args.summary, "w") as f:
+            json.dump({"device": props.name, "group_size": args.group_size, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

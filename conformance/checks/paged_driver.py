@@ -74,14 +74,8 @@ class PagedDriver:
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """Logits after each token but the last, [len - 1, vocab], from one whole-prompt prefill (perplexity)."""
         seq = self.add(token_ids, len(token_ids))
-        n = len(token_ids)
-        table = torch.tensor([seq.block_ids], dtype=torch.int32)
-        slots = [seq.block_ids[p // self.block_size] * self.block_size + p % self.block_size for p in range(n)]
-        batch = ForwardBatch(
-            input_ids=torch.tensor(token_ids, dtype=torch.int64), positions=torch.arange(n, dtype=torch.int64),
-            query_start_loc=[0, n], seq_lens=[n], block_tables=table,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            logits_indices=torch.arange(n - 1, dtype=torch.int64), block_size=self.block_size)
+        batch = ForwardBatch.prefill(token_ids, seq.block_ids, self.block_size,
+                                     torch.arange(len(token_ids) - 1, dtype=torch.int64))
         logits = self.backend.execute(batch).float().cpu()
         self._free += seq.block_ids
         return logits

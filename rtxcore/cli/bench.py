@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import platform
@@ -13,6 +14,7 @@ import torch
 from rtxcore.bench.offline import ThroughputResult, run_engine, warm_up
 from rtxcore.bench.workloads import WORKLOADS, BenchRequest, get_workload, make_requests
 from rtxcore.cli.common import add_engine_options, engine_cli_args, engine_config, load_engine
+from rtxcore.errors import ConfigError
 
 
 # Device-to-device copy bandwidth measured on the H200 (shared/WORKLOADS.md): the floor W3 is compared with.
@@ -24,9 +26,9 @@ def add_parser(sub) -> None:
     p.add_argument("--workload", default="cpu", choices=sorted(WORKLOADS), help="workload name (default: cpu)")
     p.add_argument("--num-requests", type=int, default=None, help="override the workload's request count")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and lengths")
-    p.add_argument("--baseline", choices=["none", "hf", "static"], default="none",
+    p.add_argument("--baseline", choices=["none", "hf", "static", "unquantized"], default="none",
                    help="hf: HF transformers eager generate with static batching; static: this engine with static "
-                        "batching")
+                        "batching; unquantized: this engine on the same weights without --quantization")
     p.add_argument("--serve", action="store_true",
                    help="also serve the same requests through `rtx serve` to concurrent streaming clients and "
                         "compare served with offline tokens/s (reports TTFT p50/p99)")
@@ -55,6 +57,8 @@ def _cpu_model() -> str:
 def run(args: argparse.Namespace) -> int:
     workload = get_workload(args.workload)
     config = engine_config(args)
+    if args.baseline == "unquantized" and not config.quantization:
+        raise ConfigError("--baseline unquantized compares against --quantization METHOD: give one")
     engine = load_engine(config)
     requests = make_requests(workload, engine.model_config.vocab_size, seed=args.seed, num_requests=args.num_requests)
     sys.stderr.write(f"workload {workload.name}: {workload.description} ({len(requests)} requests)\n")
@@ -62,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     results: list[ThroughputResult] = [run_engine(engine, requests)]
     sys.stderr.write(f"{results[0].label}: {results[0].tokens_per_s:.1f} output tok/s\n")
     # Decoding one stream reads every weight once per token: no step can take less than that read.
-    args.weight_bytes = engine.model_config.num_params * engine.backend.dtype.itemsize
+    args.weight_bytes = _weight_bytes(engine)
     if args.serve:
         from rtxcore.bench.serving import run_served, summarize
 
@@ -74,7 +78,14 @@ def run(args: argparse.Namespace) -> int:
         # The offline engine is the baseline: the ratio is served / offline tokens per second.
         _report(args, workload.name, [served, results[0]])
         return 0 if served.errors == 0 else 1
-    if args.baseline == "static":
+    if args.baseline == "unquantized":
+        del engine
+        _release_device_memory()
+        baseline = load_engine(dataclasses.replace(config, quantization=None))
+        warm_up(baseline, requests)
+        results.append(run_engine(baseline, requests, label=f"rtx engine ({baseline.backend.dtype}, unquantized)"))
+        results[0].label = f"rtx engine ({config.quantization})"
+    elif args.baseline == "static":
         engine.kv_cache.reset_prefix_cache()
         results.append(run_engine(engine, requests, label="rtx engine (static batching)", static_batching=True))
     elif args.baseline == "hf":
@@ -92,6 +103,12 @@ def run(args: argparse.Namespace) -> int:
         results.append(run_hf_static(model, requests))
     _report(args, workload.name, results)
     return 0
+
+
+def _weight_bytes(engine) -> int:
+    """Bytes of weights one decode step reads (quantized layers at their stored size), for the W3 floor."""
+    measured = getattr(engine.backend, "weight_bytes", None)
+    return measured() if measured else engine.model_config.num_params * engine.backend.dtype.itemsize
 
 
 def _release_device_memory() -> None:

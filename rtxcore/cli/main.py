@@ -18,12 +18,12 @@ class _ArgumentParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from rtxcore.cli import bench, generate, loadgen, plugins, sbom, serve, sign
+    from rtxcore.cli import bench, generate, loadgen, plugins, quantize, sbom, serve, sign
 
     parser = _ArgumentParser(prog="rtx", description="rtx-serve: LLM inference runtime and serving stack")
     parser.add_argument("--version", action="version", version=f"rtx {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_ArgumentParser)
-    for module in (generate, serve, plugins, bench, loadgen, sign, sbom):
+    for module in (generate, serve, plugins, bench, loadgen, quantize, sign, sbom):
         module.add_parser(sub)
     return parser
 

@@ -2,14 +2,14 @@
 
 from rtxcore.contracts.backend import BackendCapabilities, BackendOptions, ExecutionBackend, ForwardBatch
 from rtxcore.contracts.eviction import EvictionPolicy
-from rtxcore.contracts.quantizer import QuantizedTensor, Quantizer
+from rtxcore.contracts.quantizer import LayerStats, QuantizedTensor, Quantizer
 from rtxcore.contracts.sampler import Sampler, SamplerOutput, SamplingBatch
 from rtxcore.contracts.scheduler import KVCacheAllocator, Scheduler, SchedulerConfig, SchedulerOutput
 
 __all__ = [
     "BackendCapabilities", "BackendOptions", "ExecutionBackend", "ForwardBatch",
     "EvictionPolicy",
-    "QuantizedTensor", "Quantizer",
+    "LayerStats", "QuantizedTensor", "Quantizer",
     "Sampler", "SamplerOutput", "SamplingBatch",
     "KVCacheAllocator", "Scheduler", "SchedulerConfig", "SchedulerOutput",
 ]

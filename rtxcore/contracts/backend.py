@@ -28,7 +28,7 @@ class BackendCapabilities:
     dtypes: tuple[str, ...]
     # Whether it reads and writes the engine's paged KV cache (prefix caching needs it).
     paged_kv: bool
-    # Quantization methods whose weights it can run.
+    # Quantization methods whose weights it can run; ANY_QUANTIZATION: any quantizer plugin's (through its linear()).
     quantization_formats: tuple[str, ...] = ()
     # Whether it can copy KV blocks out and back in (read_kv_blocks / write_kv_blocks), which KV tiers need.
     kv_offload: bool = False
@@ -42,13 +42,20 @@ class BackendCapabilities:
         return asdict(self)
 
 
+ANY_QUANTIZATION = "*"
+
+
+def runs_quantization(caps: BackendCapabilities, method: str) -> bool:
+    return method in caps.quantization_formats or ANY_QUANTIZATION in caps.quantization_formats
+
+
 @dataclass(slots=True)
 class BackendOptions:
     # "auto" picks cuda when present, else cpu.
     device: str = "auto"
     # "auto" picks bfloat16 on cuda and float32 on cpu.
     dtype: str = "auto"
-    # Weight quantizer, or None for the checkpoint's precision.
+    # Weight quantizer applied to the float weights as they load, or None for the checkpoint's precision.
     quantizer: Quantizer | None = None
     # Most requests in one step and longest sequence: backends that prepare per-shape work (CUDA graphs) size it
     # from these.
@@ -60,6 +67,8 @@ class BackendOptions:
     # between runs (an exported graph, a built engine) before it is reused; raises RtxError to refuse it, and the
     # backend then rebuilds it from the verified weights.
     verify_artifact: Callable[[Path], object] | None = None
+    # The quantizers that run a pre-quantized checkpoint's layers, by method name (the checkpoint's methods).
+    quantizers: dict[str, Quantizer] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -84,6 +93,17 @@ class ForwardBatch:
     # False for work that must leave the KV cache untouched (embeddings): nothing is written to the slots.
     write_kv: bool = True
     extras: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def prefill(cls, token_ids: list[int], block_ids: list[int], block_size: int,
+                logits_indices: torch.Tensor) -> ForwardBatch:
+        """One sequence's whole prompt as one step, its KV written to ``block_ids`` in order."""
+        n = len(token_ids)
+        slots = [block_ids[p // block_size] * block_size + p % block_size for p in range(n)]
+        return cls(input_ids=torch.tensor(token_ids, dtype=torch.int64), positions=torch.arange(n, dtype=torch.int64),
+                   query_start_loc=[0, n], seq_lens=[n], block_tables=torch.tensor([block_ids], dtype=torch.int32),
+                   slot_mapping=torch.tensor(slots, dtype=torch.int64), logits_indices=logits_indices,
+                   block_size=block_size)
 
     @property
     def num_reqs(self) -> int:

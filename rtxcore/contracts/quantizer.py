@@ -1,4 +1,5 @@
-"""Quantizer contract: store a weight in fewer bits and give back an approximation on demand."""
+"""Quantizer contract: store a linear weight in fewer bits, give back an approximation on demand, and run the
+layer from the stored form."""
 
 from __future__ import annotations
 
@@ -6,13 +7,16 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(slots=True)
 class QuantizedTensor:
     # Name of the method that produced it (the quantizer's registered name).
     method: str
-    # Tensors that together encode the weight (packed values, scales, zero points...), saved as they are.
+    # Tensors that together encode the weight (packed values, scales, zero points...), saved as they are. The first
+    # dimension of every one is the weight's output features, so the weights of layers fused along their outputs
+    # (q|k|v, gate|up) are fused by concatenating each tensor along dimension 0.
     tensors: dict[str, torch.Tensor]
     # The original weight's shape and dtype, to rebuild it.
     shape: tuple[int, ...]
@@ -21,14 +25,81 @@ class QuantizedTensor:
     meta: dict = field(default_factory=dict)
 
 
+@dataclass(slots=True)
+class LayerStats:
+    """What calibration text looked like at one linear layer's input ``x`` [rows, in_features]."""
+
+    # Sum over the rows of x x^T, float32 [in_features, in_features]: ||x W^T||^2 = trace(W H W^T). Empty when no
+    # calibrated method was asked for (it is the costly part).
+    hessian: torch.Tensor
+    num_rows: int
+    # Largest |x| of each input feature, float32 [in_features].
+    abs_max: torch.Tensor
+    # Some of the rows themselves, float32 [<= rows, in_features]: output errors are measured on them.
+    sample: torch.Tensor
+
+
 class Quantizer(ABC):
     #: Largest relative error (||W - dequant(quant(W))|| / ||W||) the quantizer promises on Gaussian weights.
     max_relative_error: float = 0.0
+    #: Whether :meth:`quantize` makes use of calibration statistics (``rtx quantize`` collects them only then).
+    calibrated: bool = False
+    #: Largest relative error of a layer's output on calibration text before ``rtx quantize`` gives the layer to
+    #: :attr:`fallback` instead (``--max-layer-error`` overrides it).
+    layer_error_budget: float = 0.1
+    #: The registered name of the higher-precision method a layer over budget falls back to; None: the layer keeps
+    #: the checkpoint's precision.
+    fallback: str | None = None
 
     @abstractmethod
-    def quantize(self, weight: torch.Tensor) -> QuantizedTensor:
-        """:param weight: a 2-D linear weight [out_features, in_features]."""
+    def quantize(self, weight: torch.Tensor, stats: LayerStats | None = None) -> QuantizedTensor:
+        """:param weight: a 2-D linear weight [out_features, in_features].
+        :param stats: the layer's calibration statistics when there are some; a calibrated method must still work
+            without them (as plain rounding)."""
 
     @abstractmethod
     def dequantize(self, qtensor: QuantizedTensor) -> torch.Tensor:
         """Rebuild an approximation of the original weight."""
+
+    def check(self, qtensor: QuantizedTensor) -> None:
+        """Raise ValueError, naming the problem, when ``qtensor``'s tensors do not fit its shape and settings (a
+        damaged checkpoint): loaders call it before a layer runs. The default trusts the tensors."""
+
+    def linear(self, x: torch.Tensor, qtensor: QuantizedTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W^T + bias`` from the stored form, in ``x``'s dtype: what a backend runs for a quantized layer.
+
+        This reference rebuilds the weight on every call; built-in methods override it with kernels that read the
+        packed weight directly, and methods that also quantize activations (fp8) apply that here."""
+        return F.linear(x, self.dequantize(qtensor).to(x.dtype), bias)
+
+
+def concat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
+    """One quantized weight from weights stacked along their outputs (q|k|v): every tensor concatenated along
+    dimension 0, which the contract makes the output features.
+
+    :raises ValueError: the parts are not quantized alike (method, settings, tensors, input features).
+    """
+    first = parts[0]
+    for part in parts[1:]:
+        if (part.method, part.meta, part.tensors.keys(), part.shape[1:]) != (first.method, first.meta,
+                                                                             first.tensors.keys(), first.shape[1:]):
+            raise ValueError(f"cannot stack a {part.method} {part.meta} weight of shape {part.shape} under a "
+                             f"{first.method} {first.meta} one of shape {first.shape}")
+    if len(parts) == 1:
+        return first
+    tensors = {key: torch.cat([p.tensors[key] for p in parts]) for key in first.tensors}
+    return QuantizedTensor(first.method, tensors, (sum(p.shape[0] for p in parts), *first.shape[1:]), first.dtype,
+                           first.meta)
+
+
+def require_tensor(qtensor: QuantizedTensor, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``qtensor.tensors[key]``, checked to have ``shape`` and ``dtype`` (finite values for a float); for
+    :meth:`Quantizer.check`."""
+    t = qtensor.tensors.get(key)
+    if t is None:
+        raise ValueError(f"no {key!r} tensor")
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+        raise ValueError(f"{key!r} is {tuple(t.shape)} {t.dtype}, expected {tuple(shape)} {dtype}")
+    if t.is_floating_point() and t.element_size() > 1 and not torch.isfinite(t).all():
+        raise ValueError(f"{key!r} holds non-finite values")
+    return t

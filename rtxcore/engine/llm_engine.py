@@ -8,7 +8,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from rtxcore.contracts.backend import BackendOptions, ExecutionBackend
+from rtxcore.contracts.backend import BackendOptions, ExecutionBackend, runs_quantization
 from rtxcore.contracts.sampler import SamplerOutput
 from rtxcore.engine.batch_builder import build_embedding_batch, build_step
 from rtxcore.engine.config import EngineConfig
@@ -16,7 +16,7 @@ from rtxcore.engine.in_flight import InFlightStep, select_rows
 from rtxcore.engine.kv_tiers import KVTiers
 from rtxcore.engine.output_processor import OutputProcessor
 from rtxcore.engine.outputs import CompletionResult, RequestOutput
-from rtxcore.errors import CapacityError, InvalidRequestError, PluginError
+from rtxcore.errors import CapacityError, ConfigError, InvalidRequestError, PluginError
 from rtxcore.kv.manager import KVCacheManager
 from rtxcore.lanes import DEFAULT_LANE, check_lane_name
 from rtxcore.models.source import ModelSource, resolve_model
@@ -72,16 +72,20 @@ class LLMEngine:
         caps = record.cls.capabilities()
         if not caps.available:
             raise PluginError(f"backend {self.config.backend!r} is unavailable: {caps.unavailable_reason}")
-        quantizer = None
-        if self.config.quantization:
-            quantizer = self.registry.create("quantizer", self.config.quantization)
-            if self.config.quantization not in caps.quantization_formats:
-                raise PluginError(f"backend {self.config.backend!r} cannot run {self.config.quantization!r} "
-                                  f"weights (it accepts: {', '.join(caps.quantization_formats) or 'none'})")
+        methods = self.source.quantization_methods()
+        if self.config.quantization and methods:
+            raise ConfigError(f"{self.source.name} is already quantized ({', '.join(methods)}): drop --quantization")
+        quantizers = {}
+        for method in (*methods, *([self.config.quantization] if self.config.quantization else [])):
+            quantizers[method] = self.registry.create("quantizer", method)
+            if not runs_quantization(caps, method):
+                raise PluginError(f"backend {self.config.backend!r} cannot run {method!r} weights (it accepts: "
+                                  f"{', '.join(caps.quantization_formats) or 'none'})")
         c = self.config
+        quantizer = quantizers.get(c.quantization) if c.quantization else None
         return record.cls(BackendOptions(c.device, c.dtype, quantizer, max_batch_size=c.scheduling.max_num_seqs,
                                          max_model_len=c.max_model_len, enforce_eager=c.enforce_eager,
-                                         verify_artifact=c.verify_artifact))
+                                         verify_artifact=c.verify_artifact, quantizers=quantizers))
 
     def _num_blocks_from_memory(self) -> int:
         budget = self.config.kv_cache_bytes or self.backend.available_kv_cache_bytes()

@@ -48,12 +48,15 @@ class HFDirSource(ModelSource):
         return Tokenizer.from_hf_dir(Path(self.path))
 
     def num_weights(self) -> int:
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         total = 0
         for f in self._files:
-            with safe_open(str(f), framework="pt") as handle:
-                total += len(list(handle.keys()))
+            try:
+                with safe_open(str(f), framework="pt") as handle:
+                    total += len(list(handle.keys()))
+            except SafetensorError as exc:
+                raise ModelLoadError(f"{f}: corrupt safetensors file ({exc})") from None
         return total
 
     def weights(self, progress: Progress | None = None, device: str | torch.device = "cpu",

@@ -18,6 +18,7 @@ from rtxcore.errors import ModelLoadError
 from rtxcore.models.config import ModelConfig
 
 if TYPE_CHECKING:
+    from rtxcore.contracts.quantizer import QuantizedTensor
     from rtxcore.tokenizer import Tokenizer
 
 Progress = Callable[[int, int], None]
@@ -48,8 +49,14 @@ class ModelSource(ABC):
 
     @abstractmethod
     def weights(self, progress: Progress | None = None, device: str | torch.device = "cpu",
-                dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(hugging_face_name, tensor)`` pairs; ``device``/``dtype`` are hints a source may use to avoid copies."""
+                dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+        """Yield ``(hugging_face_name, tensor)`` pairs; ``device``/``dtype`` are hints a source may use to avoid copies.
+
+        A quantized checkpoint yields its quantized linear weights as :class:`QuantizedTensor` (method in it)."""
+
+    def quantization_methods(self) -> tuple[str, ...]:
+        """The quantizer plugins whose stored forms :meth:`weights` yields (none for a float checkpoint)."""
+        return ()
 
 
 def default_model_path() -> Path:
@@ -69,6 +76,7 @@ def resolve_model(spec: str | None) -> ModelSource:
     from rtxcore.models.dummy import DummySource
     from rtxcore.models.gguf import GGUFSource
     from rtxcore.models.hf_dir import HFDirSource
+    from rtxcore.models.quantized_dir import QuantizedDirSource
 
     if spec is None or spec in ("", DEFAULT_MODEL, "default"):
         source = GGUFSource(default_model_path(), name=DEFAULT_MODEL)
@@ -79,7 +87,7 @@ def resolve_model(spec: str | None) -> ModelSource:
     path = Path(os.path.expanduser(spec))
     if not path.exists():
         raise ModelLoadError(f"model not found: {spec!r} is neither a known model name nor an existing path")
-    for source_cls in (GGUFSource, HFDirSource):
+    for source_cls in (GGUFSource, QuantizedDirSource, HFDirSource):
         if source_cls.matches(path):
             source = source_cls(path)
             source.origin = str(path)

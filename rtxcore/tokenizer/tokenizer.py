@@ -97,6 +97,22 @@ class Tokenizer:
         return cls(backend, special, chat_template=_hf_chat_template(root, config),
                    eos_token_ids=generation_eos or ())
 
+    def save(self, directory: str | Path) -> None:
+        """Write the files :meth:`from_hf_dir` reads (tokenizer.json, tokenizer_config.json,
+        generation_config.json), so a model converted from another format keeps its tokenizer."""
+        root = Path(directory)
+        self._backend.save(str(root / "tokenizer.json"))
+        config: dict[str, Any] = {f"{name}_token": token for name, token in
+                                  (("bos", self._special.bos), ("eos", self._special.eos), ("unk", self._special.unk),
+                                   ("pad", self._special.pad)) if token is not None}
+        config["add_bos_token"] = self._add_bos
+        if self._chat_template is not None:
+            config["chat_template"] = self._chat_template
+        (root / "tokenizer_config.json").write_text(json.dumps(config, indent=1, ensure_ascii=False),
+                                                    encoding="utf-8")
+        (root / "generation_config.json").write_text(json.dumps({"eos_token_id": self._eos_token_ids}, indent=1),
+                                                     encoding="utf-8")
+
     # -- vocabulary ------------------------------------------------------------------------------------------
 
     @property

@@ -8,12 +8,14 @@ import os
 import torch
 
 from rtxcore.contracts.backend import (
+    ANY_QUANTIZATION,
     BackendCapabilities,
     BackendOptions,
     ExecutionBackend,
     ForwardBatch,
     default_kv_cache_bytes,
 )
+from rtxcore.contracts.quantizer import QuantizedTensor, Quantizer
 from rtxcore.errors import ConfigError, ModelLoadError
 from rtxcore.kv.block_io import read_blocks, write_blocks
 from rtxcore.models.config import ModelConfig
@@ -24,6 +26,7 @@ from rtx_plugins.backends.torch_backend.cpu_tuning import tune_allocator
 from rtx_plugins.backends.torch_backend.layers import RotaryEmbedding
 from rtx_plugins.backends.torch_backend.model import LlamaForCausalLM
 from rtx_plugins.backends.torch_backend.ops import torch_ops, triton_ops
+from rtx_plugins.backends.torch_backend.quantized import to_device
 from rtxcore.transfer import to_device_async
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -35,7 +38,9 @@ class TorchBackend(ExecutionBackend):
     @classmethod
     def capabilities(cls) -> BackendCapabilities:
         devices = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
-        return BackendCapabilities(devices=devices, dtypes=tuple(_DTYPES), paged_kv=True, kv_offload=True)
+        # Any quantizer: a quantized layer runs through its quantizer's own linear().
+        return BackendCapabilities(devices=devices, dtypes=tuple(_DTYPES), paged_kv=True, kv_offload=True,
+                                   quantization_formats=(ANY_QUANTIZATION,))
 
     def __init__(self, options: BackendOptions):
         super().__init__(options)
@@ -103,13 +108,41 @@ class TorchBackend(ExecutionBackend):
         expected = {n for n, _ in model.named_parameters()}
         loaded: set[str] = set()
         for name, tensor in source.weights(progress=progress, device=self._device, dtype=self.dtype):
-            if not model.load_weight(name, tensor.to(self._device)):
+            if isinstance(tensor, QuantizedTensor):
+                ok = model.load_weight(name, to_device(tensor, self._device), self._quantizer_for(tensor.method))
+            else:
+                ok = model.load_weight(name, tensor.to(self._device))
+            if not ok:
                 raise ModelLoadError(f"{source.name}: unexpected weight {name!r} in checkpoint")
             loaded.add(_param_name(model, name))
         missing = expected - loaded
-        if missing:
-            raise ModelLoadError(f"{source.name}: checkpoint lacks weights: {', '.join(sorted(missing)[:5])}")
+        partial = [name for name, m in model.linear_layers().items() if m.waiting_for_shards]
+        if missing or partial:
+            raise ModelLoadError(f"{source.name}: checkpoint lacks weights: {', '.join(sorted(missing or partial)[:5])}")
+        if self.options.quantizer is not None:
+            # Quantized as it loads (--quantization): each layer's float weight is freed as its quantized form lands.
+            for name, layer in model.linear_layers().items():
+                if layer.quantized is None:
+                    try:
+                        layer.quantize(self.options.quantizer)
+                    except ValueError as exc:  # a shape the method cannot take
+                        raise ConfigError(f"--quantization cannot quantize {name}: {exc}") from None
         self.model = model.eval()
+
+    def _quantizer_for(self, method: str) -> Quantizer:
+        quantizer = self.options.quantizers.get(method)
+        if quantizer is None:
+            raise ModelLoadError(f"the checkpoint has {method!r}-quantized weights, but no quantizer plugin of that "
+                                 f"name was given to the backend (installed: {', '.join(self.options.quantizers)})")
+        return quantizer
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights as held (quantized layers at their stored size; a tied LM head once)."""
+        total = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        for layer in self.model.linear_layers().values():
+            if layer.quantized is not None:
+                total += sum(t.numel() * t.element_size() for t in layer.quantized.qtensor.tensors.values())
+        return total
 
     def kv_cache_bytes_per_token(self) -> int:
         return self.model_config.kv_cache_bytes_per_token(self.dtype.itemsize)

@@ -16,6 +16,7 @@ from torch import nn
 
 from rtxcore.models.config import RopeScaling
 from rtx_plugins.backends.torch_backend.ops import Ops
+from rtx_plugins.backends.torch_backend.quantized import QuantizableLinear
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +39,7 @@ def _narrow(full: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
     return full.narrow(dim, rank * size, size)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(QuantizableLinear):
     """y = x W^T with W's output rows split across ranks; each rank returns its slice of y."""
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool, ctx: ParallelContext, ops: Ops):
@@ -51,6 +52,7 @@ class ColumnParallelLinear(nn.Module):
         out_local = sum(self.shard_sizes)
         self.weight = nn.Parameter(torch.empty(out_local, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_local), requires_grad=False) if bias else None
+        self._init_quantization(len(out_sizes))
 
     def load_shard(self, param: torch.Tensor, full: torch.Tensor, shard_index: int = 0) -> None:
         size = self.shard_sizes[shard_index]
@@ -58,10 +60,12 @@ class ColumnParallelLinear(nn.Module):
         param.data.narrow(0, self.shard_offsets[shard_index], size).copy_(local)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized.linear(x, self.bias)
         return self.ops.linear(x, self.weight, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(QuantizableLinear):
     """y = x W^T with W's input columns split across ranks; partial products are summed by all-reduce."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, ctx: ParallelContext, ops: Ops):
@@ -71,6 +75,7 @@ class RowParallelLinear(nn.Module):
         self.in_local = ctx.shard(in_features, "input features")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_local), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self._init_quantization(1)
 
     def load_shard(self, param: torch.Tensor, full: torch.Tensor, shard_index: int = 0) -> None:
         if param.dim() == 2:
@@ -78,7 +83,8 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(full)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.ctx.all_reduce(self.ops.linear(x, self.weight, None))
+        y = self.quantized.linear(x, None) if self.quantized is not None else self.ops.linear(x, self.weight, None)
+        y = self.ctx.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 

@@ -7,6 +7,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from rtxcore.contracts.quantizer import QuantizedTensor, Quantizer
 from rtxcore.models.config import ModelConfig
 from rtx_plugins.backends.torch_backend.layers import (
     ColumnParallelLinear,
@@ -17,6 +18,7 @@ from rtx_plugins.backends.torch_backend.layers import (
     VocabParallelEmbedding,
 )
 from rtx_plugins.backends.torch_backend.ops import Ops, torch_ops
+from rtx_plugins.backends.torch_backend.quantized import QuantizableLinear
 
 AttentionFn = Callable[..., torch.Tensor]
 
@@ -117,11 +119,31 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, positions, kv_cache, meta, attention)
         return self.norm(x, residual)[0]
 
+    def linear_layers(self) -> dict[str, QuantizableLinear]:
+        """The decoder's linear layers by module name (fused ones once): what quantization applies to."""
+        return {name: m for name, m in self.layers.named_modules(prefix="layers") if isinstance(m, QuantizableLinear)}
+
+    def input_modules(self) -> dict[str, QuantizableLinear]:
+        """Each of the decoder's linear weights by checkpoint name (``model.layers.0.self_attn.q_proj.weight``),
+        with the layer whose input it multiplies (q, k and v share one)."""
+        fused = {merged: [] for merged, _ in self.packed_modules.values()}
+        for ckpt, (merged, index) in self.packed_modules.items():
+            fused[merged].append((index, ckpt))
+        out = {}
+        for name, module in self.linear_layers().items():
+            prefix, _, leaf = name.rpartition(".")
+            for _, ckpt in sorted(fused.get(leaf, [(0, leaf)])):
+                out[f"model.{prefix}.{ckpt}.weight"] = module
+        return out
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden)
 
-    def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
-        """Copy one checkpoint tensor (Hugging Face name) into its place; False if the name is not a parameter."""
+    def load_weight(self, name: str, tensor: torch.Tensor | QuantizedTensor, quantizer: Quantizer | None = None) -> bool:
+        """Copy one checkpoint tensor (Hugging Face name) into its place; False if the name is not a parameter.
+
+        A quantized linear weight comes as a :class:`QuantizedTensor` with the ``quantizer`` that runs it."""
+        full_name = name
         name = name.removeprefix("model.")
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
             return True  # tied: the embedding already holds it
@@ -136,6 +158,11 @@ class LlamaForCausalLM(nn.Module):
             param = getattr(module, param_name)
         except AttributeError:
             return False
+        if isinstance(tensor, QuantizedTensor):
+            if not isinstance(module, QuantizableLinear) or param_name != "weight" or quantizer is None:
+                return False
+            module.add_quantized_shard(tensor, quantizer, shard_index, full_name)
+            return True
         if not isinstance(param, torch.Tensor):
             return False
         loader = getattr(module, "load_shard", None)

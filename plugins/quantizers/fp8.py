@@ -1,0 +1,88 @@
+"""fp8 e4m3: weights with one scale per output channel, activations quantized per token when the layer runs (W8A8).
+
+On a GPU with fp8 tensor cores (compute capability 8.9 and up) the product runs in fp8 through ``torch._scaled_mm``
+with row-wise scales; elsewhere the same rounding of weights and activations is applied and the product runs in the
+activations' dtype, so CPU results show the method's real accuracy.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from rtxcore.contracts.quantizer import LayerStats, QuantizedTensor, Quantizer, require_tensor
+from rtxcore.hookspecs import hookimpl
+
+FP8 = torch.float8_e4m3fn
+_FP8_MAX = torch.finfo(FP8).max  # 448
+# _scaled_mm wants both matrices' inner and outer sizes in multiples of 16.
+_MM_ALIGN = 16
+
+
+@functools.cache
+def _fp8_matmul_works(device_index: int) -> bool:
+    """Whether row-wise scaled fp8 matmul runs on this GPU: tried once on a tiny product, since which builds of torch
+    and cuBLAS support it on which architectures changes between releases (and 12.x consumer GPUs lack it)."""
+    if torch.cuda.get_device_capability(device_index) < (8, 9):
+        return False
+    a = torch.zeros(16, 16, device=f"cuda:{device_index}").to(FP8)
+    one = torch.ones(16, 1, device=a.device)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one.t(), out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of ``x`` scaled so that its largest magnitude becomes fp8's largest: (fp8 values, fp32 scales [rows,
+    1])."""
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-12) / _FP8_MAX
+    return (x.float() / scale).clamp(-_FP8_MAX, _FP8_MAX).to(FP8), scale
+
+
+class FP8Quantizer(Quantizer):
+    # e4m3 keeps 3 mantissa bits: relative rounding error up to 2^-4 per value, about 2^-4 / sqrt(3) = 0.036 on
+    # average; values far below a row's maximum lose more (subnormals).
+    max_relative_error = 0.045
+    layer_error_budget = 0.06
+    fallback = "int8"
+
+    @classmethod
+    def describe(cls) -> dict[str, object]:
+        return {"description": "fp8 e4m3 weights (per-channel scales) and activations (dynamic, per token); fp8 "
+                               "matrix multiply on GPUs that have it", "bits": 8}
+
+    def quantize(self, weight: torch.Tensor, stats: LayerStats | None = None) -> QuantizedTensor:
+        values, scale = quantize_rows(weight)
+        return QuantizedTensor("fp8", {"weight": values, "weight_scale": scale.reshape(-1)}, tuple(weight.shape),
+                               weight.dtype, {"bits": 8, "strategy": "channel", "activations": "dynamic-token"})
+
+    def dequantize(self, qtensor: QuantizedTensor) -> torch.Tensor:
+        t = qtensor.tensors
+        return (t["weight"].float() * t["weight_scale"][:, None]).to(qtensor.dtype)
+
+    def check(self, qtensor: QuantizedTensor) -> None:
+        n, k = qtensor.shape
+        require_tensor(qtensor, "weight", (n, k), FP8)
+        require_tensor(qtensor, "weight_scale", (n,), torch.float32)
+
+    def linear(self, x: torch.Tensor, qtensor: QuantizedTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        t = qtensor.tensors
+        xq, x_scale = quantize_rows(x)
+        n, k = t["weight"].shape
+        if x.is_cuda and n % _MM_ALIGN == 0 and k % _MM_ALIGN == 0 and _fp8_matmul_works(x.device.index or 0):
+            # Row-wise scaling has a bf16 output on every architecture that supports it; the weight's transpose is
+            # the column-major operand it wants.
+            y = torch._scaled_mm(xq, t["weight"].t(), scale_a=x_scale, scale_b=t["weight_scale"][None, :],
+                                 out_dtype=torch.bfloat16, bias=None if bias is None else bias.to(torch.bfloat16))
+            return y.to(x.dtype)
+        x_approx = (xq.float() * x_scale).to(x.dtype)
+        return F.linear(x_approx, self.dequantize(qtensor).to(x.dtype), bias)
+
+
+@hookimpl
+def register_quantizers(register) -> None:
+    register("fp8", FP8Quantizer)

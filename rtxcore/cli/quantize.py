@@ -1,0 +1,60 @@
+"""``rtx quantize``: post-training quantization of a model into a checkpoint ``rtx serve --model DIR`` loads."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "quantize", help="quantize a model's linear weights into a new checkpoint",
+        description="Calibrate on text, quantize every decoder linear layer with METHOD (falling back to higher "
+                    "precision for layers whose output error exceeds the budget), write safetensors plus a "
+                    "quantization config to --out, then score held-out text with the result.")
+    p.add_argument("model", help="smollm2-135m (the default model), a .gguf file or a Hugging Face directory")
+    p.add_argument("--method", required=True, help="quantizer plugin: int8, int4, int4-gptq, fp8 or an installed one")
+    p.add_argument("--out", required=True, type=Path, help="new directory to write (must not exist or be empty)")
+    p.add_argument("--max-layer-error", type=float, default=None, metavar="X",
+                   help="largest relative output error of a layer on calibration text before it falls back to "
+                        "higher precision (default: the method's own budget)")
+    p.add_argument("--calibration-tokens", type=int, default=8192)
+    p.add_argument("--eval-tokens", type=int, default=2048, help="held-out tokens scored before and after (0: skip)")
+    p.add_argument("--device", default="cpu", help="where calibration runs: cpu or cuda")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="precision of the tensors left unquantized: embeddings, norms, LM head, layers kept in float")
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    from rtxcore.errors import ConfigError
+    from rtxcore.quant.pipeline import QuantizeOptions, quantize_model, render_table
+    from rtxcore.registry import load_plugins
+
+    registry = load_plugins()
+    if args.method not in registry.names("quantizer"):
+        raise ConfigError(f"unknown quantization method {args.method!r}; installed: "
+                          f"{', '.join(sorted(registry.names('quantizer')))}")
+    if args.calibration_tokens < 1:
+        raise ConfigError("--calibration-tokens must be positive")
+    if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
+        raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+    options = QuantizeOptions(args.method, args.out, args.max_layer_error, args.calibration_tokens, args.eval_tokens,
+                              device=args.device, dtype=args.dtype)
+    report = quantize_model(args.model, options, registry, log=lambda line: sys.stderr.write(f"rtx quantize: {line}\n"))
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print(render_table(report))
+        evaluation = report.get("evaluation")
+        if evaluation:
+            print(f"perplexity on {evaluation['tokens']} held-out tokens: {evaluation['ppl_original']:.3f} -> "
+                  f"{evaluation['ppl_quantized']:.3f} ({evaluation['ppl_increase']:+.3f})")
+        b = report["bytes"]
+        print(f"weights: {b['source_files'] / 2**20:.1f} MiB of source files -> {b['quantized'] / 2**20:.1f} MiB; "
+              f"written to {args.out}")
+    return 0

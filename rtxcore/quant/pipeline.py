@@ -1,0 +1,246 @@
+"""``rtx quantize``: calibrate on text, quantize each linear layer within its error budget, write the checkpoint,
+and measure the result by loading it back and scoring held-out text."""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from rtxcore.contracts.backend import BackendOptions, ExecutionBackend
+from rtxcore.contracts.quantizer import QuantizedTensor, Quantizer
+from rtxcore.errors import ConfigError, ModelLoadError
+from rtxcore.models.source import ModelSource, resolve_model
+from rtxcore.quant import calibration
+from rtxcore.quant.checkpoint import check_output_dir, staged_checkpoint, write_checkpoint, write_report
+from rtxcore.quant.evaluation import backend_perplexity, prefill_logits
+from rtxcore.quant.layer_errors import GroupChoice, choose
+from rtxcore.registry import PluginRegistry
+
+# The backend that runs calibration and evaluation: it exposes the torch modules calibration hooks into.
+CALIBRATION_BACKEND = "torch"
+_BLOCK = 16
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizeOptions:
+    method: str
+    out: Path
+    # Largest relative output error of a layer on calibration text; None: each method's own budget.
+    max_layer_error: float | None = None
+    calibration_tokens: int = 8192
+    # Evaluation text scored before and after (0: skip).
+    eval_tokens: int = 2048
+    chunk_len: int = 512
+    device: str = "cpu"
+    # Precision of the tensors left unquantized (embeddings, norms, LM head, layers that fell back to float).
+    dtype: str = "bfloat16"
+
+
+def _load_backend(registry: PluginRegistry, source: ModelSource, device: str, max_len: int,
+                  quantizers: dict[str, Quantizer] | None = None) -> ExecutionBackend:
+    record = registry.get("backend", CALIBRATION_BACKEND)
+    backend = record.cls(BackendOptions(device, "float32", max_batch_size=1, max_model_len=max_len,
+                                        enforce_eager=True, quantizers=quantizers or {}))
+    backend.load(source)
+    backend.allocate_kv_cache(2 + -(-max_len // _BLOCK), _BLOCK)
+    return backend
+
+
+def _tokens(source: ModelSource, text: str, num_tokens: int) -> list[int]:
+    tokenizer = source.tokenizer()
+    if tokenizer is None:
+        raise ModelLoadError(f"{source.name} has no tokenizer: calibration needs text")
+    return tokenizer.encode(text[:8 * num_tokens], add_special_tokens=False)
+
+
+def evaluation_tokens(source: ModelSource, num_tokens: int) -> list[int]:
+    """The first ``num_tokens`` tokens of the evaluation text, after BOS (the quality gate's text too)."""
+    bos = [source.config.bos_token_id] if source.config.bos_token_id is not None else []
+    return (bos + _tokens(source, calibration.evaluation_text(8 * num_tokens), num_tokens))[:num_tokens]
+
+
+def quantize_model(model: str | None, options: QuantizeOptions, registry: PluginRegistry,
+                   log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+    """Quantize ``model`` into ``options.out``; returns the report (also saved beside the weights).
+
+    :raises ConfigError, ModelLoadError, PluginError: bad method, model or output directory; nothing is left at
+        ``options.out`` then.
+    """
+    check_output_dir(options.out)
+    if options.max_layer_error is not None and not options.max_layer_error > 0:
+        raise ConfigError(f"--max-layer-error must be positive, got {options.max_layer_error}")
+    if options.eval_tokens == 1 or options.eval_tokens < 0:
+        raise ConfigError(f"--eval-tokens must be 0 (skip) or at least 2, got {options.eval_tokens}")
+    if options.dtype not in _DTYPES:
+        raise ConfigError(f"--dtype must be one of {', '.join(_DTYPES)}, got {options.dtype!r}")
+    quantizers: dict[str, Quantizer] = {}
+
+    def quantizer_for(name: str) -> Quantizer:
+        if name not in quantizers:
+            quantizers[name] = registry.create("quantizer", name)
+        return quantizers[name]
+
+    chain = fallback_chain(options.method, quantizer_for)
+    source = resolve_model(model)
+    if source.quantization_methods():
+        raise ConfigError(f"{source.name} is already quantized ({', '.join(source.quantization_methods())})")
+    started = time.perf_counter()
+    stats, groups, ppl_original, eval_ids, num_chunks = _calibrate(
+        registry, source, options, any(quantizer_for(m).calibrated for m in chain), log)
+
+    weights = dict(source.weights())
+    choices: list[GroupChoice] = []
+    for names in groups:
+        try:
+            choice = choose(names, weights, stats, options.method, quantizer_for, options.max_layer_error)
+        except ValueError as exc:  # a shape the method cannot take
+            raise ConfigError(f"cannot quantize {', '.join(map(_short, names))}: {exc}") from None
+        choices.append(choice)
+        if choice.method != options.method:
+            log(f"{', '.join(map(_short, names))}: {fallback_reason(choice)}")
+    del stats
+    dtype = _DTYPES[options.dtype]
+    tensors: dict[str, torch.Tensor | QuantizedTensor] = {
+        name: w.to(dtype) if w.is_floating_point() else w for name, w in weights.items()}
+    for choice in choices:
+        tensors.update(choice.qtensors)
+
+    report = build_report(source, options, choices, num_chunks * options.chunk_len, tensors)
+    with staged_checkpoint(options.out) as directory:
+        write_checkpoint(directory, source.config.to_hf(), tensors, report, source.tokenizer(),
+                         extra={"method": options.method})
+        del weights, tensors
+        if eval_ids:
+            report["evaluation"] = _evaluate(registry, directory, options, eval_ids, ppl_original, quantizer_for)
+        report["seconds"] = round(time.perf_counter() - started, 1)
+        write_report(directory, report)
+    return report
+
+
+def fallback_chain(method: str, quantizer_for: Callable[[str], Quantizer]) -> list[str]:
+    chain = [method]
+    while (nxt := quantizer_for(chain[-1]).fallback) is not None and nxt not in chain:
+        chain.append(nxt)
+    return chain
+
+
+def _calibrate(registry: PluginRegistry, source: ModelSource, options: QuantizeOptions, hessian: bool,
+               log: Callable[[str], None]):
+    """Statistics at every decoder linear layer's input on calibration text, the layers that run fused, and the
+    float model's perplexity on evaluation text. The float model is released before returning."""
+    backend = _load_backend(registry, source, options.device, options.chunk_len)
+    inputs = getattr(getattr(backend, "model", None), "input_modules", None)
+    if inputs is None:
+        raise ConfigError(f"backend {CALIBRATION_BACKEND!r} does not expose its layers for calibration")
+    modules = inputs()
+    fused: dict[int, list[str]] = {}
+    for name, module in modules.items():
+        fused.setdefault(id(module), []).append(name)
+    calib = _tokens(source, calibration.calibration_text(8 * options.calibration_tokens), options.calibration_tokens)
+    chunks = calibration.token_chunks(calib, source.config.bos_token_id,
+                                      max(1, options.calibration_tokens // options.chunk_len), options.chunk_len)
+    if not chunks:
+        raise ConfigError(f"--calibration-tokens {options.calibration_tokens} gives no piece of {options.chunk_len}")
+    log(f"calibrating on {len(chunks)} x {options.chunk_len} tokens of calibration text")
+    # Only the layers' inputs matter: logits after the last token alone spare the LM head's work.
+    stats = calibration.collect_stats(modules, lambda ids: prefill_logits(backend, ids, _BLOCK, False), chunks,
+                                      hessian=hessian)
+    eval_ids = evaluation_tokens(source, options.eval_tokens) if options.eval_tokens else []
+    ppl = backend_perplexity(backend, eval_ids, options.chunk_len, _BLOCK) if eval_ids else None
+    modules = inputs = backend = None  # release the float model (the lambda above holds it too)
+    _release_memory()
+    return stats, list(fused.values()), ppl, eval_ids, len(chunks)
+
+
+def _release_memory() -> None:
+    gc.collect()  # the model and its hooks refer to each other
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _evaluate(registry: PluginRegistry, directory: Path, options: QuantizeOptions, eval_ids: list[int],
+              ppl_original: float, quantizer_for: Callable[[str], Quantizer]) -> dict[str, Any]:
+    """Score the written checkpoint, loaded back the way ``rtx serve`` loads it."""
+    quantized = resolve_model(str(directory))
+    backend = _load_backend(registry, quantized, options.device, options.chunk_len,
+                            {m: quantizer_for(m) for m in quantized.quantization_methods()})
+    ppl = backend_perplexity(backend, eval_ids, options.chunk_len, _BLOCK)
+    del backend
+    _release_memory()
+    return {"text": "pydoc_data topics, first half (disjoint from calibration)", "tokens": len(eval_ids),
+            "ppl_original": round(ppl_original, 4), "ppl_quantized": round(ppl, 4),
+            "ppl_increase": round(ppl - ppl_original, 4)}
+
+
+def fallback_reason(choice: GroupChoice) -> str:
+    steps = []
+    for attempt in choice.attempts:
+        over = attempt.over_budget
+        if over:
+            worst = max(over, key=lambda n: attempt.errors[n].relative)
+            steps.append(f"{attempt.method} over budget ({_short(worst)}: relative output error "
+                         f"{attempt.errors[worst].relative:.4f} > {attempt.budget})")
+    final = choice.method or "unquantized (checkpoint precision)"
+    return "; ".join(steps) + f" -> {final}"
+
+
+def _short(name: str) -> str:
+    return name.removeprefix("model.").removesuffix(".weight")
+
+
+def _nbytes(value: torch.Tensor | QuantizedTensor) -> int:
+    if isinstance(value, QuantizedTensor):
+        return sum(t.numel() * t.element_size() for t in value.tensors.values())
+    return value.numel() * value.element_size()
+
+
+def build_report(source: ModelSource, options: QuantizeOptions, choices: list[GroupChoice], calibration_tokens: int,
+                 tensors: dict) -> dict[str, Any]:
+    layers, fallbacks = [], []
+    for choice in choices:
+        for name in choice.names:
+            row: dict[str, Any] = {"name": name, "method": choice.method}
+            if choice.method is not None:
+                error = choice.errors[name]
+                row.update(relative_error=round(error.relative, 6), snr_db=round(error.snr_db, 2),
+                           budget=choice.attempts[-1].budget)
+            layers.append(row)
+        if choice.method != options.method:
+            fallbacks.append({"layers": choice.names, "to": choice.method, "reason": fallback_reason(choice),
+                              "attempts": [{"method": a.method, "budget": a.budget,
+                                            "relative_errors": {n: round(e.relative, 6) for n, e in a.errors.items()},
+                                            "over_budget": a.over_budget} for a in choice.attempts]})
+    return {
+        "model": source.name, "method": options.method,
+        "max_layer_error": options.max_layer_error,
+        "calibration": {"text": "pydoc_data topics, second half", "tokens": calibration_tokens,
+                        "chunk_len": options.chunk_len},
+        "layers": layers, "fallbacks": fallbacks,
+        "bytes": {"source_files": _source_bytes(source), "quantized": sum(_nbytes(t) for t in tensors.values())},
+    }
+
+
+def _source_bytes(source: ModelSource) -> int:
+    path = Path(source.path)
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+def render_table(report: dict[str, Any]) -> str:
+    """The per-layer table ``rtx quantize`` prints."""
+    lines = [f"{'layer':<40} {'method':<10} {'rel. error':>10} {'SNR dB':>8}"]
+    for row in report["layers"]:
+        method = row["method"] or "float"
+        error = f"{row['relative_error']:.4f}" if row["method"] else "-"
+        snr = f"{row['snr_db']:.1f}" if row["method"] else "-"
+        lines.append(f"{_short(row['name']):<40} {method:<10} {error:>10} {snr:>8}")
+    for fb in report["fallbacks"]:
+        lines.append(f"fallback: {', '.join(_short(n) for n in fb['layers'])}: {fb['reason']}")
+    return "\n".join(lines)

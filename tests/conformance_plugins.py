@@ -1,4 +1,4 @@
-"""Plugins for the conformance tests: deliberately wrong ones (each breaks one rule) and an honest quantizer.
+"""Plugins for the conformance tests: deliberately wrong ones, each breaking one rule.
 
 Registered inline (``load_plugins(extra=...)``), as a third party's would be through an entry point.
 """
@@ -61,7 +61,7 @@ class Int8Quantizer(Quantizer):
     levels = 127
     name = "int8"
 
-    def quantize(self, weight: torch.Tensor) -> QuantizedTensor:
+    def quantize(self, weight: torch.Tensor, stats=None) -> QuantizedTensor:
         scale = weight.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / self.levels
         values = (weight.float() / scale).round().clamp(-self.levels, self.levels).to(torch.int8)
         return QuantizedTensor(self.name, {"values": values, "scale": scale}, tuple(weight.shape), weight.dtype,
@@ -94,9 +94,3 @@ class WrongPlugins:
     @hookimpl
     def register_quantizers(self, register):
         register("int4-overpromising", OverpromisingInt4Quantizer)
-
-
-class HonestQuantizer:
-    @hookimpl
-    def register_quantizers(self, register):
-        register("int8", Int8Quantizer)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from conformance_plugins import HonestQuantizer, WrongPlugins
+from conformance_plugins import WrongPlugins
+from rtx_plugins.quantizers import int8
 
 from rtx_conformance.plugin import Selection
 from rtx_conformance.report import render_table, summarize
@@ -13,7 +14,7 @@ from rtxcore.registry import load_plugins
 
 @pytest.fixture(scope="module")
 def wrong_run():
-    registry = load_plugins(load_entrypoints=False, extra=[("wrong", WrongPlugins()), ("honest", HonestQuantizer())])
+    registry = load_plugins(load_entrypoints=False, extra=[("wrong", WrongPlugins()), ("int8", int8)])
     return run_suite(registry, Selection())
 
 
@@ -40,7 +41,7 @@ def test_the_run_fails_and_the_table_says_why(wrong_run):
     assert "FAILED scheduler over-budget" in table and "[scheduler.token_budget]" in table
 
 
-def test_honest_int8_quantizer_passes_its_contract(wrong_run):
+def test_builtin_int8_quantizer_passes_its_contract(wrong_run):
     results = [r for r in wrong_run.session.results if r.name == "int8"]
     assert results and all(r.outcome == "passed" for r in results), [(r.check, r.message) for r in results]
-    assert {r.check for r in results} >= {"declared_bound", "error_bound", "shape", "round_trip"}
+    assert {r.check for r in results} >= {"declared_bound", "error_bound", "shape", "round_trip", "linear", "fusable"}

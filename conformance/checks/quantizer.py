@@ -1,5 +1,6 @@
-"""The quantizer contract: the declared error bound holds on Gaussian weights, and a quantized tensor survives a save
-and load (safetensors for its tensors, JSON for its settings) unchanged."""
+"""The quantizer contract: the declared error bound holds on Gaussian weights, running the layer from its stored form
+(``linear``) agrees with the exact product, and a quantized tensor survives a save and load (safetensors for its
+tensors, JSON for its settings) unchanged."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rtx_conformance.rules import require
-from rtxcore.contracts.quantizer import QuantizedTensor, Quantizer
+from rtxcore.contracts.quantizer import QuantizedTensor, Quantizer, concat_rows
 
 # Linear-weight shapes [out_features, in_features] a quantizer must handle: multiples of 64, as in real models.
 SHAPES = ((64, 64), (128, 256), (192, 576))
@@ -34,6 +35,42 @@ def check_error_bound(quantizer: Quantizer, weight: torch.Tensor) -> float:
             f"relative error {error:.4g} on a {tuple(weight.shape)} weight (std {weight.std().item():.3g}) exceeds "
             f"the declared {quantizer.max_relative_error}")
     return error
+
+
+def check_linear(quantizer: Quantizer, weight: torch.Tensor, seed: int, dtype: torch.dtype = torch.float32) -> float:
+    """What a backend runs: ``linear`` on Gaussian rows stays within twice the declared weight bound of the exact
+    product (room for methods that also round activations), in the input's dtype and shape."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, weight.shape[1], generator=gen).to(dtype)
+    bias = torch.randn(weight.shape[0], generator=gen).to(dtype)
+    exact = x.float() @ weight.float().t()
+    out = quantizer.linear(x, quantizer.quantize(weight), bias)
+    require(tuple(out.shape) == tuple(exact.shape) and out.dtype == dtype, "quantizer.linear",
+            f"linear gave {tuple(out.shape)} {out.dtype} for {tuple(exact.shape)} {dtype}")
+    error = ((out.float() - bias.float() - exact).norm() / exact.norm()).item()
+    # A 16-bit input and output add their own rounding (bf16: 2^-9 relative per value) on top of the method's.
+    allowed = 2 * quantizer.max_relative_error + (0 if dtype == torch.float32 else 0.01)
+    require(error <= allowed, "quantizer.linear",
+            f"linear's relative output error {error:.4g} in {dtype} exceeds {allowed:.4g} (twice the declared "
+            f"{quantizer.max_relative_error})")
+    return error
+
+
+def check_fusable(quantizer: Quantizer, weight: torch.Tensor) -> None:
+    """Backends fuse layers that share an input (q|k|v) by stacking their quantized tensors along dimension 0: that
+    must give the stacked weights' quantized form."""
+    half = weight.shape[0] // 2
+    top, bottom = quantizer.quantize(weight[:half]), quantizer.quantize(weight[half:])
+    for key, t in top.tensors.items():
+        require(t.dim() >= 1 and t.shape[0] == half, "quantizer.fusable",
+                f"tensor {key!r} has shape {tuple(t.shape)}: its first dimension must be the {half} output features")
+    try:
+        stacked = concat_rows([top, bottom])
+    except ValueError as exc:
+        require(False, "quantizer.fusable", f"two halves of one weight cannot be stacked: {exc}")
+    whole = torch.cat([quantizer.dequantize(top), quantizer.dequantize(bottom)])
+    require(torch.equal(quantizer.dequantize(stacked), whole), "quantizer.fusable",
+            "dequantizing the stacked tensors differs from stacking the dequantized halves")
 
 
 def check_shape(quantizer: Quantizer, name: str, weight: torch.Tensor) -> None:

@@ -58,6 +58,13 @@ class QualityGate:
     num_tokens: int
     backend_max_relative_change: float
     quantizer_max_relative_increase: float
+    # Calibration text given to calibrated quantizers, in tokens, and the length of each piece.
+    calibration_tokens: int
+    calibration_chunk_len: int
+    # Registered name -> largest perplexity increase, absolute (instead of the relative bound).
+    quantizer_max_ppl_increase: dict[str, float]
+    # Calibrated method -> the method whose perplexity it must beat (its plain-rounding counterpart).
+    quantizer_must_beat: dict[str, str]
 
 
 @dataclass(frozen=True, slots=True)

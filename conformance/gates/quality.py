@@ -1,13 +1,14 @@
 """The quality gate: perplexity on real English text with the real default model, against Hugging Face transformers
 reading the same GGUF file.
 
-A backend's perplexity must stay within a relative change of the reference's; a quantizer is applied to every linear
-weight of the reference model (quantize, then dequantize) and may raise its perplexity by a bounded fraction.
+A backend's perplexity must stay within a relative change of the reference's. A quantizer runs every linear layer of
+the reference model from its quantized form (after calibration on disjoint text, for a calibrated method) and may
+raise its perplexity by a bounded amount: absolute for the methods the gate names, relative for any other.
 """
 
 from __future__ import annotations
 
-import math
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -15,8 +16,11 @@ import torch
 from rtx_conformance.checks.paged_driver import PagedDriver
 from rtx_conformance.gates.config import QualityGate
 from rtxcore.contracts.backend import BackendOptions, ExecutionBackend
-from rtxcore.contracts.quantizer import Quantizer
+from rtxcore.contracts.quantizer import LayerStats, Quantizer
 from rtxcore.models.source import ModelSource
+from rtxcore.quant import calibration
+from rtxcore.quant.evaluation import perplexity
+from rtxcore.quant.pipeline import evaluation_tokens as quantization_evaluation_tokens
 
 _LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -29,32 +33,28 @@ class QualityResult:
     relative_change: float
     budget: float
     num_tokens: int
-    # "change": |relative_change| must stay within budget; "increase": relative_change must.
+    # "change": |relative_change| must stay within budget; "increase": relative_change must; "absolute":
+    # perplexity - reference must.
     bound: str
+    # A calibrated quantizer's uncalibrated baseline (the gate's must_beat): its perplexity, which must be higher.
+    baseline_perplexity: float | None = None
+
+    @property
+    def change(self) -> float:
+        if self.bound == "absolute":
+            return self.perplexity - self.reference_perplexity
+        return abs(self.relative_change) if self.bound == "change" else self.relative_change
 
     @property
     def passed(self) -> bool:
-        change = abs(self.relative_change) if self.bound == "change" else self.relative_change
-        return change <= self.budget
+        beats = self.baseline_perplexity is None or self.perplexity < self.baseline_perplexity
+        return self.change <= self.budget and beats
 
 
 def evaluation_tokens(source: ModelSource, num_tokens: int) -> list[int]:
-    """The first ``num_tokens`` tokens of CPython's bundled pydoc topics, in key order, after BOS."""
-    from pydoc_data.topics import topics
-
-    text = "\n\n".join(topics[key] for key in sorted(topics))
-    # English runs about 4 characters a token: 8 per token is plenty, and tokenizing all 465k characters is slow.
-    text = text[:8 * num_tokens]
-    tokenizer = source.tokenizer()
-    bos = [source.config.bos_token_id] if source.config.bos_token_id is not None else []
-    return (bos + tokenizer.encode(text))[:num_tokens]
-
-
-def perplexity(logits: torch.Tensor, token_ids: list[int]) -> float:
-    """exp of the mean negative log-likelihood of tokens 1.. given ``logits`` [len - 1, vocab] after each."""
-    targets = torch.tensor(token_ids[1:])
-    nll = torch.nn.functional.cross_entropy(logits.double(), targets, reduction="mean")
-    return math.exp(nll.item())
+    """The first ``num_tokens`` tokens of the evaluation half of CPython's bundled pydoc topics, after BOS: text no
+    quantizer calibrates on."""
+    return quantization_evaluation_tokens(source, num_tokens)
 
 
 def load_reference(source: ModelSource):
@@ -88,20 +88,50 @@ def run_backend_quality(gate: QualityGate, backend_cls: type[ExecutionBackend], 
                          gate.backend_max_relative_change, len(token_ids), "change")
 
 
+def calibrate_reference(model, source: ModelSource, num_tokens: int, chunk_len: int) -> dict[str, LayerStats]:
+    """Statistics at every linear layer's input of the reference model over calibration text (disjoint from the
+    evaluation text), as ``rtx quantize`` collects them."""
+    tokenizer = source.tokenizer()
+    ids = tokenizer.encode(calibration.calibration_text(8 * num_tokens), add_special_tokens=False)
+    chunks = calibration.token_chunks(ids, source.config.bos_token_id, max(1, num_tokens // chunk_len), chunk_len)
+    modules = {f"{name}.weight": m for name, m in model.named_modules() if name.endswith(_LINEAR_SUFFIXES)}
+    return calibration.collect_stats(modules, lambda chunk: model(input_ids=torch.tensor([chunk])), chunks)
+
+
 @torch.inference_mode()
-def run_quantizer_quality(gate: QualityGate, quantizer: Quantizer, model, token_ids: list[int],
-                          reference_ppl: float) -> QualityResult:
-    """Swap every linear weight for its quantized approximation, measure, and put the originals back."""
-    originals: dict[str, torch.Tensor] = {}
+def quantized_perplexity(quantizer: Quantizer, model, token_ids: list[int],
+                         stats: dict[str, LayerStats] | None) -> float:
+    """Run every linear layer of the reference model through the quantizer (its ``linear``: the stored weight, and
+    activation rounding where the method has it), measure, and put the layers back."""
+    patched = []
     try:
         for name, module in model.named_modules():
             if name.endswith(_LINEAR_SUFFIXES):
-                originals[name] = module.weight.data
-                module.weight.data = quantizer.dequantize(quantizer.quantize(module.weight.data)).to(torch.float32)
-        ppl = reference_perplexity(model, token_ids)
+                weight = module.weight.data
+                qt = quantizer.quantize(weight, stats[f"{name}.weight"]) if stats else quantizer.quantize(weight)
+                module.forward = functools.partial(_quantized_forward, quantizer, qt, module.bias)
+                patched.append(module)
+        return reference_perplexity(model, token_ids)
     finally:
-        modules = dict(model.named_modules())
-        for name, weight in originals.items():
-            modules[name].weight.data = weight
+        for module in patched:
+            del module.forward  # back to the class's forward
+
+
+def _quantized_forward(quantizer: Quantizer, qt, bias, x: torch.Tensor) -> torch.Tensor:
+    # transformers passes [batch, tokens, features]; a quantizer's linear takes rows.
+    y = quantizer.linear(x.reshape(-1, x.shape[-1]), qt, bias)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def run_quantizer_quality(gate: QualityGate, quantizer: Quantizer, name: str, model, token_ids: list[int],
+                          reference_ppl: float, stats: dict[str, LayerStats] | None,
+                          baseline: Quantizer | None = None) -> QualityResult:
+    """A method with its own line in the gate is held to an absolute perplexity increase (and, calibrated, to beating
+    its uncalibrated baseline); any other quantizer to a relative increase."""
+    ppl = quantized_perplexity(quantizer, model, token_ids, stats if quantizer.calibrated else None)
+    baseline_ppl = quantized_perplexity(baseline, model, token_ids, None) if baseline is not None else None
+    if name in gate.quantizer_max_ppl_increase:
+        return QualityResult(ppl, reference_ppl, (ppl - reference_ppl) / reference_ppl,
+                             gate.quantizer_max_ppl_increase[name], len(token_ids), "absolute", baseline_ppl)
     return QualityResult(ppl, reference_ppl, (ppl - reference_ppl) / reference_ppl,
-                         gate.quantizer_max_relative_increase, len(token_ids), "increase")
+                         gate.quantizer_max_relative_increase, len(token_ids), "increase", baseline_ppl)

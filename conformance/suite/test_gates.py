@@ -9,8 +9,8 @@ import pytest
 
 from rtx_conformance.gates.cache import run_cache
 from rtx_conformance.gates.latency import device_name, run_latency, target_for
-from rtx_conformance.gates.quality import (evaluation_tokens, load_reference, reference_perplexity,
-                                           run_backend_quality, run_quantizer_quality)
+from rtx_conformance.gates.quality import (calibrate_reference, evaluation_tokens, load_reference,
+                                           reference_perplexity, run_backend_quality, run_quantizer_quality)
 from rtxcore.errors import ModelLoadError
 from rtxcore.models.source import resolve_model
 
@@ -64,16 +64,36 @@ def quality_reference(conformance):
     return source, token_ids, model, reference_perplexity(model, token_ids)
 
 
+@pytest.fixture(scope="session")
+def quality_calibration(conformance, quality_reference):
+    """The reference model's layer statistics on calibration text; collected once per run, when a calibrated
+    quantizer first needs them."""
+    source, _, model, _ = quality_reference
+    gate = conformance.gates.quality
+    return calibrate_reference(model, source, gate.calibration_tokens, gate.calibration_chunk_len)
+
+
 @pytest.mark.rtx_gate("quality")
-def test_gate_quality(component, conformance, quality_reference, record_figures):
+def test_gate_quality(component, conformance, quality_reference, record_figures, request):
     _require_available(component)
     gate = conformance.gates.quality
     source, token_ids, model, reference_ppl = quality_reference
     if component.kind == "backend":
         result = run_backend_quality(gate, component.cls, source, token_ids, reference_ppl)
     else:
-        result = run_quantizer_quality(gate, component.cls(), model, token_ids, reference_ppl)
-    record_figures({"ppl": round(result.perplexity, 3), "reference_ppl": round(result.reference_perplexity, 3),
-                    "relative_change": round(result.relative_change, 5), "budget": result.budget})
-    assert result.passed, (f"perplexity {result.perplexity:.3f} vs reference {result.reference_perplexity:.3f}: "
-                           f"relative change {result.relative_change:+.4f} outside the budget {result.budget}")
+        quantizer = component.cls()
+        stats = request.getfixturevalue("quality_calibration") if quantizer.calibrated else None
+        baseline = gate.quantizer_must_beat.get(component.name)
+        result = run_quantizer_quality(gate, quantizer, component.name, model, token_ids, reference_ppl, stats,
+                                       conformance.registry.create("quantizer", baseline) if baseline else None)
+    figures = {"ppl": round(result.perplexity, 3), "reference_ppl": round(result.reference_perplexity, 3),
+               "relative_change": round(result.relative_change, 5), "budget": result.budget, "bound": result.bound}
+    if result.baseline_perplexity is not None:
+        figures["baseline_ppl"] = round(result.baseline_perplexity, 3)
+    record_figures(figures)
+    assert result.change <= result.budget, (
+        f"perplexity {result.perplexity:.3f} vs reference {result.reference_perplexity:.3f}: {result.bound} change "
+        f"{result.change:+.4f} outside the budget {result.budget}")
+    assert result.passed, (f"perplexity {result.perplexity:.3f} is not below its uncalibrated baseline's "
+                           f"{result.baseline_perplexity:.3f} ({gate.quantizer_must_beat[component.name]})")
+

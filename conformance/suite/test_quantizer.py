@@ -1,4 +1,5 @@
-"""Quantizer contract: declared error bound, recorded shape, save and load round trip."""
+"""Quantizer contract: declared error bound, running from the stored form, fusing along the outputs, recorded shape,
+save and load round trip."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rtx_conformance.checks.quantizer import (SHAPES, check_declared_bound, check_error_bound, check_round_trip,
-                                              check_shape)
+from rtx_conformance.checks.quantizer import (SHAPES, check_declared_bound, check_error_bound, check_fusable,
+                                              check_linear, check_round_trip, check_shape)
 from rtx_conformance.suite.budgets import SLOW
 
 pytestmark = pytest.mark.rtx_kind("quantizer")
@@ -26,6 +27,16 @@ def test_declared_bound(component):
 @given(shape=st.sampled_from(SHAPES), std=st.sampled_from([0.02, 0.1, 1.0]), seed=st.integers(0, 2**16))
 def test_error_bound(component, shape, std, seed):
     check_error_bound(component.cls(), _gaussian(shape, std, seed))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_linear(component, shape, dtype):
+    check_linear(component.cls(), _gaussian(shape, 0.02, 2), seed=3, dtype=dtype)
+
+
+def test_fusable(component):
+    check_fusable(component.cls(), _gaussian(SHAPES[1], 0.02, 4))
 
 
 @pytest.mark.parametrize("shape", SHAPES[:2])

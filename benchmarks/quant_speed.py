@@ -1,0 +1,119 @@
+"""Quantized decoding speed on the GPU: W3 (one stream) and W1 (256 requests) for bf16 and each quantization method,
+on the same random weights, all in one run so every ratio is against the bf16 baseline measured beside it.
+
+The random weights are drawn once and kept in host memory as bf16; each engine loads its copy from there and, for
+a method, quantizes each layer as it lands (``--quantization``: plain rounding, which runs at the same speed as a
+calibrated checkpoint of the same format).
+
+Usage: python benchmarks/quant_speed.py [--model dummy:llama-8b] [--methods int8,int4,fp8] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import sys
+import time
+
+import torch
+
+from rtxcore.bench.offline import run_engine, warm_up
+from rtxcore.bench.workloads import BenchRequest, make_requests
+from rtxcore.cli.bench import H200_COPY_BYTES_PER_S, machine_description
+from rtxcore.contracts.scheduler import SchedulerConfig
+from rtxcore.engine.config import EngineConfig
+from rtxcore.engine.llm_engine import LLMEngine
+from rtxcore.models.source import ModelSource, resolve_model
+
+# Published, not measured here (shared/WORKLOADS.md): TensorRT-LLM, one H200, Llama-3.1-8B FP8, 128/128 at max load.
+TRTLLM_FP8_H200_TOK_S = 27911
+
+
+class HostCopy(ModelSource):
+    """Another source's weights, drawn once and kept in host memory as bf16."""
+
+    def __init__(self, source: ModelSource):
+        self.name, self.path, self._config = source.name, source.path, source.config
+        self._weights = [(name, t.to(torch.bfloat16)) for name, t in source.weights()]
+
+    @property
+    def config(self):
+        return self._config
+
+    def tokenizer(self):
+        return None
+
+    def num_weights(self) -> int:
+        return len(self._weights)
+
+    def weights(self, progress=None, device="cpu", dtype=torch.float32):
+        for name, t in self._weights:
+            yield name, t.to(device=device, dtype=dtype)
+
+
+def measure(source: ModelSource, method: str | None, model: str) -> dict:
+    config = EngineConfig(model=model, quantization=method, max_model_len=4096,
+                          scheduling=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256))
+    started = time.perf_counter()
+    engine = LLMEngine(config, source=source)
+    loaded_s = time.perf_counter() - started
+    weight_bytes = engine.backend.weight_bytes()
+    out = {"method": method or "bf16", "weight_bytes": weight_bytes, "load_s": round(loaded_s, 1)}
+    for workload in ("W3", "W1"):
+        requests = make_requests(workload, engine.model_config.vocab_size, seed=0)
+        # Every shape the workload launches (prefill chunks, decode at every batch size) in a sixteenth of the time:
+        # kernels are compiled and autotuned per shape on first use.
+        warm_up(engine, [BenchRequest(r.prompt_token_ids, min(r.output_len, 16)) for r in requests])
+        engine.kv_cache.reset_prefix_cache()
+        result = run_engine(engine, requests)
+        out[workload] = {"tokens_per_s": result.tokens_per_s, "ms_per_token": result.ms_per_token_per_request,
+                         "elapsed_s": result.elapsed_s}
+    out["W3"]["floor_ms"] = 1000 * weight_bytes / H200_COPY_BYTES_PER_S
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="dummy:llama-8b")
+    parser.add_argument("--methods", default="int4,int8,fp8")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("quant_speed needs a CUDA GPU", file=sys.stderr)
+        return 2
+    print(f"drawing {args.model}'s random weights once...", file=sys.stderr)
+    source = HostCopy(resolve_model(args.model))
+    results = []
+    for method in [None, *args.methods.split(",")]:
+        print(f"{method or 'bf16'}...", file=sys.stderr)
+        results.append(measure(source, method, args.model))
+        print(json.dumps(results[-1]), file=sys.stderr, flush=True)  # kept in the log if a later method times out
+    base = results[0]
+    lines = [f"{'weights':8} {'GB':>6} {'W3 ms/tok':>10} {'vs bf16':>8} {'floor ms':>9} {'W1 tok/s':>10} {'vs bf16':>8}"]
+    for r in results:
+        w3, w1 = r["W3"], r["W1"]
+        r["W3"]["latency_vs_bf16"] = w3["ms_per_token"] / base["W3"]["ms_per_token"]
+        r["W1"]["throughput_vs_bf16"] = w1["tokens_per_s"] / base["W1"]["tokens_per_s"]
+        lines.append(f"{r['method']:8} {r['weight_bytes'] / 1e9:6.2f} {w3['ms_per_token']:10.3f} "
+                     f"{w3['latency_vs_bf16']:7.2f}x {w3['floor_ms']:9.3f} {w1['tokens_per_s']:10.0f} "
+                     f"{w1['throughput_vs_bf16']:7.2f}x")
+    lines.append(f"published: TensorRT-LLM FP8 on one H200, Llama-3.1-8B 128/128 at max load: "
+                 f"{TRTLLM_FP8_H200_TOK_S} output tok/s (not measured here)")
+    meta = {"command": "python benchmarks/quant_speed.py " + " ".join(sys.argv[1:]),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": machine_description(), "model": args.model}
+    print(f"# {meta['command']}\n# {meta['date']} on {meta['machine']}")
+    print("\n".join(lines))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({**meta, "results": results, "trtllm_fp8_h200_tok_s": TRTLLM_FP8_H200_TOK_S}, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

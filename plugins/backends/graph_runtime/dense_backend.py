@@ -24,6 +24,7 @@ from rtxcore.models.source import ModelSource
 from rtx_plugins.backends.graph_runtime.cache import GraphCache
 from rtx_plugins.backends.graph_runtime.dense_step import plan_calls
 from rtx_plugins.backends.graph_runtime.exporter import ExportedGraph, ExportSettings, exported_graph
+from rtx_plugins.backends.graph_runtime.fp8_qdq import graph_quantization
 from rtx_plugins.backends.torch_backend.cpu_tuning import tune_allocator
 
 # Precisions the exported graph's inputs and outputs (and so the KV cache) can have.
@@ -80,7 +81,8 @@ class DenseGraphBackend(ExecutionBackend):
 
     def load(self, source: ModelSource, progress: Callable[[int, int], None] | None = None) -> None:
         self._config = source.config
-        self.graph = exported_graph(source, ExportSettings(self._dtype_name), self.graph_cache, progress)
+        settings = ExportSettings(self._dtype_name, quantization=graph_quantization(self.options))
+        self.graph = exported_graph(source, settings, self.graph_cache, progress)
         self._open(self.graph)
 
     def kv_cache_bytes_per_token(self) -> int:

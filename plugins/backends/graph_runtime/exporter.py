@@ -20,6 +20,8 @@ from rtxcore.contracts.backend import BackendOptions
 from rtxcore.models.fingerprint import weights_fingerprint
 from rtxcore.models.source import ModelSource
 from rtx_plugins.backends.graph_runtime.cache import CacheKey, GraphCache, model_fingerprint
+from rtx_plugins.backends.graph_runtime.fp8_qdq import (CALIBRATION_CHUNKS, CALIBRATION_LEN, FP8_OPSET,
+                                                        quantize_for_export)
 from rtx_plugins.backends.graph_runtime.graph import INPUT_NAMES, OUTPUT_NAMES, DenseKVGraph
 
 log = logging.getLogger(__name__)
@@ -46,10 +48,19 @@ class ExportSettings:
     # Precision of the weights and activations in the graph ("float32", "float16").
     dtype: str = "float32"
     opset: int = 17
+    # "fp8": linear layers as float8 Q/DQ around MatMul (fp8_qdq.py), at opset 19 at least; None: float weights.
+    quantization: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.quantization == "fp8" and self.opset < FP8_OPSET:
+            object.__setattr__(self, "opset", FP8_OPSET)
 
     def as_key(self) -> dict:
-        return {"dtype": self.dtype, "opset": self.opset, "exporter": "torchscript", "graph_version": GRAPH_VERSION,
-                "torch": torch.__version__}
+        key = {"dtype": self.dtype, "opset": self.opset, "exporter": "torchscript", "graph_version": GRAPH_VERSION,
+               "torch": torch.__version__}
+        if self.quantization is not None:
+            key["quantization"] = {"method": self.quantization, "calibration": [CALIBRATION_CHUNKS, CALIBRATION_LEN]}
+        return key
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +103,8 @@ def export_onnx(source: ModelSource, settings: ExportSettings, out: Path,
 
     loader = TorchBackend(BackendOptions(device="cpu", dtype=settings.dtype))
     loader.load(source, progress=progress)
+    if settings.quantization == "fp8":
+        quantize_for_export(loader, source)
     graph = DenseKVGraph(loader.model).eval()
     with torch.inference_mode(), warnings.catch_warnings():
         # The TorchScript exporter announces its deprecation on every call; the choice is deliberate (see above).

@@ -33,7 +33,8 @@ class OnnxRuntimeBackend(DenseGraphBackend):
             devices=("cpu", "cuda") if cuda else ("cpu",),
             # ONNX Runtime's CPU kernels for float16 are few and slow; on the CPU it runs float32 only.
             dtypes=("float32", "float16") if cuda else ("float32",),
-            paged_kv=True, kv_offload=True)
+            # fp8 as Q/DQ nodes in the export (fp8_qdq.py); on the CPU they run as rounding around float MatMuls.
+            paged_kv=True, kv_offload=True, quantization_formats=("fp8",))
 
     def __init__(self, options: BackendOptions):
         from rtx_plugins.backends.onnxruntime_backend.session import choose_device

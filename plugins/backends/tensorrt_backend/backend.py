@@ -17,6 +17,7 @@ from rtxcore.contracts.backend import BackendCapabilities, BackendOptions
 from rtxcore.errors import ConfigError
 from rtx_plugins.backends.graph_runtime.dense_backend import DenseGraphBackend, GraphOutputs, check_options
 from rtx_plugins.backends.graph_runtime.exporter import ExportedGraph
+from rtx_plugins.backends.graph_runtime.fp8_qdq import graph_quantization
 from rtx_plugins.backends.tensorrt_backend.builder import ENGINE_FILE, BuildSettings, build_engine, engine_key
 from rtx_plugins.backends.tensorrt_backend.profiles import compute_profiles
 
@@ -42,7 +43,9 @@ class TensorRTBackend(DenseGraphBackend):
         trt, reason = import_tensorrt()
         if trt is not None and not torch.cuda.is_available():
             reason = "TensorRT needs a CUDA GPU and torch sees none"
-        return BackendCapabilities(devices=("cuda",), dtypes=PRECISIONS, paged_kv=True, kv_offload=True, max_batch_size=MAX_BATCH,
+        # fp8: the export's Q/DQ nodes (fp8_qdq.py) built into fp8 layers on GPUs with fp8 tensor cores.
+        return BackendCapabilities(devices=("cuda",), dtypes=PRECISIONS, paged_kv=True, kv_offload=True,
+                                   max_batch_size=MAX_BATCH, quantization_formats=("fp8",),
                                    available=reason is None, unavailable_reason=reason)
 
     def __init__(self, options: BackendOptions):
@@ -73,7 +76,7 @@ class TensorRTBackend(DenseGraphBackend):
         cfg = self.model_config
         max_len = min(cfg.max_position, self.options.max_model_len or cfg.max_position)
         profiles = compute_profiles(cfg, self.options.max_batch_size, max_len, num_blocks * block_size)
-        settings = BuildSettings(self.precision, profiles)
+        settings = BuildSettings(self.precision, profiles, quantization=graph_quantization(self.options))
         key = engine_key(self.onnx_graph.key, settings, self.trt.__version__)
         path = self.graph_cache.lookup(key, ENGINE_FILE)
         self.engine_cache_hit = path is not None

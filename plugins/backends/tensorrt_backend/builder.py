@@ -21,6 +21,8 @@ ENGINE_FILE = "model.plan"
 # Builder flag of each reduced precision; float32 needs none. Layers TensorRT cannot run in the reduced precision
 # stay in float32 (weak typing), so the flag is a permission, not a guarantee.
 PRECISION_FLAGS = {"float16": "FP16", "bfloat16": "BF16"}
+# TensorRT builds fp8 layers only where the network has explicit float8 Q/DQ nodes, and only with this flag.
+QUANTIZATION_FLAGS = {"fp8": "FP8"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,14 +30,23 @@ class BuildSettings:
     precision: str
     profiles: tuple[Profile, ...]
     workspace_bytes: int = 4 << 30
+    # "fp8": the ONNX file carries float8 Q/DQ nodes, and the builder may run those layers in fp8.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.precision != "float32" and self.precision not in PRECISION_FLAGS:
             raise ConfigError(f"tensorrt backend: precision {self.precision!r} is not one of float32, "
                               f"{', '.join(PRECISION_FLAGS)}")
+        if self.quantization not in (None, *QUANTIZATION_FLAGS):
+            raise ConfigError(f"tensorrt backend: quantization {self.quantization!r} is not one of "
+                              f"{', '.join(QUANTIZATION_FLAGS)}")
+
+    def builder_flags(self) -> list[str]:
+        """The BuilderFlag names the build sets."""
+        return [f for f in (PRECISION_FLAGS.get(self.precision), QUANTIZATION_FLAGS.get(self.quantization)) if f]
 
     def as_key(self) -> dict:
-        return {"precision": self.precision, "workspace_bytes": self.workspace_bytes,
+        return {"precision": self.precision, "quantization": self.quantization, "workspace_bytes": self.workspace_bytes,
                 "profiles": {p.name: p.as_key() for p in self.profiles}}
 
 
@@ -58,8 +69,7 @@ def build_engine(trt, onnx_path: Path, settings: BuildSettings, out: Path) -> No
         raise ModelLoadError(f"TensorRT could not parse {onnx_path}: {errors}")
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, settings.workspace_bytes)
-    flag = PRECISION_FLAGS.get(settings.precision)
-    if flag is not None:
+    for flag in settings.builder_flags():
         if not hasattr(trt.BuilderFlag, flag):
             raise ConfigError(f"this TensorRT ({trt.__version__}) has no {flag} builder flag")
         config.set_flag(getattr(trt.BuilderFlag, flag))

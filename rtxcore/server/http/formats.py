@@ -6,6 +6,7 @@ a restart goes on producing exactly the events it would have produced without on
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -36,7 +37,7 @@ class ResponseSpec:
         return cls(**data)
 
 
-class ResponseFormat:
+class ResponseFormat(ABC):
     # Whether a stream ends with ``data: [DONE]`` after its events.
     ends_with_done = True
 
@@ -48,17 +49,17 @@ class ResponseFormat:
         """Events sent before any output."""
         return []
 
+    @abstractmethod
     def chunk(self, gen: Generation, choice: Choice, out: RequestOutput) -> dict[str, Any] | None:
         """The event for one output, or None when it carries nothing to send."""
-        raise NotImplementedError
 
     def closing(self, gen: Generation) -> list[dict[str, Any]]:
         """Events sent after the last output (before ``[DONE]``)."""
         return []
 
+    @abstractmethod
     def body(self, gen: Generation) -> dict[str, Any]:
         """The whole response of a non-streaming request."""
-        raise NotImplementedError
 
 
 class CompletionFormat(ResponseFormat):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import sys
 import time
@@ -26,6 +25,7 @@ from rtxcore.contracts.scheduler import SchedulerConfig
 from rtxcore.engine.config import EngineConfig
 from rtxcore.engine.llm_engine import LLMEngine
 from rtxcore.models.source import ModelSource, resolve_model
+from rtxcore.transfer import release_device_memory
 
 # Published, not measured here (shared/WORKLOADS.md): TensorRT-LLM, one H200, Llama-3.1-8B FP8, 128/128 at max load.
 TRTLLM_FP8_H200_TOK_S = 27911
@@ -72,8 +72,7 @@ def measure(source: ModelSource, method: str | None, model: str) -> dict:
                          "elapsed_s": result.elapsed_s}
     out["W3"]["floor_ms"] = 1000 * weight_bytes / H200_COPY_BYTES_PER_S
     del engine
-    gc.collect()
-    torch.cuda.empty_cache()
+    release_device_memory()
     return out
 
 

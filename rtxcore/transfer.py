@@ -9,6 +9,16 @@ from typing import Any
 import torch
 
 
+def release_device_memory() -> None:
+    """Give a released model's device memory back before the next one allocates (the collector first: a backend
+    and its CUDA graphs or hooks refer to each other)."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` (on the host) on ``device``; a copy to an accelerator is queued without waiting."""
     if device.type == "cpu" or t.device.type != "cpu":

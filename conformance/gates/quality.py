@@ -91,9 +91,7 @@ def run_backend_quality(gate: QualityGate, backend_cls: type[ExecutionBackend], 
 def calibrate_reference(model, source: ModelSource, num_tokens: int, chunk_len: int) -> dict[str, LayerStats]:
     """Statistics at every linear layer's input of the reference model over calibration text (disjoint from the
     evaluation text), as ``rtx quantize`` collects them."""
-    tokenizer = source.tokenizer()
-    ids = tokenizer.encode(calibration.calibration_text(8 * num_tokens), add_special_tokens=False)
-    chunks = calibration.token_chunks(ids, source.config.bos_token_id, max(1, num_tokens // chunk_len), chunk_len)
+    chunks = calibration.calibration_chunks(source.tokenizer(), source.config.bos_token_id, num_tokens, chunk_len)
     modules = {f"{name}.weight": m for name, m in model.named_modules() if name.endswith(_LINEAR_SUFFIXES)}
     return calibration.collect_stats(modules, lambda chunk: model(input_ids=torch.tensor([chunk])), chunks)
 

@@ -15,6 +15,7 @@ from rtxcore.bench.offline import ThroughputResult, run_engine, warm_up
 from rtxcore.bench.workloads import WORKLOADS, BenchRequest, get_workload, make_requests
 from rtxcore.cli.common import add_engine_options, engine_cli_args, engine_config, load_engine
 from rtxcore.errors import ConfigError
+from rtxcore.transfer import release_device_memory
 
 
 # Device-to-device copy bandwidth measured on the H200 (shared/WORKLOADS.md): the floor W3 is compared with.
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         from rtxcore.bench.serving import run_served, summarize
 
         del engine  # the server process loads its own copy
-        _release_device_memory()
+        release_device_memory()
         sys.stderr.write(f"serving the same requests to {len(requests)} concurrent streaming clients...\n")
         served = run_served(engine_cli_args(args), requests)
         print(f"# served: {summarize(served)}")
@@ -80,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         return 0 if served.errors == 0 else 1
     if args.baseline == "unquantized":
         del engine
-        _release_device_memory()
+        release_device_memory()
         baseline = load_engine(dataclasses.replace(config, quantization=None))
         warm_up(baseline, requests)
         results.append(run_engine(baseline, requests, label=f"rtx engine ({baseline.backend.dtype}, unquantized)"))
@@ -94,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         device, dtype = engine.backend.device, engine.backend.dtype
         source = engine.source
         del engine
-        _release_device_memory()  # the engine's KV cache and CUDA graphs, before the baseline allocates its own
+        release_device_memory()  # the engine's KV cache and CUDA graphs, before the baseline allocates its own
         sys.stderr.write("loading the HF transformers baseline on the same weights...\n")
         model = load_hf_model(source, device, dtype)
         # Warm-up on the workload's own batch shape (cuBLAS picks and caches kernels per shape), kept short.
@@ -109,14 +110,6 @@ def _weight_bytes(engine) -> int:
     """Bytes of weights one decode step reads (quantized layers at their stored size), for the W3 floor."""
     measured = getattr(engine.backend, "weight_bytes", None)
     return measured() if measured else engine.model_config.num_params * engine.backend.dtype.itemsize
-
-
-def _release_device_memory() -> None:
-    import gc
-
-    gc.collect()  # the backend and its CUDA graphs refer to each other: only the collector frees them
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _report(args: argparse.Namespace, workload: str, results: list[ThroughputResult]) -> None:

@@ -46,6 +46,12 @@ def calibration_text(num_chars: int | None = None) -> str:
     return text if num_chars is None else text[:num_chars]
 
 
+def calibration_chunks(tokenizer, bos: int | None, num_tokens: int, chunk_len: int) -> list[list[int]]:
+    """About ``num_tokens`` tokens of calibration text, in pieces of ``chunk_len`` each after a BOS."""
+    ids = tokenizer.encode(calibration_text(8 * num_tokens), add_special_tokens=False)
+    return token_chunks(ids, bos, max(1, num_tokens // chunk_len), chunk_len)
+
+
 def token_chunks(token_ids: list[int], bos: int | None, num_chunks: int, chunk_len: int) -> list[list[int]]:
     """Consecutive ``chunk_len``-token pieces of ``token_ids``, each after a BOS when the model has one."""
     prefix = [bos] if bos is not None else []

@@ -3,7 +3,6 @@ and measure the result by loading it back and scoring held-out text."""
 
 from __future__ import annotations
 
-import gc
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from rtxcore.quant.checkpoint import check_output_dir, staged_checkpoint, write_
 from rtxcore.quant.evaluation import backend_perplexity, prefill_logits
 from rtxcore.quant.layer_errors import GroupChoice, choose
 from rtxcore.registry import PluginRegistry
+from rtxcore.transfer import release_device_memory
 
 # The backend that runs calibration and evaluation: it exposes the torch modules calibration hooks into.
 CALIBRATION_BACKEND = "torch"
@@ -52,17 +52,18 @@ def _load_backend(registry: PluginRegistry, source: ModelSource, device: str, ma
     return backend
 
 
-def _tokens(source: ModelSource, text: str, num_tokens: int) -> list[int]:
+def _tokenizer(source: ModelSource):
     tokenizer = source.tokenizer()
     if tokenizer is None:
         raise ModelLoadError(f"{source.name} has no tokenizer: calibration needs text")
-    return tokenizer.encode(text[:8 * num_tokens], add_special_tokens=False)
+    return tokenizer
 
 
 def evaluation_tokens(source: ModelSource, num_tokens: int) -> list[int]:
     """The first ``num_tokens`` tokens of the evaluation text, after BOS (the quality gate's text too)."""
     bos = [source.config.bos_token_id] if source.config.bos_token_id is not None else []
-    return (bos + _tokens(source, calibration.evaluation_text(8 * num_tokens), num_tokens))[:num_tokens]
+    text = calibration.evaluation_text(8 * num_tokens)
+    return (bos + _tokenizer(source).encode(text, add_special_tokens=False))[:num_tokens]
 
 
 def quantize_model(model: str | None, options: QuantizeOptions, registry: PluginRegistry,
@@ -142,9 +143,8 @@ def _calibrate(registry: PluginRegistry, source: ModelSource, options: QuantizeO
     fused: dict[int, list[str]] = {}
     for name, module in modules.items():
         fused.setdefault(id(module), []).append(name)
-    calib = _tokens(source, calibration.calibration_text(8 * options.calibration_tokens), options.calibration_tokens)
-    chunks = calibration.token_chunks(calib, source.config.bos_token_id,
-                                      max(1, options.calibration_tokens // options.chunk_len), options.chunk_len)
+    chunks = calibration.calibration_chunks(_tokenizer(source), source.config.bos_token_id,
+                                            options.calibration_tokens, options.chunk_len)
     if not chunks:
         raise ConfigError(f"--calibration-tokens {options.calibration_tokens} gives no piece of {options.chunk_len}")
     log(f"calibrating on {len(chunks)} x {options.chunk_len} tokens of calibration text")
@@ -154,14 +154,8 @@ def _calibrate(registry: PluginRegistry, source: ModelSource, options: QuantizeO
     eval_ids = evaluation_tokens(source, options.eval_tokens) if options.eval_tokens else []
     ppl = backend_perplexity(backend, eval_ids, options.chunk_len, _BLOCK) if eval_ids else None
     modules = inputs = backend = None  # release the float model (the lambda above holds it too)
-    _release_memory()
+    release_device_memory()
     return stats, list(fused.values()), ppl, eval_ids, len(chunks)
-
-
-def _release_memory() -> None:
-    gc.collect()  # the model and its hooks refer to each other
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _evaluate(registry: PluginRegistry, directory: Path, options: QuantizeOptions, eval_ids: list[int],
@@ -172,7 +166,7 @@ def _evaluate(registry: PluginRegistry, directory: Path, options: QuantizeOption
                             {m: quantizer_for(m) for m in quantized.quantization_methods()})
     ppl = backend_perplexity(backend, eval_ids, options.chunk_len, _BLOCK)
     del backend
-    _release_memory()
+    release_device_memory()
     return {"text": "pydoc_data topics, first half (disjoint from calibration)", "tokens": len(eval_ids),
             "ppl_original": round(ppl_original, 4), "ppl_quantized": round(ppl, 4),
             "ppl_increase": round(ppl - ppl_original, 4)}

@@ -85,6 +85,5 @@ def _calibration_chunks(source: ModelSource) -> list[list[int]]:
     if tokenizer is None:
         rng = random.Random(0)
         return [[rng.randrange(cfg.vocab_size) for _ in range(CALIBRATION_LEN)] for _ in range(CALIBRATION_CHUNKS)]
-    text = calibration.calibration_text(8 * CALIBRATION_LEN * CALIBRATION_CHUNKS)
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    return calibration.token_chunks(ids, cfg.bos_token_id, CALIBRATION_CHUNKS, CALIBRATION_LEN)
+    return calibration.calibration_chunks(tokenizer, cfg.bos_token_id, CALIBRATION_LEN * CALIBRATION_CHUNKS,
+                                          CALIBRATION_LEN)

@@ -286,3 +286,32 @@ def test_a_full_disk_costs_blocks_not_the_tier(tmp_path, monkeypatch):
     host.store([key(3)], payload(3).unsqueeze(0))  # the disk has its slot back
     assert key(2) in disk
     host.check_invariants(), disk.check_invariants()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the check is that nothing waits for it")
+def test_spill_and_reload_on_a_gpu_never_wait_for_it():
+    """Offload runs on the engine's thread between steps: a copy that waits for the device (a blocking copy from
+    pageable memory, an index list turned into a device tensor) stalls the step in flight. CUDA's sync debug mode
+    raises on any such wait; the bytes must still arrive intact."""
+    from rtxcore.kv.block_io import read_blocks, write_blocks
+
+    caches = [torch.randn(2, 8, 4, 16, dtype=torch.bfloat16, device="cuda") for _ in range(4)]
+    expected = [c.clone() for c in caches]
+    block_bytes = sum(c[:, 0].numel() for c in caches) * 2
+    host = HostTier(8, block_bytes, POLICIES["lru"](8), pin_memory=True)
+    offload = KVOffload([host], lambda ids: read_blocks(caches, 1, ids),
+                        lambda ids, data: write_blocks(caches, 1, ids, data), device="cuda")
+    keys = [key(n) for n in range(3)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        offload.spill(list(zip([1, 3, 5], keys)))
+        for c in caches:
+            c[:, 1:6:2] = 0  # the device reuses the blocks
+        tiers = offload.pin_run(keys)
+        assert offload.reload(keys, tiers, [6, 7, 2]) == 3
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    for c, e in zip(caches, expected):
+        assert torch.equal(c[:, [6, 7, 2]], e[:, [1, 3, 5]])

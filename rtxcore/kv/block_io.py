@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
+from rtxcore.transfer import to_device
+
 
 def read_blocks(caches: Sequence[torch.Tensor], block_dim: int, block_ids: list[int]) -> torch.Tensor:
     """uint8 [len(block_ids), block_bytes] on the caches' device.
@@ -19,7 +21,8 @@ def read_blocks(caches: Sequence[torch.Tensor], block_dim: int, block_ids: list[
     nothing waits for the GPU here (the host tier copies them out asynchronously).
     """
     device, n = caches[0].device, len(block_ids)
-    ids = torch.tensor(block_ids, dtype=torch.long).to(device)
+    # From pinned memory: a blocking copy from pageable memory would wait for the step in flight.
+    ids = to_device(block_ids, torch.long, device)
     out = torch.empty(n, sum(t.numel() // t.shape[block_dim] for t in caches), dtype=caches[0].dtype, device=device)
     start = 0
     for t in caches:
@@ -40,7 +43,7 @@ def write_blocks(caches: Sequence[torch.Tensor], block_dim: int, block_ids: list
     if values.shape[1] != expected:
         raise ValueError(f"KV block data has {values.shape[1]} values per block, the cache {expected}")
     values = values.to(device, non_blocking=True)
-    ids = torch.tensor(block_ids, dtype=torch.long).to(device)
+    ids = to_device(block_ids, torch.long, device)
     start = 0
     for t in caches:
         shape = t.shape[:block_dim] + t.shape[block_dim + 1:]

@@ -16,6 +16,7 @@ import torch
 
 from rtxcore.kv.hashing import BlockHash
 from rtxcore.kv.tiers import KVTier, TierReadError
+from rtxcore.transfer import to_device
 
 log = logging.getLogger("rtx.kv")
 
@@ -105,7 +106,8 @@ class KVOffload:
                 # Inclusive: a block read from disk also goes to the tiers above, which reload faster.
                 from_below = [i for i in range(start, end) if tiers[i] is not self.top]
                 if from_below:
-                    self.top.store([keys[i] for i in from_below], data[[i - start for i in from_below]])
+                    rows_below = to_device([i - start for i in from_below], torch.long, data.device)
+                    self.top.store([keys[i] for i in from_below], data.index_select(0, rows_below))
         finally:
             if self.device.type == "cuda":
                 for tier in set(tiers):

@@ -82,6 +82,7 @@ class TorchBackend(ExecutionBackend):
                 self._decode_kernel = paged_decode_kernel()
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._kv_pool: torch.Tensor | None = None
         self.block_size = 0
 
     @property
@@ -152,12 +153,11 @@ class TorchBackend(ExecutionBackend):
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         cfg = self.model_config
-        shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self._device),
-             torch.zeros(shape, dtype=self.dtype, device=self._device))
-            for _ in range(cfg.num_layers)
-        ]
+        # One tensor [layers, K/V, kv_heads, blocks, block_size, head_dim], each layer's K and V a contiguous view:
+        # copying blocks to and from the KV tiers is then one gather or scatter for all layers, not one per cache.
+        self._kv_pool = torch.zeros((cfg.num_layers, 2, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim),
+                                    dtype=self.dtype, device=self._device)
+        self.kv_caches = [(layer[0], layer[1]) for layer in self._kv_pool]
         self.block_size = block_size
         if self._triton and self._device.type == "cuda" and not self.options.enforce_eager:
             max_len = min(cfg.max_position, self.options.max_model_len or cfg.max_position)
@@ -168,11 +168,12 @@ class TorchBackend(ExecutionBackend):
                 self._graphs.capture()
                 self._mixed.capture()
 
+    # A block's bytes are layer by layer, K then V, each [kv_heads, block_size, head_dim]: the pool's own order.
     def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        return read_blocks([t for kv in self.kv_caches for t in kv], 1, block_ids)
+        return read_blocks([self._kv_pool], 3, block_ids)
 
     def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        write_blocks([t for kv in self.kv_caches for t in kv], 1, block_ids, data)
+        write_blocks([self._kv_pool], 3, block_ids, data)
 
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:

@@ -112,6 +112,41 @@ async def collect_warm_up(served: AsyncEngine, params: SamplingParams) -> None:
         pass
 
 
+def profiled(args, config: str, engine: LLMEngine, load) -> dict[str, float]:
+    """The ``load`` coroutine run with the engine's steps under cProfile (they run on the engine's thread): where the host's time
+    went, waiting for the device included, printed (and saved beside ``--json``) as the top functions by own time
+    and by cumulative time. The profiler inflates the figures; compare configurations profiled alike."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    step = engine.step
+
+    def profiled_step(*a, **kw):
+        profiler.enable()
+        try:
+            return step(*a, **kw)
+        finally:
+            profiler.disable()
+
+    engine.step = profiled_step
+    try:
+        result = asyncio.run(load)
+    finally:
+        del engine.step
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(40)
+    text = f"== profile of the load part, {config}\n{out.getvalue()}"
+    print(text, flush=True)
+    if args.json:
+        with open(f"{args.json.removesuffix('.json')}_profile_{config}.txt", "w") as fh:
+            fh.write(text)
+    return result
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="as rtx --model (default: smollm2-135m)")
@@ -129,7 +164,12 @@ def main() -> int:
     p.add_argument("--load", type=float, default=1.5, help="arrival rate as a multiple of the measured capacity")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--profile", default="", help="comma-separated configurations whose load part runs with the engine's "
+                   f"steps under cProfile (of {', '.join(CONFIGS)}); their latencies are then not comparable")
     args = p.parse_args()
+    args.profile = [c for c in args.profile.split(",") if c]
+    if set(args.profile) - set(CONFIGS):
+        p.error(f"--profile takes configurations among {', '.join(CONFIGS)}")
     longest = args.turns * (args.new_tokens + args.reply_tokens)
     args.max_model_len = longest + 16
     all_blocks = args.conversations * -(-longest // 16)
@@ -160,7 +200,8 @@ def main() -> int:
             # a GPU) must not land in the first configuration's figures.
             asyncio.run(under_load(args, engine, prompts_by_turn, args.load * capacity))
             engine.kv_cache.reset_prefix_cache()
-        result = asyncio.run(under_load(args, engine, prompts_by_turn, args.load * capacity))
+        load = under_load(args, engine, prompts_by_turn, args.load * capacity)
+        result = profiled(args, config, engine, load) if config in args.profile else asyncio.run(load)
         report["load"][config] = result
         print(f"at {args.load}x load {config:>10}: " + ", ".join(f"{k}={v}" for k, v in result.items()), flush=True)
     base = report["load"]["roomy"]

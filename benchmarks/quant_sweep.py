@@ -6,7 +6,7 @@ events (median of REPLAYS), as the engine's decode step runs them, so launch ove
 through enough copies of the weights (>= 4, >= 2x the L2 in total) that no call finds its weight in L2. Effective
 bandwidth counts the bytes of the weight in its stored format (int4: the packed words, scales and zero points).
 
-Usage: python benchmarks/quant_sweep.py [summary.json] [--rows 1,4,256] [--group-size 128] [--shapes qkv,lm_head]
+Usage: python benchmarks/quant_sweep.py [summary.json] [--rows 1,4,16,64,256] [--group-size 128] [--shapes qkv,lm_head]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ COPY_BW = 4.24e12  # bytes/s, device-to-device copy measured on the H200 (shared
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("summary", nargs="?", help="write a JSON summary here")
-    parser.add_argument("--rows", default="1,4,256", help="comma-separated M values (default: 1,4,256)")
+    parser.add_argument("--rows", default="1,4,16,64,256", help="comma-separated M values (default: 1,4,16,64,256)")
     parser.add_argument("--group-size", type=int, default=128, help="int4 group size along K (default: 128)")
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {list(SHAPES)}")
     args = parser.parse_args(argv)
@@ -98,6 +98,8 @@ def sweep_shape(name: str, n: int, k: int, rows: list[int], group: int, l2_bytes
     dtype = torch.bfloat16
     weight_bytes = {"cublas": n * k * 2, "gemv": n * k * 2, "int8": n * k + n * 4,
                     "int4": n * k // 2 + n * (k // group) * 5}
+    weight_bytes.update({f"{bits}-{path}": weight_bytes[bits] for bits in ("int8", "int4")
+                         for path in ("gemm", "dequantize")})
 
     def copies(nbytes: int) -> int:
         return max(4, math.ceil(2 * l2_bytes / nbytes))
@@ -119,16 +121,30 @@ def sweep_shape(name: str, n: int, k: int, rows: list[int], group: int, l2_bytes
         timed = {"cublas": time_graph(lambda i, x=x: F.linear(x, bf16[i]), len(bf16))}
         if m <= 8:
             timed["gemv"] = time_graph(lambda i, x=x: gemv(x, bf16[i]), len(bf16))
-        timed["int8"] = time_graph(lambda i, x=x: int8_linear(x, *int8[i]), len(int8))
-        config8 = best_config(quant_matmul._gemv_kernel if m <= 8 else quant_matmul._gemm_kernel)
-        timed["int4"] = time_graph(lambda i, x=x: int4_linear(x, *int4[i], group), len(int4))
-        config4 = best_config(quant_matmul._gemv_kernel if m <= 8 else quant_matmul._gemm_kernel)
+            timed["int8"] = time_graph(lambda i, x=x: int8_linear(x, *int8[i]), len(int8))
+            config8 = best_config(quant_matmul._gemv_kernel)
+            timed["int4"] = time_graph(lambda i, x=x: int4_linear(x, *int4[i], group), len(int4))
+            config4 = best_config(quant_matmul._gemv_kernel)
+        else:
+            # Both large-M paths, to place DEQUANTIZE_MIN_M where one overtakes the other.
+            for path in ("gemm", "dequantize"):
+                def int8_call(i, x=x, path=path):
+                    return int8_linear(x, *int8[i], kernel=path)
+
+                def int4_call(i, x=x, path=path):
+                    return int4_linear(x, *int4[i], group, kernel=path)
+
+                timed[f"int8-{path}"] = time_graph(int8_call, len(int8))
+                config8 = best_config(quant_matmul._gemm_kernel) if path == "gemm" else config8
+                timed[f"int4-{path}"] = time_graph(int4_call, len(int4))
+                config4 = best_config(quant_matmul._gemm_kernel) if path == "gemm" else config4
         for method, us in timed.items():
             results.append({
                 "matrix": name, "n": n, "k": k, "m": m, "method": method, "us": us,
                 "weight_gbps": weight_bytes[method] / us / 1e3, "speedup_vs_cublas": timed["cublas"] / us,
-                "config": {"int8": config8, "int4": config4}.get(method, ""),
-                "rel_err": {"int8": err8, "int4": err4}.get(method),
+                "config": {"int8": config8, "int4": config4, "int8-gemm": config8,
+                           "int4-gemm": config4}.get(method, ""),
+                "rel_err": {"int8": err8, "int4": err4}.get(method[:4]) if method[:3] == "int" else None,
             })
     return results
 

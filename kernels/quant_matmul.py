@@ -17,9 +17,14 @@ Measured on the H200 with benchmarks/quant_sweep.py (Triton 3.6; Llama-3.1-8B pr
 2.4-4.4 TB/s of weight bytes, 1.3-1.9x faster than the bf16 ``gemv``; int4 (groups of 128) 1.4-2.9 TB/s,
 1.5-2.4x faster than it, the larger matrices (gate_up, LM head) gaining most.
 
-Prefill (M > 8) runs a tiled GEMM: weight tiles are dequantized in registers to x's dtype and fed to ``tl.dot``.
-It is correct but not yet fast: at M=256 on the H200 it ran at 0.4-0.6x (int8) and 0.15-0.3x (int4) the speed of
-bf16 cuBLAS, the dequantized tile going through shared memory to the tensor cores every K step.
+Between those, M up to ``DEQUANTIZE_MIN_M`` runs a tiled GEMM: weight tiles are dequantized in registers to x's
+dtype and fed to ``tl.dot``. At M=256 on the H200 it ran at only 0.4-0.6x (int8) and 0.15-0.3x (int4) the speed of
+bf16 cuBLAS, the dequantized tile going through shared memory to the tensor cores every K step. So from
+``DEQUANTIZE_MIN_M`` rows on (large decode batches, prefill chunks), where the matmul is bound by arithmetic rather
+than by reading the weight, the weight is dequantized once into a scratch buffer in x's dtype and cuBLAS runs the
+product: the extra traffic (writing and reading 2 bytes a weight) costs less than the slow GEMM. The scratch is one
+buffer per device and dtype, as large as the largest layer seen, reused by every layer (kernels run in stream
+order; CUDA graphs capture its fixed address).
 
 Grids depend only on shapes and nothing syncs with the host, so calls can be captured in a CUDA graph once each
 autotuning key has been seen (the engine's warm-up run does that).
@@ -36,6 +41,9 @@ from rtx_kernels.gemv import _num_sms, _split_k_reduce_kernel
 from rtx_kernels.pdl import launch_options, pdl_enabled, wait_for_previous
 
 _MAX_GEMV_M = 8
+# From this many rows of x on, dequantize to scratch and use cuBLAS (see the module docstring).
+DEQUANTIZE_MIN_M = 64
+KERNELS = ("gemv", "gemm", "dequantize")
 _MAX_SPLIT_K = 8
 # A split reading fewer bytes per row than this streams too briefly to pay for its share of the reduce launch
 # (the bf16 GEMV's 2048 columns, measured on the H200).
@@ -404,11 +412,14 @@ def _dequantize_int4_tile(w_ptrs, scale_ptr, zero_ptr, rn_c, stride_sn, k0, K, r
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None, *,
-                split_k: int | None = None, pdl: bool | None = None) -> torch.Tensor:
+                split_k: int | None = None, pdl: bool | None = None, kernel: str | None = None) -> torch.Tensor:
     """``x @ (weight * scale[:, None]).T + bias`` for ``x`` [M, K], int8 ``weight`` [N, K], float32 ``scale`` [N].
 
     Returns [M, N] in ``x``'s dtype. ``x`` may have strided rows. M <= 8 runs the GEMV kernel (where K is a
-    multiple of 4, so rows are whole 32-bit words), larger M the GEMM kernel.
+    multiple of 4, so rows are whole 32-bit words), M below :data:`DEQUANTIZE_MIN_M` the GEMM kernel, larger M a
+    dequantized copy of the weight through cuBLAS.
+
+    :param kernel: one of :data:`KERNELS` instead of the choice by M (benchmarks and tests); "gemv" needs M <= 8.
 
     :param split_k: splits of K for the GEMV; :func:`choose_split_k` when None. Results depend on it in the last
         bits.
@@ -425,22 +436,24 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias
     if out.numel() == 0:
         return out
     whole_words = k % 4 == 0 and weight.stride(0) % 4 == 0 and weight.data_ptr() % 4 == 0
-    if m <= _MAX_GEMV_M and whole_words:
+    kernel = _choose_kernel(kernel, m, gemv_fits=whole_words)
+    if kernel == "gemv":
         _gemv(x, weight.view(torch.int32), scale, scale, bias, out, bits=8, group=0, split_k=split_k, pdl=pdl)
-    else:
+    elif kernel == "gemm":
         _gemm(x, weight, scale, scale, bias, out, bits=8, group=0)
+    else:
+        _dequantized_matmul(x, weight, scale, scale, bias, out, bits=8, group=0)
     return out
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
                 bias: torch.Tensor | None = None, *, split_k: int | None = None,
-                pdl: bool | None = None) -> torch.Tensor:
+                pdl: bool | None = None, kernel: str | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` with ``W[n, k] = (q[n, k] - zero[n, k // G]) * scale[n, k // G]``.
 
     ``packed`` int32 [N, K/8] (column 8i+j in bits 4j..4j+3 of word i), ``scale`` float32 and ``zero`` uint8, both
     contiguous [N, K/G]; G (``group_size``) a multiple of 8 dividing K. Returns [M, N] in ``x``'s dtype; ``x`` may
-    have strided rows. M <= 8 runs the GEMV kernel, larger M the GEMM kernel. ``split_k`` and ``pdl`` as for
-    :func:`int8_linear`.
+    have strided rows. Kernels by M, ``split_k``, ``pdl`` and ``kernel`` as for :func:`int8_linear`.
     """
     m, k = _check_x(x)
     if group_size <= 0 or group_size % 8 or k % group_size:
@@ -457,11 +470,24 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
     x, out = _prepare(x, bias, n)
     if out.numel() == 0:
         return out
-    if m <= _MAX_GEMV_M:
+    kernel = _choose_kernel(kernel, m, gemv_fits=True)
+    if kernel == "gemv":
         _gemv(x, packed, scale, zero, bias, out, bits=4, group=group_size, split_k=split_k, pdl=pdl)
-    else:
+    elif kernel == "gemm":
         _gemm(x, packed, scale, zero, bias, out, bits=4, group=group_size)
+    else:
+        _dequantized_matmul(x, packed, scale, zero, bias, out, bits=4, group=group_size)
     return out
+
+
+def _choose_kernel(kernel: str | None, m: int, gemv_fits: bool) -> str:
+    if kernel is None:
+        return "gemv" if m <= _MAX_GEMV_M and gemv_fits else "gemm" if m < DEQUANTIZE_MIN_M else "dequantize"
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel {kernel!r} is not one of {KERNELS}")
+    if kernel == "gemv" and not (m <= _MAX_GEMV_M and gemv_fits):
+        raise ValueError(f"the GEMV kernel takes at most {_MAX_GEMV_M} rows of whole 32-bit words; got M={m}")
+    return kernel
 
 
 def _prepare(x: torch.Tensor, bias: torch.Tensor | None, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -527,3 +553,50 @@ def _gemm(x, weight, scale, zero, bias, out, *, bits: int, group: int):
         # float32 x keeps float32 products (tf32 would round x to 10 bits); 16-bit x ignores it.
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
     )
+
+
+@triton.jit
+def _dequantize_kernel(w_ptr, scale_ptr, zero_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
+                       BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn_c = tl.minimum(rn, N - 1)
+    rk = tl.arange(0, BLOCK_K)
+    k0 = tl.program_id(1) * BLOCK_K
+    if BITS == 8:
+        q = tl.load(w_ptr + rn_c.to(tl.int64)[:, None] * stride_wn + k0 + rk[None, :],
+                    mask=(k0 + rk < K)[None, :], other=0)
+        w = (q.to(tl.float32) * tl.load(scale_ptr + rn_c)[:, None]).to(out_ptr.dtype.element_ty)
+    else:
+        w_ptrs = w_ptr + rn_c.to(tl.int64)[:, None] * stride_wn + tl.arange(0, BLOCK_K // 8)[None, :]
+        w = _dequantize_int4_tile(w_ptrs, scale_ptr, zero_ptr, rn_c, stride_sn, k0, K, rk,
+                                  out_ptr.dtype.element_ty, GROUP, BLOCK_N, BLOCK_K, False)
+    out_ptrs = out_ptr + rn.to(tl.int64)[:, None] * stride_on + k0 + rk[None, :]
+    tl.store(out_ptrs, w, mask=(rn < N)[:, None] & (k0 + rk < K)[None, :])
+
+
+# (device, dtype) -> the flat scratch buffer the weights are dequantized into; grows to the largest layer.
+_scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _scratch_weight(n: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    buffer = _scratch.get((device, dtype))
+    if buffer is None or buffer.numel() < n * k:
+        buffer = _scratch[(device, dtype)] = torch.empty(n * k, dtype=dtype, device=device)
+    return buffer[: n * k].view(n, k)
+
+
+def _dequantized_matmul(x, weight, scale, zero, bias, out, *, bits: int, group: int):
+    k = x.shape[1]
+    n = weight.shape[0]
+    w = _scratch_weight(n, k, x.dtype, x.device)
+    # int4 tiles lie inside one group, one scale and zero point per row: the largest power of 2 dividing it.
+    block_k = min(128, group & -group) if bits == 4 else 128
+    block_n = 16 if _INTERPRET else 32
+    _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        weight, scale, zero, w, n, k, weight.stride(0), scale.stride(0) if bits == 4 else 0, w.stride(0),
+        BITS=bits, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+    )
+    if bias is None:
+        torch.mm(x, w.t(), out=out)
+    else:
+        torch.addmm(bias.to(x.dtype), x, w.t(), out=out)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from triton_helpers import DEVICE, ON_GPU, generator
 
-from rtx_kernels.quant_matmul import choose_split_k, int4_linear, int8_linear
+from rtx_kernels.quant_matmul import DEQUANTIZE_MIN_M, _choose_kernel, choose_split_k, int4_linear, int8_linear
 from rtx_kernels.quant_reference import (dequantize_int4, dequantize_int8, int4_linear_cpu, int8_linear_cpu,
                                          pack_int4, unpack_int4)
 from rtx_kernels.reference import gemv_ref
@@ -250,3 +250,38 @@ def test_int4_rejects_group_sizes_that_do_not_tile_k(group):
                                                     (512, 16384, 4), (512, 8192, 2), (256, 16384, 4), (64, 65536, 8)])
 def test_choose_split_k(n, row_bytes, expected):
     assert choose_split_k(n, row_bytes) == expected
+
+
+# The path large batches and prefill chunks take: the weight dequantized into scratch, then cuBLAS (torch on the
+# CPU). Shapes of different sizes in turn, so the scratch is reused at another shape and grows.
+DEQUANTIZE_ROWS = [64, 256] if ON_GPU else [9, 40]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", DEQUANTIZE_ROWS)
+def test_dequantized_matmul_matches_reference(m, dtype):
+    for i, ((n8, k8), (n4, k4, group)) in enumerate(zip(INT8_SHAPES, INT4_SHAPES)):
+        gen = generator(m + i)
+        weight, scale = _int8_weights(n8, k8, gen)
+        x = _x(m, k8, dtype, gen)
+        bias = _bias(n8, dtype, gen, with_bias=i % 2 == 0)
+        _assert_close(int8_linear(x, weight, scale, bias, kernel="dequantize"),
+                      gemv_ref(x, dequantize_int8(weight, scale), bias))
+        packed, scale4, zero = _int4_weights(n4, k4, group, gen)
+        x = _x(m, k4, dtype, gen)
+        bias = _bias(n4, dtype, gen, with_bias=i % 2 == 1)
+        _assert_close(int4_linear(x, packed, scale4, zero, group, bias, kernel="dequantize"),
+                      gemv_ref(x, dequantize_int4(packed, scale4, zero, group), bias))
+
+
+def test_kernel_choice_by_rows_and_its_checks():
+    gen = generator(11)
+    packed, scale, zero = _int4_weights(37, 224, 32, gen)
+    x = _x(9, 224, torch.float32, gen)
+    with pytest.raises(ValueError, match="at most 8 rows"):
+        int4_linear(x, packed, scale, zero, 32, kernel="gemv")
+    with pytest.raises(ValueError, match="not one of"):
+        int4_linear(x, packed, scale, zero, 32, kernel="marlin")
+    assert [_choose_kernel(None, m, True) for m in (1, 8, 9, DEQUANTIZE_MIN_M - 1, DEQUANTIZE_MIN_M)] == [
+        "gemv", "gemv", "gemm", "gemm", "dequantize"]
+    assert _choose_kernel(None, 1, gemv_fits=False) == "gemm"

@@ -1,0 +1,50 @@
+"""The fused per-token fp8 quantization of activations equals the fp8 quantizer's torch rounding bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rtx_kernels.fp8_rows import FP8, FP8_MAX, quantize_rows_fp8
+from rtx_plugins.quantizers.fp8 import quantize_rows
+from triton_helpers import DEVICE, generator
+
+
+def _assert_same(x: torch.Tensor) -> None:
+    q, scale = quantize_rows_fp8(x)
+    q_ref, scale_ref = quantize_rows(x)
+    assert q.dtype == FP8 and scale.shape == (x.shape[0], 1)
+    assert torch.equal(scale, scale_ref)
+    diff = (q.view(torch.uint8) != q_ref.view(torch.uint8)).nonzero()
+    assert diff.numel() == 0, f"{len(diff)} values differ, first at {diff[0].tolist()}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("k", [1, 77, 3000])
+def test_matches_the_quantizers_rounding(k, dtype):
+    gen = generator(k)
+    # Rows from 1e-3 to 1e3 in magnitude, one all zero, and rows strided as views into a wider activation.
+    x = torch.randn(6, k + 5, generator=gen, device=DEVICE)[:, :k] * torch.logspace(-3, 3, 6, device=DEVICE)[:, None]
+    x[3] = 0
+    _assert_same(x.to(dtype))
+
+
+def test_every_e4m3_value_and_the_ties_between_them():
+    """Rows whose maximum is 448 have a scale of exactly 1, so each value is rounded as it is: every finite e4m3
+    value, the midpoints between neighbours (ties go to the even one), and a hair either side of each midpoint."""
+    values = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    values = values[values.isfinite() & (values >= 0)].unique()
+    mids = (values[1:] + values[:-1]) / 2
+    eps = mids * 2.0**-20
+    probe = torch.cat([values, mids, mids - eps, mids + eps, torch.tensor([2.0**-10, 2.0**-12, 1e-30])])
+    probe = torch.cat([probe, -probe]).to(DEVICE)
+    x = torch.cat([torch.full((1,), FP8_MAX, device=DEVICE), probe])[None, :]
+    _assert_same(x)
+    q, _ = quantize_rows_fp8(x)
+    assert torch.equal(q.view(torch.uint8)[0, 1:], probe.to(FP8).view(torch.uint8))
+
+
+def test_rejects_what_it_cannot_quantize():
+    with pytest.raises(ValueError, match="must be"):
+        quantize_rows_fp8(torch.zeros(3, 4, 5, device=DEVICE))
+    with pytest.raises(ValueError, match="must be"):
+        quantize_rows_fp8(torch.zeros(3, 4, dtype=torch.int32, device=DEVICE))

@@ -21,12 +21,15 @@
 #           is and with the files under $BEFORE (same relative paths: those files as they were before a change) in
 #           their place; the tree is restored afterwards
 #   greedy  greedy GPU == CPU only;  attn  the attention kernel tests only
-#   quant   quantized weights: the W8A16/W4A16 kernel tests, the kernels against cuBLAS bf16 at llama-8b shapes, and
-#           W3 and W1 on llama-8b for bf16, int8, int4 and fp8 in one run (benchmarks/quant_speed.py)
+#   quant   quantized weights: quantkernels, then quantspeed
+#   quantkernels  the W8A16/W4A16 kernel tests, and the kernels against cuBLAS bf16 at llama-8b shapes
+#   quantspeed    W3 and W1 on llama-8b for bf16, int8, int4 and fp8 in one run (benchmarks/quant_speed.py)
+#   kvtests the KV tier tests, among them the one that fails if offload waits for the GPU
 #   w4tiers W4 with KV tiers (benchmarks/w4_tiers.py) on llama-1b: hit rate and p99 at 1.5x load, device cache
 #           with room for everything, too small with a host tier under it, too small without
 # Usage: benchmarks/gpu_bench.sh [tests] [checks] [sweep] [splits] [layers] [mixed] [bench] [w1] [w3] [cb] [host]
-#        [bench8b] [host64] [decode] [w3ab] [cb64ab] [cb64before] [greedy] [attn] [w4tiers] [quant]
+#        [bench8b] [host64] [decode] [w3ab] [cb64ab] [cb64before] [greedy] [attn] [w4tiers] [quant] [quantkernels]
+#        [quantspeed] [kvtests]
 #        (default: tests checks bench bench8b); results go to $OUT (or ./gpu-out)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -127,11 +130,16 @@ for step in "${steps[@]}"; do
       # Continuous versus static batching of the same requests on the same engine, 64 running at most.
       $RTX bench --workload W2 --baseline static "${common[@]}" --max-num-seqs 64 \
         --json "$OUT/W2_llama1b_cb_vs_static.json" || status=1 ;;
-    quant)
+    quant|quantkernels)
       python3 -m pytest -q -p no:cacheprovider tests/test_kernels_quant.py 2>&1 | tee "$OUT/quant_kernel_tests.log" | tail -5
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-      python3 benchmarks/quant_sweep.py "$OUT/quant_sweep.json" 2>&1 | tee "$OUT/quant_sweep.log" || status=1
+      python3 benchmarks/quant_sweep.py "$OUT/quant_sweep.json" 2>&1 | tee "$OUT/quant_sweep.log" || status=1 ;;&
+    quant|quantspeed)
       python3 benchmarks/quant_speed.py --json "$OUT/quant_speed.json" 2>&1 | tee "$OUT/quant_speed.log" || status=1 ;;
+    quantkernels) ;;
+    kvtests)
+      python3 -m pytest -q -p no:cacheprovider tests/test_kv_tiers.py 2>&1 | tee "$OUT/kv_tests.log" | tail -5
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     bench8b)
       common=(--model dummy:llama-8b --max-num-batched-tokens 8192 --max-model-len 4096)
       $RTX bench --workload W1 "${common[@]}" --json "$OUT/W1_llama8b.json" || status=1

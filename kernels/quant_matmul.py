@@ -17,14 +17,14 @@ Measured on the H200 with benchmarks/quant_sweep.py (Triton 3.6; Llama-3.1-8B pr
 2.4-4.4 TB/s of weight bytes, 1.3-1.9x faster than the bf16 ``gemv``; int4 (groups of 128) 1.4-2.9 TB/s,
 1.5-2.4x faster than it, the larger matrices (gate_up, LM head) gaining most.
 
-Between those, M up to ``DEQUANTIZE_MIN_M`` runs a tiled GEMM: weight tiles are dequantized in registers to x's
-dtype and fed to ``tl.dot``. At M=256 on the H200 it ran at only 0.4-0.6x (int8) and 0.15-0.3x (int4) the speed of
-bf16 cuBLAS, the dequantized tile going through shared memory to the tensor cores every K step. So from
-``DEQUANTIZE_MIN_M`` rows on (large decode batches, prefill chunks), where the matmul is bound by arithmetic rather
-than by reading the weight, the weight is dequantized once into a scratch buffer in x's dtype and cuBLAS runs the
-product: the extra traffic (writing and reading 2 bytes a weight) costs less than the slow GEMM. The scratch is one
-buffer per device and dtype, as large as the largest layer seen, reused by every layer (kernels run in stream
-order; CUDA graphs capture its fixed address).
+Larger M has two paths. A tiled GEMM dequantizes weight tiles in registers to x's dtype and feeds them to
+``tl.dot``; at M=256 on the H200 it ran at only 0.4-0.6x (int8) and 0.15-0.3x (int4) the speed of bf16 cuBLAS, the
+dequantized tile going through shared memory to the tensor cores every K step. The other dequantizes the whole
+weight once into a scratch buffer in x's dtype and lets cuBLAS run the product: it pays for writing and reading 2
+bytes a weight, and wins where the GEMM is slow. ``DEQUANTIZE_MIN_M`` (per format, from measurements) says where the
+second takes over: for int4 right after the GEMV's rows, for int8 only at large batches and prefill chunks. The
+scratch is one buffer per device and dtype, as large as the largest layer seen, reused by every layer (kernels run
+in stream order; CUDA graphs capture its fixed address).
 
 Grids depend only on shapes and nothing syncs with the host, so calls can be captured in a CUDA graph once each
 autotuning key has been seen (the engine's warm-up run does that).
@@ -41,8 +41,10 @@ from rtx_kernels.gemv import _num_sms, _split_k_reduce_kernel
 from rtx_kernels.pdl import launch_options, pdl_enabled, wait_for_previous
 
 _MAX_GEMV_M = 8
-# From this many rows of x on, dequantize to scratch and use cuBLAS (see the module docstring).
-DEQUANTIZE_MIN_M = 64
+# From this many rows of x on (by bits), dequantize to scratch and use cuBLAS (see the module docstring). Measured
+# with benchmarks/quant_sweep.py on the H200 at Llama-3.1-8B's projections: the int4 GEMM lost to it at every M
+# from 16 on but one (gate_up at 64: 136 against 162 us); the int8 GEMM won up to 64 rows and broke even at 256.
+DEQUANTIZE_MIN_M = {4: 9, 8: 128}
 KERNELS = ("gemv", "gemm", "dequantize")
 _MAX_SPLIT_K = 8
 # A split reading fewer bytes per row than this streams too briefly to pay for its share of the reduce launch
@@ -436,7 +438,7 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias
     if out.numel() == 0:
         return out
     whole_words = k % 4 == 0 and weight.stride(0) % 4 == 0 and weight.data_ptr() % 4 == 0
-    kernel = _choose_kernel(kernel, m, gemv_fits=whole_words)
+    kernel = _choose_kernel(kernel, m, bits=8, gemv_fits=whole_words)
     if kernel == "gemv":
         _gemv(x, weight.view(torch.int32), scale, scale, bias, out, bits=8, group=0, split_k=split_k, pdl=pdl)
     elif kernel == "gemm":
@@ -470,7 +472,7 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
     x, out = _prepare(x, bias, n)
     if out.numel() == 0:
         return out
-    kernel = _choose_kernel(kernel, m, gemv_fits=True)
+    kernel = _choose_kernel(kernel, m, bits=4, gemv_fits=True)
     if kernel == "gemv":
         _gemv(x, packed, scale, zero, bias, out, bits=4, group=group_size, split_k=split_k, pdl=pdl)
     elif kernel == "gemm":
@@ -480,9 +482,10 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
     return out
 
 
-def _choose_kernel(kernel: str | None, m: int, gemv_fits: bool) -> str:
+def _choose_kernel(kernel: str | None, m: int, bits: int, gemv_fits: bool) -> str:
     if kernel is None:
-        return "gemv" if m <= _MAX_GEMV_M and gemv_fits else "gemm" if m < DEQUANTIZE_MIN_M else "dequantize"
+        return ("gemv" if m <= _MAX_GEMV_M and gemv_fits else
+                "gemm" if m < DEQUANTIZE_MIN_M[bits] else "dequantize")
     if kernel not in KERNELS:
         raise ValueError(f"kernel {kernel!r} is not one of {KERNELS}")
     if kernel == "gemv" and not (m <= _MAX_GEMV_M and gemv_fits):

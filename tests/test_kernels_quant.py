@@ -144,7 +144,10 @@ def test_int8_linear_matches_reference(n, k, m, dtype):
     x = _x(m, k, dtype, gen)
     bias = _bias(n, dtype, gen, with_bias=m % 2 == 1)
 
-    _assert_close(int8_linear(x, weight, scale, bias), gemv_ref(x, dequantize_int8(weight, scale), bias))
+    ref = gemv_ref(x, dequantize_int8(weight, scale), bias)
+    _assert_close(int8_linear(x, weight, scale, bias), ref)
+    if m > 8:  # the GEMM kernel too, whichever path M picks
+        _assert_close(int8_linear(x, weight, scale, bias, kernel="gemm"), ref)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -157,8 +160,10 @@ def test_int4_linear_matches_reference(n, k, group, m, dtype):
     x = _x(m, k, dtype, gen)
     bias = _bias(n, dtype, gen, with_bias=m % 2 == 1)
 
-    _assert_close(int4_linear(x, packed, scale, zero, group, bias),
-                  gemv_ref(x, dequantize_int4(packed, scale, zero, group), bias))
+    ref = gemv_ref(x, dequantize_int4(packed, scale, zero, group), bias)
+    _assert_close(int4_linear(x, packed, scale, zero, group, bias), ref)
+    if m > 8:
+        _assert_close(int4_linear(x, packed, scale, zero, group, bias, kernel="gemm"), ref)
 
 
 # (N, K, split_k): whole tiles per split, ragged splits, and on the CPU 12 words in 4 splits of 8, the last two
@@ -282,6 +287,8 @@ def test_kernel_choice_by_rows_and_its_checks():
         int4_linear(x, packed, scale, zero, 32, kernel="gemv")
     with pytest.raises(ValueError, match="not one of"):
         int4_linear(x, packed, scale, zero, 32, kernel="marlin")
-    assert [_choose_kernel(None, m, True) for m in (1, 8, 9, DEQUANTIZE_MIN_M - 1, DEQUANTIZE_MIN_M)] == [
+    first = DEQUANTIZE_MIN_M[8]
+    assert [_choose_kernel(None, m, 8, True) for m in (1, 8, 9, first - 1, first)] == [
         "gemv", "gemv", "gemm", "gemm", "dequantize"]
-    assert _choose_kernel(None, 1, gemv_fits=False) == "gemm"
+    assert [_choose_kernel(None, m, 4, True) for m in (8, 9)] == ["gemv", "dequantize"]
+    assert _choose_kernel(None, 1, 8, gemv_fits=False) == "gemm"

@@ -315,3 +315,31 @@ def test_spill_and_reload_on_a_gpu_never_wait_for_it():
     torch.cuda.synchronize()
     for c, e in zip(caches, expected):
         assert torch.equal(c[:, [6, 7, 2]], e[:, [1, 3, 5]])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the check is that nothing waits for it")
+def test_reload_from_disk_on_a_gpu_never_waits_for_it(tmp_path):
+    """Blocks read back from disk are in pageable memory; they are staged in pinned memory before going up, since a
+    copy from pageable memory waits for the step in flight. (Writing to disk waits, as it must: outside the check.)"""
+    from rtxcore.kv.block_io import read_blocks, write_blocks
+
+    caches = [torch.randn(2, 8, 4, 16, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    block_bytes = sum(c[:, 0].numel() for c in caches) * 2
+    disk = DiskTier(tmp_path, 8, block_bytes, POLICIES["lru"](8), FINGERPRINT)
+    offload = KVOffload([disk], lambda ids: read_blocks(caches, 1, ids),
+                        lambda ids, data: write_blocks(caches, 1, ids, data), device="cuda")
+    keys = [key(n) for n in range(3)]
+    offload.spill(list(zip([1, 3, 5], keys)))
+    for c in caches:
+        c[:, 1:6:2] = 0
+    torch.cuda.synchronize()
+    tiers = offload.pin_run(keys)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        assert offload.reload(keys, tiers, [6, 7, 2]) == 3
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    for c, e in zip(caches, expected):
+        assert torch.equal(c[:, [6, 7, 2]], e[:, [1, 3, 5]])

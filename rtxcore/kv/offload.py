@@ -98,6 +98,8 @@ class KVOffload:
                     break
             for start in range(0, len(rows), COPY_CHUNK_BLOCKS):
                 end = min(start + COPY_CHUNK_BLOCKS, len(rows))
+                if self.device.type == "cuda":
+                    self._pin(rows, start, end)
                 data = torch.empty((end - start, rows[start].numel()), dtype=torch.uint8, device=self.device)
                 for i in range(start, end):
                     # From pinned host memory this is an asynchronous copy, ordered before the next step.
@@ -116,3 +118,16 @@ class KVOffload:
                 tier.unpin(key)
         self.stats.num_reloaded += len(rows)
         return len(rows)
+
+    @staticmethod
+    def _pin(rows: list[torch.Tensor], start: int, end: int) -> None:
+        """Stage the rows of ``rows[start:end]`` that are in pageable memory (read from disk) in one pinned buffer: a
+        copy to the device from pageable memory waits for the step in flight. The buffer stays reserved until
+        the copies from it have run (torch's pinned-memory cache records their stream)."""
+        pageable = [i for i in range(start, end) if not rows[i].is_pinned()]
+        if not pageable:
+            return
+        staged = torch.empty((len(pageable), rows[pageable[0]].numel()), dtype=torch.uint8, pin_memory=True)
+        for j, i in enumerate(pageable):
+            staged[j].copy_(rows[i])
+            rows[i] = staged[j]

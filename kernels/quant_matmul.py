@@ -23,8 +23,8 @@ dequantized tile going through shared memory to the tensor cores every K step. T
 weight once into a scratch buffer in x's dtype and lets cuBLAS run the product: it pays for writing and reading 2
 bytes a weight, and wins where the GEMM is slow. ``DEQUANTIZE_MIN_M`` (per format, from measurements) says where the
 second takes over: for int4 right after the GEMV's rows, for int8 only at large batches and prefill chunks. The
-scratch is one buffer per device and dtype, as large as the largest layer seen, reused by every layer (kernels run
-in stream order; CUDA graphs capture its fixed address).
+scratch is one buffer per device and dtype, as large as the largest layer seen so far, reused by every layer
+(kernels run in stream order). A buffer it outgrows is kept, not freed: CUDA graphs captured with it replay into it.
 
 Grids depend only on shapes and nothing syncs with the host, so calls can be captured in a CUDA graph once each
 autotuning key has been seen (the engine's warm-up run does that).
@@ -42,8 +42,9 @@ from rtx_kernels.pdl import launch_options, pdl_enabled, wait_for_previous
 
 _MAX_GEMV_M = 8
 # From this many rows of x on (by bits), dequantize to scratch and use cuBLAS (see the module docstring). Measured
-# with benchmarks/quant_sweep.py on the H200 at Llama-3.1-8B's projections: the int4 GEMM lost to it at every M
-# from 16 on but one (gate_up at 64: 136 against 162 us); the int8 GEMM won up to 64 rows and broke even at 256.
+# with benchmarks/quant_sweep.py on the H200 at Llama-3.1-8B's projections (M = 16, 64, 256): the int4 GEMM lost
+# to it at every M from 16 on but one (gate_up at 64: 136 against 162 us); the int8 GEMM won at 16 and 64 rows and
+# broke even at 256 (367 against 356 us over the four projections). 128 for int8 lies between, not measured.
 DEQUANTIZE_MIN_M = {4: 9, 8: 128}
 KERNELS = ("gemv", "gemm", "dequantize")
 _MAX_SPLIT_K = 8
@@ -579,11 +580,16 @@ def _dequantize_kernel(w_ptr, scale_ptr, zero_ptr, out_ptr, N, K, stride_wn, str
 
 # (device, dtype) -> the flat scratch buffer the weights are dequantized into; grows to the largest layer.
 _scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+# Buffers outgrown, never freed: a CUDA graph captured while one was current writes to it on every replay (a decode
+# graph captured before any layer took this path, say, then a larger layer grew the buffer).
+_retired_scratch: list[torch.Tensor] = []
 
 
 def _scratch_weight(n: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     buffer = _scratch.get((device, dtype))
     if buffer is None or buffer.numel() < n * k:
+        if buffer is not None:
+            _retired_scratch.append(buffer)
         buffer = _scratch[(device, dtype)] = torch.empty(n * k, dtype=dtype, device=device)
     return buffer[: n * k].view(n, k)
 

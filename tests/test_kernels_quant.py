@@ -292,3 +292,16 @@ def test_kernel_choice_by_rows_and_its_checks():
         "gemv", "gemv", "gemm", "gemm", "dequantize"]
     assert [_choose_kernel(None, m, 4, True) for m in (8, 9)] == ["gemv", "dequantize"]
     assert _choose_kernel(None, 1, 8, gemv_fits=False) == "gemm"
+
+
+def test_outgrown_scratch_stays_alive_for_captured_graphs():
+    """A CUDA graph captured while a smaller scratch buffer was current keeps writing into it on replay: growing the
+    buffer for a larger layer must not free the old one."""
+    from rtx_kernels import quant_matmul
+
+    dtype = torch.float64  # a key no other test uses
+    small = quant_matmul._scratch_weight(4, 8, dtype, torch.device(DEVICE))
+    assert quant_matmul._scratch_weight(2, 8, dtype, torch.device(DEVICE)).data_ptr() == small.data_ptr()
+    large = quant_matmul._scratch_weight(16, 8, dtype, torch.device(DEVICE))
+    assert large.data_ptr() != small.data_ptr()
+    assert any(b.data_ptr() == small.data_ptr() for b in quant_matmul._retired_scratch)

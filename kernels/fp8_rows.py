@@ -28,7 +28,8 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm,
     for k0 in range(0, K, BLOCK_K):
         x = tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / FP8_MAX
+    # IEEE division, as torch's: Triton's ``/`` on float32 is an approximate one on NVIDIA GPUs.
+    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), FP8_MAX)
     tl.store(scale_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):
         mask = k0 + cols < K

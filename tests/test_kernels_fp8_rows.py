@@ -23,9 +23,18 @@ def _assert_same(x: torch.Tensor) -> None:
 def test_matches_the_quantizers_rounding(k, dtype):
     gen = generator(k)
     # Rows from 1e-3 to 1e3 in magnitude, one all zero, and rows strided as views into a wider activation.
-    x = torch.randn(6, k + 5, generator=gen, device=DEVICE)[:, :k] * torch.logspace(-3, 3, 6, device=DEVICE)[:, None]
-    x[3] = 0
-    _assert_same(x.to(dtype))
+    wide = torch.randn(6, k + 5, generator=gen, device=DEVICE) * torch.logspace(-3, 3, 6, device=DEVICE)[:, None]
+    wide[3] = 0
+    x = wide.to(dtype)[:, :k]
+    assert x.stride(0) == k + 5
+    _assert_same(x)
+
+
+def test_many_rows_scales_match():
+    """Thousands of row maxima, each divided by 448 with IEEE rounding as torch does."""
+    gen = generator(1)
+    x = torch.randn(4096, 8, generator=gen, device=DEVICE) * torch.rand(4096, 1, generator=gen, device=DEVICE) * 1e3
+    _assert_same(x)
 
 
 def test_every_e4m3_value_and_the_ties_between_them():

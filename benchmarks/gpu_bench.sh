@@ -22,7 +22,8 @@
 #           their place; the tree is restored afterwards
 #   greedy  greedy GPU == CPU only;  attn  the attention kernel tests only
 #   quant   quantized weights: quantkernels, then quantspeed
-#   quantkernels  the W8A16/W4A16 kernel tests, and the kernels against cuBLAS bf16 at llama-8b shapes
+#   quantkernels  the W8A16/W4A16 and fp8 activation kernel tests, and the kernels against cuBLAS bf16 at llama-8b
+#           shapes
 #   quantspeed    W3 and W1 on llama-8b for bf16, int8, int4 and fp8 in one run (benchmarks/quant_speed.py)
 #   kvtests the KV tier tests, among them the one that fails if offload waits for the GPU
 #   w4tiers W4 with KV tiers (benchmarks/w4_tiers.py) on llama-1b: hit rate and p99 at 1.5x load, device cache
@@ -131,7 +132,7 @@ for step in "${steps[@]}"; do
       $RTX bench --workload W2 --baseline static "${common[@]}" --max-num-seqs 64 \
         --json "$OUT/W2_llama1b_cb_vs_static.json" || status=1 ;;
     quant|quantkernels)
-      python3 -m pytest -q -p no:cacheprovider tests/test_kernels_quant.py 2>&1 | tee "$OUT/quant_kernel_tests.log" | tail -5
+      python3 -m pytest -q -p no:cacheprovider tests/test_kernels_quant.py tests/test_kernels_fp8_rows.py 2>&1 | tee "$OUT/quant_kernel_tests.log" | tail -5
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       python3 benchmarks/quant_sweep.py "$OUT/quant_sweep.json" 2>&1 | tee "$OUT/quant_sweep.log" || status=1 ;;&
     quant|quantspeed)

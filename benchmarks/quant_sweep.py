@@ -118,6 +118,7 @@ def sweep_shape(name: str, n: int, k: int, rows: list[int], group: int, l2_bytes
         err4 = relative_error(int4_linear(x, *int4[0], group), F.linear(x, deq4))
         if max(err8, err4) > 2e-2:
             raise AssertionError(f"{name} M={m}: relative error int8 {err8:.1e}, int4 {err4:.1e}")
+        errors = {"int8": err8, "int4": err4}
         timed = {"cublas": time_graph(lambda i, x=x: F.linear(x, bf16[i]), len(bf16))}
         if m <= 8:
             timed["gemv"] = time_graph(lambda i, x=x: gemv(x, bf16[i]), len(bf16))
@@ -134,17 +135,21 @@ def sweep_shape(name: str, n: int, k: int, rows: list[int], group: int, l2_bytes
                 def int4_call(i, x=x, path=path):
                     return int4_linear(x, *int4[i], group, kernel=path)
 
+                errors[f"int8-{path}"] = relative_error(int8_call(0), F.linear(x, deq8))
+                errors[f"int4-{path}"] = relative_error(int4_call(0), F.linear(x, deq4))
                 timed[f"int8-{path}"] = time_graph(int8_call, len(int8))
                 config8 = best_config(quant_matmul._gemm_kernel) if path == "gemm" else config8
                 timed[f"int4-{path}"] = time_graph(int4_call, len(int4))
                 config4 = best_config(quant_matmul._gemm_kernel) if path == "gemm" else config4
+            if max(errors.values()) > 2e-2:
+                raise AssertionError(f"{name} M={m}: relative errors {errors}")
         for method, us in timed.items():
             results.append({
                 "matrix": name, "n": n, "k": k, "m": m, "method": method, "us": us,
                 "weight_gbps": weight_bytes[method] / us / 1e3, "speedup_vs_cublas": timed["cublas"] / us,
                 "config": {"int8": config8, "int4": config4, "int8-gemm": config8,
                            "int4-gemm": config4}.get(method, ""),
-                "rel_err": {"int8": err8, "int4": err4}.get(method[:4]) if method[:3] == "int" else None,
+                "rel_err": errors.get(method),
             })
     return results
 

@@ -317,29 +317,51 @@ def test_spill_and_reload_on_a_gpu_never_wait_for_it():
         assert torch.equal(c[:, [6, 7, 2]], e[:, [1, 3, 5]])
 
 
+# About half a second of GPU time: long enough that a host that waited for it shows.
+_GPU_SLEEP_CYCLES = 10**9
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the check is that nothing waits for it")
 def test_reload_from_disk_on_a_gpu_never_waits_for_it(tmp_path):
-    """Blocks read back from disk are in pageable memory; they are staged in pinned memory before going up, since a
-    copy from pageable memory waits for the step in flight. (Writing to disk waits, as it must: outside the check.)"""
+    """Blocks read back from disk are in pageable memory, and an asynchronous copy from pageable memory still waits
+    for the stream (which sync debug mode does not report): they are staged in pinned memory first. With a long
+    kernel queued, the stream must still be busy when reload returns. The blocks also go to the host tier above."""
     from rtxcore.kv.block_io import read_blocks, write_blocks
 
     caches = [torch.randn(2, 8, 4, 16, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
     expected = [c.clone() for c in caches]
     block_bytes = sum(c[:, 0].numel() for c in caches) * 2
     disk = DiskTier(tmp_path, 8, block_bytes, POLICIES["lru"](8), FINGERPRINT)
-    offload = KVOffload([disk], lambda ids: read_blocks(caches, 1, ids),
+    host = HostTier(4, block_bytes, POLICIES["lru"](4), below=disk, pin_memory=True)
+    offload = KVOffload([host, disk], lambda ids: read_blocks(caches, 1, ids),
                         lambda ids, data: write_blocks(caches, 1, ids, data), device="cuda")
     keys = [key(n) for n in range(3)]
-    offload.spill(list(zip([1, 3, 5], keys)))
+    disk.store(keys, read_blocks(caches, 1, [1, 3, 5]))  # on disk only
     for c in caches:
         c[:, 1:6:2] = 0
     torch.cuda.synchronize()
     tiers = offload.pin_run(keys)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        assert offload.reload(keys, tiers, [6, 7, 2]) == 3
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    assert tiers == [disk, disk, disk]
+    torch.cuda._sleep(_GPU_SLEEP_CYCLES)
+    assert offload.reload(keys, tiers, [6, 7, 2]) == 3
+    assert not torch.cuda.current_stream().query(), "reload waited for the GPU"
     torch.cuda.synchronize()
     for c, e in zip(caches, expected):
         assert torch.equal(c[:, [6, 7, 2]], e[:, [1, 3, 5]])
+    assert all(k in host for k in keys)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: copies to the host tier are asynchronous")
+def test_a_block_evicted_by_its_own_store_reaches_disk_intact(tmp_path):
+    """One store larger than the host tier evicts slots it wrote earlier in the same call: their copies from the
+    device must have landed before they are read for the disk tier."""
+    block_bytes = 1 << 16
+    disk = DiskTier(tmp_path, 8, block_bytes, POLICIES["lru"](8), FINGERPRINT)
+    host = HostTier(2, block_bytes, POLICIES["lru"](2), below=disk, pin_memory=True)
+    data = torch.stack([payload(n).repeat(block_bytes // BLOCK_BYTES) for n in range(1, 5)]).cuda()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(_GPU_SLEEP_CYCLES)  # the copies into the host buffer queue behind it
+    host.store([key(n) for n in range(1, 5)], data)
+    torch.cuda.synchronize()
+    for n in (1, 2):
+        assert torch.equal(disk.load(key(n)), data[n - 1].cpu()), f"block {n} reached disk before its bytes"

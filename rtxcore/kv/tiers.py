@@ -248,17 +248,24 @@ class HostTier(KVTier):
         # The last queued copy into the buffer (from the device) and out of it (to the device).
         self._pending_writes: torch.cuda.Event | None = None
         self._pending_reads: torch.cuda.Event | None = None
+        # Copies from the device queued since _pending_writes was recorded: a store that evicts a slot it wrote
+        # earlier in the same call reads that slot before the store's own event exists.
+        self._writes_unrecorded = False
 
     def store(self, keys: list[BlockHash], data: torch.Tensor) -> None:
         super().store(keys, data)
         if data.is_cuda:
             self._pending_writes = _record_event()
+            self._writes_unrecorded = False
 
     def note_uploads(self) -> None:
         if self._buffer.is_pinned():
             self._pending_reads = _record_event()
 
     def sync_for_host(self) -> None:
+        if self._writes_unrecorded:
+            self._pending_writes = _record_event()  # after every copy queued so far on the stream
+            self._writes_unrecorded = False
         if self._pending_writes is not None:
             self._pending_writes.synchronize()
             self._pending_writes = None
@@ -269,6 +276,7 @@ class HostTier(KVTier):
             self._pending_reads.synchronize()
             self._pending_reads = None
         self._buffer[slot].copy_(data, non_blocking=data.is_cuda)
+        self._writes_unrecorded |= data.is_cuda
 
     def _read(self, slot: int, key: BlockHash) -> torch.Tensor:
         return self._buffer[slot]

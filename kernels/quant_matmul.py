@@ -22,9 +22,8 @@ Larger M has two paths. A tiled GEMM dequantizes weight tiles in registers to x'
 dequantized tile going through shared memory to the tensor cores every K step. The other dequantizes the whole
 weight once into a scratch buffer in x's dtype and lets cuBLAS run the product: it pays for writing and reading 2
 bytes a weight, and wins where the GEMM is slow. ``DEQUANTIZE_MIN_M`` (per format, from measurements) says where the
-second takes over: for int4 right after the GEMV's rows, for int8 only at large batches and prefill chunks. The
-scratch is one buffer per device and dtype, as large as the largest layer seen so far, reused by every layer
-(kernels run in stream order). A buffer it outgrows is kept, not freed: CUDA graphs captured with it replay into it.
+second takes over: for int4 right after the GEMV's rows, for int8 only at large batches and prefill chunks. Both
+dequantizing pieces live in :mod:`rtx_kernels.quant_dequantize`.
 
 Grids depend only on shapes and nothing syncs with the host, so calls can be captured in a CUDA graph once each
 autotuning key has been seen (the engine's warm-up run does that).
@@ -39,6 +38,7 @@ import triton
 import triton.language as tl
 from rtx_kernels.gemv import _num_sms, _split_k_reduce_kernel
 from rtx_kernels.pdl import launch_options, pdl_enabled, wait_for_previous
+from rtx_kernels.quant_dequantize import dequantize_int4_tile, dequantized_matmul
 
 _MAX_GEMV_M = 8
 # From this many rows of x on (by bits), dequantize to scratch and use cuBLAS (see the module docstring). Measured
@@ -377,7 +377,7 @@ def _gemm_kernel(
             q = ((q.to(tl.int32) & 0xFF) ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
             w = q.to(x.dtype)
         else:
-            w = _dequantize_int4_tile(w_ptrs, scale_ptr, zero_ptr, rn_c, stride_sn, k0, K, rk, x.dtype, GROUP,
+            w = dequantize_int4_tile(w_ptrs, scale_ptr, zero_ptr, rn_c, stride_sn, k0, K, rk, x.dtype, GROUP,
                                       BLOCK_N, BLOCK_K, EVEN_K)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
 
@@ -387,31 +387,6 @@ def _gemm_kernel(
         acc += tl.load(bias_ptr + rn_c).to(tl.float32)[None, :]
     out_ptrs = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
-
-
-@triton.jit
-def _dequantize_int4_tile(w_ptrs, scale_ptr, zero_ptr, rn_c, stride_sn, k0, K, rk, dtype,
-                          GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """W[rn, k0:k0 + BLOCK_K] in ``dtype``, [BLOCK_N, BLOCK_K]."""
-    if EVEN_K:
-        words = tl.load(w_ptrs + k0 // 8)
-    else:
-        words = tl.load(w_ptrs + k0 // 8, mask=(k0 // 8 + tl.arange(0, BLOCK_K // 8) < K // 8)[None, :], other=0)
-    # 0x4B000000 | q is the float 2^23 + q, exact; subtracting 2^23 + z leaves q - z without a cvt.
-    q = ((words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF) | 0x4B000000
-    q = tl.reshape(q, [BLOCK_N, BLOCK_K]).to(tl.float32, bitcast=True)
-    if GROUP % BLOCK_K == 0:
-        # The whole tile lies in one group: one scale and zero per row.
-        s_ptrs = scale_ptr + rn_c * stride_sn + k0 // GROUP
-        z_ptrs = zero_ptr + rn_c * stride_sn + k0 // GROUP
-        s = tl.load(s_ptrs)[:, None]
-        z = tl.load(z_ptrs).to(tl.float32)[:, None] + 8388608.0
-    else:
-        group = ((k0 + rk) // GROUP)[None, :]
-        mask = (k0 + rk < K)[None, :]
-        s = tl.load(scale_ptr + rn_c[:, None] * stride_sn + group, mask=mask, other=0.0)
-        z = tl.load(zero_ptr + rn_c[:, None] * stride_sn + group, mask=mask, other=0).to(tl.float32) + 8388608.0
-    return ((q - z) * s).to(dtype)
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -445,7 +420,7 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias
     elif kernel == "gemm":
         _gemm(x, weight, scale, scale, bias, out, bits=8, group=0)
     else:
-        _dequantized_matmul(x, weight, scale, scale, bias, out, bits=8, group=0)
+        dequantized_matmul(x, weight, scale, scale, bias, out, bits=8, group=0)
     return out
 
 
@@ -479,7 +454,7 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
     elif kernel == "gemm":
         _gemm(x, packed, scale, zero, bias, out, bits=4, group=group_size)
     else:
-        _dequantized_matmul(x, packed, scale, zero, bias, out, bits=4, group=group_size)
+        dequantized_matmul(x, packed, scale, zero, bias, out, bits=4, group=group_size)
     return out
 
 
@@ -557,55 +532,3 @@ def _gemm(x, weight, scale, zero, bias, out, *, bits: int, group: int):
         # float32 x keeps float32 products (tf32 would round x to 10 bits); 16-bit x ignores it.
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
     )
-
-
-@triton.jit
-def _dequantize_kernel(w_ptr, scale_ptr, zero_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
-                       BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rn_c = tl.minimum(rn, N - 1)
-    rk = tl.arange(0, BLOCK_K)
-    k0 = tl.program_id(1) * BLOCK_K
-    if BITS == 8:
-        q = tl.load(w_ptr + rn_c.to(tl.int64)[:, None] * stride_wn + k0 + rk[None, :],
-                    mask=(k0 + rk < K)[None, :], other=0)
-        w = (q.to(tl.float32) * tl.load(scale_ptr + rn_c)[:, None]).to(out_ptr.dtype.element_ty)
-    else:
-        w_ptrs = w_ptr + rn_c.to(tl.int64)[:, None] * stride_wn + tl.arange(0, BLOCK_K // 8)[None, :]
-        w = _dequantize_int4_tile(w_ptrs, scale_ptr, zero_ptr, rn_c, stride_sn, k0, K, rk,
-                                  out_ptr.dtype.element_ty, GROUP, BLOCK_N, BLOCK_K, False)
-    out_ptrs = out_ptr + rn.to(tl.int64)[:, None] * stride_on + k0 + rk[None, :]
-    tl.store(out_ptrs, w, mask=(rn < N)[:, None] & (k0 + rk < K)[None, :])
-
-
-# (device, dtype) -> the flat scratch buffer the weights are dequantized into; grows to the largest layer.
-_scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-# Buffers outgrown, never freed: a CUDA graph captured while one was current writes to it on every replay (a decode
-# graph captured before any layer took this path, say, then a larger layer grew the buffer).
-_retired_scratch: list[torch.Tensor] = []
-
-
-def _scratch_weight(n: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    buffer = _scratch.get((device, dtype))
-    if buffer is None or buffer.numel() < n * k:
-        if buffer is not None:
-            _retired_scratch.append(buffer)
-        buffer = _scratch[(device, dtype)] = torch.empty(n * k, dtype=dtype, device=device)
-    return buffer[: n * k].view(n, k)
-
-
-def _dequantized_matmul(x, weight, scale, zero, bias, out, *, bits: int, group: int):
-    k = x.shape[1]
-    n = weight.shape[0]
-    w = _scratch_weight(n, k, x.dtype, x.device)
-    # int4 tiles lie inside one group, one scale and zero point per row: the largest power of 2 dividing it.
-    block_k = min(128, group & -group) if bits == 4 else 128
-    block_n = 16 if _INTERPRET else 32
-    _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
-        weight, scale, zero, w, n, k, weight.stride(0), scale.stride(0) if bits == 4 else 0, w.stride(0),
-        BITS=bits, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
-    )
-    if bias is None:
-        torch.mm(x, w.t(), out=out)
-    else:
-        torch.addmm(bias.to(x.dtype), x, w.t(), out=out)

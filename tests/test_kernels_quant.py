@@ -297,11 +297,11 @@ def test_kernel_choice_by_rows_and_its_checks():
 def test_outgrown_scratch_stays_alive_for_captured_graphs():
     """A CUDA graph captured while a smaller scratch buffer was current keeps writing into it on replay: growing the
     buffer for a larger layer must not free the old one."""
-    from rtx_kernels import quant_matmul
+    from rtx_kernels import quant_dequantize
 
     dtype = torch.float64  # a key no other test uses
-    small = quant_matmul._scratch_weight(4, 8, dtype, torch.device(DEVICE))
-    assert quant_matmul._scratch_weight(2, 8, dtype, torch.device(DEVICE)).data_ptr() == small.data_ptr()
-    large = quant_matmul._scratch_weight(16, 8, dtype, torch.device(DEVICE))
+    small = quant_dequantize._scratch_weight(4, 8, dtype, torch.device(DEVICE))
+    assert quant_dequantize._scratch_weight(2, 8, dtype, torch.device(DEVICE)).data_ptr() == small.data_ptr()
+    large = quant_dequantize._scratch_weight(16, 8, dtype, torch.device(DEVICE))
     assert large.data_ptr() != small.data_ptr()
-    assert any(b.data_ptr() == small.data_ptr() for b in quant_matmul._retired_scratch)
+    assert any(b.data_ptr() == small.data_ptr() for b in quant_dequantize._retired_scratch)

@@ -254,6 +254,17 @@ def test_server_timeout_is_deadline_exceeded(stub, runtime, monkeypatch):
 
 # -- health, reflection, life cycle -------------------------------------------------------------------------------
 
+def test_resume_without_a_journal_is_failed_precondition(stub):
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Resume(rtx_pb2.ResumeRequest(request_id="rq-anything")))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "--state-dir" in info.value.details()
+
+
+def test_without_a_journal_messages_carry_no_event_id(stub):
+    assert [m.event_id for m in stub.Generate(request(PROMPTS[0], max_tokens=3, ignore_eos=True))] == [0, 0, 0]
+
+
 def test_health_is_serving(channel):
     health = health_pb2_grpc.HealthStub(channel)
     for service in ("", "rtx.v1.Rtx"):
@@ -273,7 +284,7 @@ def test_reflection_lists_and_describes_the_service(channel):
     files = [descriptor_pb2.FileDescriptorProto.FromString(b)
              for b in described.file_descriptor_response.file_descriptor_proto]
     methods = {m.name for f in files for s in f.service if s.name == "Rtx" for m in s.method}
-    assert methods == {"Generate", "Embed"}
+    assert methods == {"Generate", "Resume", "Embed"}
 
 
 def test_health_follows_loading_and_draining():

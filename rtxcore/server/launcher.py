@@ -64,6 +64,7 @@ class Launcher:
         self._server = server = _UvicornServer(config)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
+        self.runtime.main_loop = loop
         grpc = self._start_grpc()
         serving = asyncio.ensure_future(server.serve(sockets=[sock]))
         address = self._address(sock.getsockname()[1], grpc)

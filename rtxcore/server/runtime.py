@@ -6,6 +6,7 @@ process is alive, ``/ready`` and every model route answer 503 until :attr:`Servi
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from functools import partial
@@ -90,6 +91,9 @@ class ServingRuntime:
         self._num_admitted = 0
         # Resumable requests and their journal; None without a state dir.
         self.durable = self._make_durable()
+        # The event loop serving HTTP, which owns the journaled requests' tasks and events (set by the launcher); the
+        # gRPC server, on a loop of its own, runs its journaled requests there.
+        self.main_loop: asyncio.AbstractEventLoop | None = None
 
     def _make_durable(self) -> DurableRequests | None:
         if self.settings.state_dir is None:

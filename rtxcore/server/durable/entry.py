@@ -38,6 +38,8 @@ class DurableRequest:
     # Whether its SSE stream ends with a ``data: [DONE]`` event (OpenAI routes; /generate's last event says
     # ``finished`` instead).
     ends_with_done: bool = True
+    # Its response format (a key of rtxcore.server.http.formats.FORMATS): "grpc" for a gRPC Generate.
+    kind: str = ""
     accepted_at: float = field(default_factory=time.time)
     # JSON payloads of the SSE events sent so far; event n is events[n - 1].
     events: list[str] = field(default_factory=list)

@@ -22,7 +22,7 @@ _FAMILIES: tuple[tuple[str, str, Callable[[DurableRequests], int]], ...] = (
      lambda d: d.journal.stats.num_corrupt_records),
     ("rtx_journal_resumed_requests", "Unfinished requests resumed from the journal at start.",
      lambda d: d.stats.num_resumed),
-    ("rtx_stream_resumes", "GET /v1/streams/{id} calls that attached to a request.",
+    ("rtx_stream_resumes", "GET /v1/streams/{id} and gRPC Resume calls that attached to a request.",
      lambda d: d.stats.num_stream_resumes),
     ("rtx_idempotent_replays", "POST generations attached to an earlier request by their Idempotency-Key.",
      lambda d: d.stats.num_idempotent_replays),

@@ -1,16 +1,24 @@
-"""The ``rtx.v1.Rtx`` service: ``Generate`` streams a request's outputs from the shared engine, ``Embed`` embeds.
+"""The ``rtx.v1.Rtx`` service: ``Generate`` streams a request's outputs from the shared engine, ``Resume`` follows a
+journaled one again, ``Embed`` embeds.
 
 Status codes follow the HTTP server's choices: UNAVAILABLE (503) while loading or draining, RESOURCE_EXHAUSTED (429)
 with ``retry-after`` trailing metadata when too many requests are active, INVALID_ARGUMENT (400), NOT_FOUND (404)
 for another model, DEADLINE_EXCEEDED (504) past ``request_timeout_s``. A cancelled call (client gone or its
 deadline passed) cancels the handler's task; leaving the engine's stream then aborts the request and frees its
 KV blocks.
+
+With a request journal (``--state-dir``) ``Generate`` goes through the same machinery as the HTTP routes: the request
+is journaled before its first message, produced by a task of the main event loop (the HTTP server's, which owns the
+journaled requests) and followed from there; every message carries an ``event_id``, and a client that lost its
+call, even to a server restart, calls ``Resume`` with the request id and the last event id it got. Leaving the call
+then does not abort the request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import secrets
 
@@ -21,8 +29,15 @@ from rtxcore.engine.outputs import RequestOutput
 from rtxcore.errors import AdmissionRefused, InvalidRequestError, RtxError
 from rtxcore.lanes import DEFAULT_LANE, check_lane_name
 from rtxcore.sampling_params import SamplingParams
+from rtxcore.server.durable.entry import DurableRequest
+from rtxcore.server.durable.journal import JournalClosed
 from rtxcore.server.grpc.codegen import ensure_generated
 from rtxcore.server.http.auth import presented_key
+from rtxcore.server.http.common import Route
+from rtxcore.server.http.errors import APIError
+from rtxcore.server.http.formats import ResponseSpec
+from rtxcore.server.http.generation import Generation, tokenize
+from rtxcore.server.http.responding import RTX_REQUEST_ID_HEADER, Started, begin
 from rtxcore.server.runtime import ServingRuntime
 from rtxcore.server.tenants import AuthError, NotEntitled, RateLimited, Tenant, cache_salt
 
@@ -37,6 +52,17 @@ CACHE_SALT_METADATA = "x-rtx-cache-salt"
 SERVICE_NAME = rtx_pb2.DESCRIPTOR.services_by_name["Rtx"].full_name
 # Seconds a client is told to wait before retrying when the server is full or still loading.
 RETRY_AFTER_S = 1
+
+# gRPC status for the ``type`` of an error a journaled request ended with (the HTTP error's OpenAI type).
+_STATUS_FOR_ERROR_TYPE = {
+    "invalid_request_error": grpc.StatusCode.INVALID_ARGUMENT,
+    "authentication_error": grpc.StatusCode.UNAUTHENTICATED,
+    "permission_error": grpc.StatusCode.PERMISSION_DENIED,
+    "not_found_error": grpc.StatusCode.NOT_FOUND,
+    "rate_limit_error": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "service_unavailable_error": grpc.StatusCode.UNAVAILABLE,
+    "timeout_error": grpc.StatusCode.DEADLINE_EXCEEDED,
+}
 
 # Optional GenerateRequest fields copied to SamplingParams when set (proto3 `optional` tracks presence).
 _OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
@@ -67,6 +93,11 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
         if isinstance(prompt, str) and prompt and tokenizer is not None:
             # Off the event loop and off the engine thread: a long prompt takes a while to encode.
             prompt = await asyncio.to_thread(tokenizer.encode, prompt)
+        if self.runtime.durable is not None and self.runtime.main_loop is not None:
+            route = Route(tenant, lane, cache_salt(tenant, metadata.get(CACHE_SALT_METADATA)))
+            await self._generate_journaled(context, prompt, params, route, request.request_id,
+                                           metadata.get("traceparent"))
+            return
         tenant_name = tenant.name if tenant is not None else None
         num_prompt_tokens = len(prompt) if isinstance(prompt, list) else 0
         try:
@@ -102,6 +133,92 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
             self.runtime.tenants.release(lease, used)
             if not accepted:
                 self.runtime.metrics.forget(req_id)
+
+    async def Resume(self, request: rtx_pb2.ResumeRequest, context: grpc.aio.ServicerContext) -> None:
+        await self._engine(context, "")
+        tenant = await self._authenticate(context, dict(context.invocation_metadata() or ()))
+        main = await self._journal_loop(context)
+        req_id, after = request.request_id, request.after_event_id
+        entry = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
+            _find(self.runtime, req_id, tenant.name if tenant is not None else None), main))
+        if entry is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no request {req_id!r}: unknown, or finished longer ago than the retention window "
+                                f"({self.runtime.durable.options.retention_s:g}s)",
+                                trailing_metadata=(("rtx-param", "request_id"),))
+        if entry.kind != "grpc":
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"request {req_id!r} was made over HTTP: resume it with GET /v1/streams/{req_id}")
+        if after > entry.last_seq:
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE,
+                                f"after_event_id {after}: request {req_id!r} has sent {entry.last_seq} messages so far",
+                                trailing_metadata=(("rtx-param", "after_event_id"),))
+        await context.send_initial_metadata(((RTX_REQUEST_ID_HEADER, entry.req_id),))
+        await self._follow(context, entry, after)
+
+    async def _generate_journaled(self, context: grpc.aio.ServicerContext, prompt: str | list[int],
+                                  params: SamplingParams, route: Route, client_req_id: str,
+                                  traceparent: str | None) -> None:
+        main = await self._journal_loop(context)
+        try:
+            prompts = await tokenize(self.runtime.async_engine.engine, [prompt])
+        except InvalidRequestError as exc:
+            await _abort_invalid(context, exc)
+        req_id = client_req_id or f"grpc-{secrets.token_hex(12)}"
+        starting = _start_journaled(self.runtime, req_id, prompts, params, traceparent, route)
+        try:
+            entry = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(starting, main))
+        except APIError as exc:
+            await _abort_api_error(context, exc)
+        except JournalClosed:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down",
+                                trailing_metadata=(("retry-after", str(RETRY_AFTER_S)),))
+        await context.send_initial_metadata(((RTX_REQUEST_ID_HEADER, entry.req_id),))
+        await self._follow(context, entry, 0)
+
+    async def _journal_loop(self, context: grpc.aio.ServicerContext) -> asyncio.AbstractEventLoop:
+        """The loop that owns the journaled requests, once the journal has been replayed."""
+        runtime = self.runtime
+        if runtime.durable is None or runtime.main_loop is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "resumable requests need a server started by `rtx serve --state-dir` (a request "
+                                "journal)")
+        if not runtime.durable.recovered:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is resuming its journaled requests",
+                                trailing_metadata=(("retry-after", str(RETRY_AFTER_S)),))
+        return runtime.main_loop
+
+    async def _follow(self, context: grpc.aio.ServicerContext, entry: DurableRequest, after: int) -> None:
+        """Send ``entry``'s messages after event ``after`` as the main loop publishes them, until it finishes.
+        Leaving (the call cancelled) stops only the following: the request runs on."""
+        here = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def put(item) -> None:
+            with contextlib.suppress(RuntimeError):  # this loop has closed: nobody is listening
+                here.call_soon_threadsafe(events.put_nowait, item)
+
+        async def pump() -> None:
+            try:
+                async for seq, payload in entry.follow(after):
+                    put((seq, payload))
+            finally:
+                put(None)
+
+        pumping = asyncio.run_coroutine_threadsafe(pump(), self.runtime.main_loop)
+        try:
+            while (item := await events.get()) is not None:
+                seq, payload = item
+                event = json.loads(payload)
+                if "error" in event:
+                    error = event["error"]
+                    await context.abort(_STATUS_FOR_ERROR_TYPE.get(error.get("type"), grpc.StatusCode.INTERNAL),
+                                        error.get("message", "the request failed"))
+                await context.write(_response_from_event(entry.req_id, seq, event))
+        finally:
+            pumping.cancel()
+        if pumping.done() and not pumping.cancelled() and pumping.exception() is not None:
+            await context.abort(grpc.StatusCode.INTERNAL, f"following request {entry.req_id} failed")
 
     async def Embed(self, request: rtx_pb2.EmbedRequest, context: grpc.aio.ServicerContext) -> rtx_pb2.EmbedResponse:
         engine = await self._engine(context, request.model)
@@ -178,6 +295,44 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"the server is at its limit of {runtime.settings.max_active_requests} active "
                                 "requests; retry later", trailing_metadata=(("retry-after", str(RETRY_AFTER_S)),))
+
+
+async def _start_journaled(runtime: ServingRuntime, req_id: str, prompts: list[list[int]], params: SamplingParams,
+                           traceparent: str | None, route: Route) -> DurableRequest:
+    """Admit, journal and start a gRPC request; on the main loop."""
+    gen = await Generation.start(runtime, req_id, prompts, params, traceparent, route)
+    spec = ResponseSpec("grpc", True, {"id": gen.req_id, "model": runtime.model_name},
+                        logprobs=params.logprobs is not None)
+    return await begin(runtime, Started(gen, spec, prompts, params), None)
+
+
+async def _find(runtime: ServingRuntime, req_id: str, tenant: str | None) -> DurableRequest | None:
+    """The journaled request ``tenant`` made; on the main loop, which owns them."""
+    entry = runtime.durable.get(req_id, tenant)
+    if entry is not None:
+        runtime.durable.stats.num_stream_resumes += 1
+    return entry
+
+
+def _response_from_event(req_id: str, seq: int, event: dict) -> rtx_pb2.GenerateResponse:
+    logprobs = [rtx_pb2.TokenLogprob(token_id=lp["token_id"], logprob=lp["logprob"],
+                                     top=[rtx_pb2.TopLogprob(token_id=t, logprob=p) for t, p in lp["top"]])
+                for lp in event["logprobs"]]
+    return rtx_pb2.GenerateResponse(request_id=req_id, text=event["text"], token_ids=event["token_ids"],
+                                    finished=event["finished"], finish_reason=event["finish_reason"],
+                                    usage=rtx_pb2.Usage(**event["usage"]), logprobs=logprobs, event_id=seq)
+
+
+async def _abort_api_error(context: grpc.aio.ServicerContext, exc: APIError) -> None:
+    """The gRPC status for an error the HTTP machinery raised while admitting a request."""
+    error = exc.body()["error"]
+    metadata = []
+    if "Retry-After" in exc.headers:
+        metadata.append(("retry-after", exc.headers["Retry-After"]))
+    if exc.param:
+        metadata.append(("rtx-param", exc.param))
+    await context.abort(_STATUS_FOR_ERROR_TYPE.get(error["type"], grpc.StatusCode.INTERNAL), exc.message,
+                        trailing_metadata=tuple(metadata))
 
 
 def _prompt(request: rtx_pb2.GenerateRequest) -> str | list[int]:

@@ -20,7 +20,7 @@ from rtxcore.server.http.generation import Choice, Generation
 class ResponseSpec:
     """What a response looks like beyond the outputs: everything its format needs, as plain JSON values."""
 
-    # "completion", "chat" or "native" (a key of FORMATS).
+    # "completion", "chat", "native" or "grpc" (a key of FORMATS).
     kind: str
     stream: bool
     # The fields every body and chunk starts with (OpenAI: id, object, created, model; native: id, model).
@@ -148,8 +148,27 @@ class NativeFormat(ResponseFormat):
                 "logprobs": native_logprobs(choice.logprobs) if self.spec.logprobs else None, "usage": gen.usage()}
 
 
+class GrpcFormat(ResponseFormat):
+    """gRPC ``Generate`` with a request journal: each event holds one ``GenerateResponse``'s fields (the servicer
+    builds the message from it), so a journaled gRPC request is produced, replayed and resumed like an HTTP one.
+    Always a stream."""
+
+    ends_with_done = False
+
+    def chunk(self, gen: Generation, choice: Choice, out: RequestOutput) -> dict[str, Any] | None:
+        # Usage from the choice: a request resumed after a restart counts its earlier output once.
+        return {"text": out.new_text, "token_ids": out.new_token_ids, "finished": out.finished,
+                "finish_reason": out.finish_reason or "",
+                "usage": {"prompt_tokens": choice.num_prompt_tokens, "completion_tokens": choice.num_tokens,
+                          "cached_tokens": choice.num_cached_tokens},
+                "logprobs": native_logprobs(out.logprobs or [])}
+
+    def body(self, gen: Generation) -> dict[str, Any]:
+        raise TypeError("gRPC responses are always streamed")
+
+
 FORMATS: dict[str, type[ResponseFormat]] = {"completion": CompletionFormat, "chat": ChatFormat,
-                                            "native": NativeFormat}
+                                            "native": NativeFormat, "grpc": GrpcFormat}
 
 
 def make_format(spec: ResponseSpec, engine: LLMEngine) -> ResponseFormat:

@@ -64,7 +64,8 @@ def _entry(journaled: JournaledRequest) -> DurableRequest:
     claim = IdempotencyClaim(**accept["idempotency"]) if accept.get("idempotency") else None
     kind = FORMATS[accept["spec"]["kind"]]
     entry = DurableRequest(journaled.req_id, accept["tenant"], bool(accept["stream"]), claim, kind.ends_with_done,
-                           accepted_at=float(accept["time"]), events=list(journaled.events))
+                           kind=accept["spec"]["kind"], accepted_at=float(accept["time"]),
+                           events=list(journaled.events))
     if journaled.finish is not None:
         finish = journaled.finish
         entry.finish(int(finish["status"]), finish.get("body"), at=float(finish["time"]))

@@ -72,10 +72,17 @@ async def serve_generation(runtime: ServingRuntime, request: Request, start: Sta
 
 async def respond(runtime: ServingRuntime, request: Request, started: Started,
                   claim: IdempotencyClaim | None) -> Response:
+    entry = await begin(runtime, started, claim)
+    return await answer(request, entry, 0, detached=runtime.durable is not None)
+
+
+async def begin(runtime: ServingRuntime, started: Started, claim: IdempotencyClaim | None) -> DurableRequest:
+    """Journal an accepted generation (with a state dir: fsynced before anything acknowledges it) and start the
+    task producing its events; returns the request the responses follow. On the event loop that serves HTTP."""
     gen, spec = started.gen, started.spec
     durable = runtime.durable
     entry = DurableRequest(new_request_id(), gen.route.tenant_name, spec.stream, claim,
-                           FORMATS[spec.kind].ends_with_done)
+                           FORMATS[spec.kind].ends_with_done, kind=spec.kind)
     journal = durable.journal if durable is not None else None
     if journal is not None:
         try:
@@ -93,7 +100,7 @@ async def respond(runtime: ServingRuntime, request: Request, started: Started,
         durable.add(entry)
     fmt = make_format(spec, runtime.async_engine.engine)
     entry.producer = start_producer(produce(entry, gen, fmt, journal, opening=True), gen)
-    return await answer(request, entry, 0, detached=journal is not None)
+    return entry
 
 
 def start_producer(producing: Awaitable[None], gen: Generation) -> asyncio.Task:

@@ -125,3 +125,31 @@ def test_a_stream_resumes_across_a_kill_and_restart(tmp_path):
         assert metric(server, "rtx_journal_resumed_requests_total") == 1
     finally:
         server.stop(signal.SIGKILL)
+
+
+def test_a_stream_cut_by_a_shutdown_resumes_after_the_restart(tmp_path):
+    """SIGTERM with no grace period mid-stream: the call ends with an error (never as if complete), the request
+    stays unfinished in the journal, and the next start finishes it for Resume."""
+    state = str(tmp_path / "state")
+    max_tokens = 500
+    server = start_server(*MODEL_ARGS, "--state-dir", state, "--shutdown-grace", "0")
+    try:
+        with grpc.insecure_channel(server.grpc_target) as channel:
+            call = rtx_pb2_grpc.RtxStub(channel).Generate(generate_request(max_tokens))
+            first = [next(call) for _ in range(3)]
+            server.send_signal(signal.SIGTERM)
+            with pytest.raises(grpc.RpcError) as info:
+                first.extend(call)
+            assert info.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+        assert server.stop() == 0, server.output()
+        assert not first[-1].finished
+        server = start_server(*MODEL_ARGS, "--state-dir", state)
+        with grpc.insecure_channel(server.grpc_target) as channel:
+            stub = rtx_pb2_grpc.RtxStub(channel)
+            rest = list(stub.Resume(rtx_pb2.ResumeRequest(request_id=first[0].request_id,
+                                                          after_event_id=first[-1].event_id)))
+            whole = list(stub.Generate(generate_request(max_tokens)))
+        check_events(first + rest)
+        assert tokens(first + rest) == tokens(whole)
+    finally:
+        server.stop(signal.SIGKILL)

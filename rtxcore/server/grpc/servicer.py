@@ -217,8 +217,11 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
                 await context.write(_response_from_event(entry.req_id, seq, event))
         finally:
             pumping.cancel()
-        if pumping.done() and not pumping.cancelled() and pumping.exception() is not None:
-            await context.abort(grpc.StatusCode.INTERNAL, f"following request {entry.req_id} failed")
+        if not entry.finished:  # the main loop stopped following it: the server is shutting down
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"the server stopped before request {entry.req_id} finished; it is in the journal: "
+                                f"call Resume with after_event_id = the last event_id you got once the server is back",
+                                trailing_metadata=(("retry-after", str(RETRY_AFTER_S)),))
 
     async def Embed(self, request: rtx_pb2.EmbedRequest, context: grpc.aio.ServicerContext) -> rtx_pb2.EmbedResponse:
         engine = await self._engine(context, request.model)

@@ -100,6 +100,9 @@ def test_resume_refuses_what_it_cannot_follow(server, stub):
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "GET /v1/streams/" in info.value.details()
 
+    over_http = httpx.get(f"{server.base_url}/v1/streams/{done[0].request_id}")
+    assert over_http.status_code == 400 and "Resume" in over_http.json()["error"]["message"]
+
 
 def test_a_stream_resumes_across_a_kill_and_restart(tmp_path):
     """SIGKILL mid-stream, restart on the same state dir: Resume gives the rest, computed by the restarted server,
@@ -140,7 +143,9 @@ def test_a_stream_cut_by_a_shutdown_resumes_after_the_restart(tmp_path):
             server.send_signal(signal.SIGTERM)
             with pytest.raises(grpc.RpcError) as info:
                 first.extend(call)
-            assert info.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "Resume" in info.value.details()
+            assert ("retry-after", "1") in tuple(info.value.trailing_metadata())
         assert server.stop() == 0, server.output()
         assert not first[-1].finished
         server = start_server(*MODEL_ARGS, "--state-dir", state)

@@ -86,11 +86,13 @@ class Launcher:
         finally:
             server.should_exit = True
             await asyncio.gather(serving, return_exceptions=True)
-            if grpc is not None:
-                grpc.stop(1.0)
             if self.runtime.durable is not None:
-                # Past the grace period: what still runs stays unfinished in the journal, for the next start.
+                # Past the grace period: what still runs stays unfinished in the journal, for the next start. Before
+                # the gRPC server stops, so that its calls following such requests end saying to resume them.
                 await self.runtime.durable.stop_producers()
+            if grpc is not None:
+                # In a thread: the gRPC calls following journaled requests need this loop while they end.
+                await asyncio.to_thread(grpc.stop, 1.0)
             self.runtime.stop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)

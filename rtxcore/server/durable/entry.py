@@ -49,6 +49,8 @@ class DurableRequest:
     finished_at: float | None = None
     # The task producing its events (None once it ends or for one replayed from the journal).
     producer: asyncio.Task | None = None
+    # Set when this process stops producing it unfinished (shutdown): followers stop waiting; the next start resumes.
+    abandoned: bool = False
     _changed: asyncio.Event | None = None
 
     @property
@@ -70,16 +72,21 @@ class DurableRequest:
         self._wake()
 
     async def follow(self, after_seq: int = 0) -> AsyncIterator[tuple[int, str]]:
-        """``(seq, payload)`` of every event after ``after_seq``, replayed then live, until the request finishes."""
+        """``(seq, payload)`` of every event after ``after_seq``, replayed then live, until the request finishes
+        (or is abandoned: then it ends unfinished)."""
         seq = after_seq
         while True:
             changed = self._event()
             while seq < len(self.events):
                 seq += 1
                 yield seq, self.events[seq - 1]
-            if self.finished:
+            if self.finished or self.abandoned:
                 return
             await changed.wait()
+
+    def abandon(self) -> None:
+        self.abandoned = True
+        self._wake()
 
     async def wait_finished(self) -> None:
         while not self.finished:

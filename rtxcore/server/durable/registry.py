@@ -107,10 +107,13 @@ class DurableRequests:
     async def stop_producers(self) -> None:
         """Cancel the requests still producing (shutdown past its grace period). They write no finish record, so
         the next start resumes them."""
-        tasks = [e.producer for e in self._entries.values() if e.producer is not None and not e.producer.done()]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        running = [e for e in self._entries.values() if e.producer is not None and not e.producer.done()]
+        for entry in running:
+            entry.producer.cancel()
+        await asyncio.gather(*(e.producer for e in running), return_exceptions=True)
+        for entry in running:
+            if not entry.finished:
+                entry.abandon()
 
     def close(self) -> None:
         self.journal.close()

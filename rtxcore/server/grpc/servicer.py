@@ -153,6 +153,7 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
             await context.abort(grpc.StatusCode.OUT_OF_RANGE,
                                 f"after_event_id {after}: request {req_id!r} has sent {entry.last_seq} messages so far",
                                 trailing_metadata=(("rtx-param", "after_event_id"),))
+        main.call_soon_threadsafe(_count_resume, self.runtime)
         await context.send_initial_metadata(((RTX_REQUEST_ID_HEADER, entry.req_id),))
         await self._follow(context, entry, after)
 
@@ -167,12 +168,20 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
         req_id = client_req_id or f"grpc-{secrets.token_hex(12)}"
         starting = _start_journaled(self.runtime, req_id, prompts, params, traceparent, route)
         try:
-            entry = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(starting, main))
+            future = asyncio.run_coroutine_threadsafe(starting, main)
+        except RuntimeError:  # the main loop has closed
+            starting.close()
+            await _abort_shutting_down(context)
+        try:
+            entry = await asyncio.wrap_future(future)
         except APIError as exc:
             await _abort_api_error(context, exc)
         except JournalClosed:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down",
-                                trailing_metadata=(("retry-after", str(RETRY_AFTER_S)),))
+            await _abort_shutting_down(context)
+        except RtxError as exc:  # the engine failed
+            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+        except OSError as exc:  # the journal's disk failed: the request was not accepted
+            await context.abort(grpc.StatusCode.INTERNAL, f"the request journal could not be written: {exc}")
         await context.send_initial_metadata(((RTX_REQUEST_ID_HEADER, entry.req_id),))
         await self._follow(context, entry, 0)
 
@@ -217,7 +226,7 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
                 await context.write(_response_from_event(entry.req_id, seq, event))
         finally:
             pumping.cancel()
-        if not entry.finished:  # the main loop stopped following it: the server is shutting down
+        if not entry.finished:  # abandoned: the server is shutting down
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"the server stopped before request {entry.req_id} finished; it is in the journal: "
                                 f"call Resume with after_event_id = the last event_id you got once the server is back",
@@ -311,10 +320,11 @@ async def _start_journaled(runtime: ServingRuntime, req_id: str, prompts: list[l
 
 async def _find(runtime: ServingRuntime, req_id: str, tenant: str | None) -> DurableRequest | None:
     """The journaled request ``tenant`` made; on the main loop, which owns them."""
-    entry = runtime.durable.get(req_id, tenant)
-    if entry is not None:
-        runtime.durable.stats.num_stream_resumes += 1
-    return entry
+    return runtime.durable.get(req_id, tenant)
+
+
+def _count_resume(runtime: ServingRuntime) -> None:
+    runtime.durable.stats.num_stream_resumes += 1
 
 
 def _response_from_event(req_id: str, seq: int, event: dict) -> rtx_pb2.GenerateResponse:
@@ -324,6 +334,11 @@ def _response_from_event(req_id: str, seq: int, event: dict) -> rtx_pb2.Generate
     return rtx_pb2.GenerateResponse(request_id=req_id, text=event["text"], token_ids=event["token_ids"],
                                     finished=event["finished"], finish_reason=event["finish_reason"],
                                     usage=rtx_pb2.Usage(**event["usage"]), logprobs=logprobs, event_id=seq)
+
+
+async def _abort_shutting_down(context: grpc.aio.ServicerContext) -> None:
+    await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down",
+                        trailing_metadata=(("retry-after", str(RETRY_AFTER_S)),))
 
 
 async def _abort_api_error(context: grpc.aio.ServicerContext, exc: APIError) -> None:

@@ -135,7 +135,7 @@ async def answer(request: Request, entry: DurableRequest, after_seq: int, detach
 async def sse_frames(entry: DurableRequest, after_seq: int) -> AsyncIterator[bytes]:
     async for seq, payload in entry.follow(after_seq):
         yield sse_event(seq, payload)
-    if entry.ends_with_done:
+    if entry.ends_with_done and entry.finished:  # an abandoned stream (shutdown) ends without [DONE]
         # [DONE] has an id too, one past the last event, so every event a client sees can be resumed after.
         yield b"id: %d\n" % (entry.last_seq + 1) + DONE
 

@@ -36,6 +36,9 @@ class StreamRoutes:
         if entry is None:
             raise APIError(404, f"no request {req_id!r}: unknown, or finished longer ago than the retention window "
                                 f"({durable.options.retention_s:g}s)", param="request_id")
+        if entry.kind == "grpc":
+            raise APIError(400, f"request {req_id!r} was made over gRPC: resume it with the Resume call",
+                           param="request_id")
         after = last_event_id(request, entry)
         durable.stats.num_stream_resumes += 1
         return await answer(request, entry, after, detached=True)

@@ -52,6 +52,16 @@ def check_events(messages) -> None:
     assert messages[-1].finished and all(not m.finished for m in messages[:-1])
 
 
+def resume_and_rerun(server, first, max_tokens: int):
+    """On a restarted server: the rest of the request ``first`` began (Resume after its last message), and an
+    uninterrupted run of the same request to compare it with."""
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        stub = rtx_pb2_grpc.RtxStub(channel)
+        rest = list(stub.Resume(rtx_pb2.ResumeRequest(request_id=first[0].request_id,
+                                                      after_event_id=first[-1].event_id)))
+        return rest, list(stub.Generate(generate_request(max_tokens)))
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     with start_server(*MODEL_ARGS, "--state-dir", str(tmp_path_factory.mktemp("state"))) as server:
@@ -116,11 +126,7 @@ def test_a_stream_resumes_across_a_kill_and_restart(tmp_path):
         server.stop(signal.SIGKILL)
         assert not first[-1].finished
         server = start_server(*MODEL_ARGS, "--state-dir", state)
-        with grpc.insecure_channel(server.grpc_target) as channel:
-            stub = rtx_pb2_grpc.RtxStub(channel)
-            rest = list(stub.Resume(rtx_pb2.ResumeRequest(request_id=first[0].request_id,
-                                                          after_event_id=first[-1].event_id)))
-            whole = list(stub.Generate(generate_request(max_tokens)))
+        rest, whole = resume_and_rerun(server, first, max_tokens)
         check_events(first + rest)
         assert tokens(first + rest) == tokens(whole)
         assert len(tokens(first + rest)) == max_tokens
@@ -149,11 +155,7 @@ def test_a_stream_cut_by_a_shutdown_resumes_after_the_restart(tmp_path):
         assert server.stop() == 0, server.output()
         assert not first[-1].finished
         server = start_server(*MODEL_ARGS, "--state-dir", state)
-        with grpc.insecure_channel(server.grpc_target) as channel:
-            stub = rtx_pb2_grpc.RtxStub(channel)
-            rest = list(stub.Resume(rtx_pb2.ResumeRequest(request_id=first[0].request_id,
-                                                          after_event_id=first[-1].event_id)))
-            whole = list(stub.Generate(generate_request(max_tokens)))
+        rest, whole = resume_and_rerun(server, first, max_tokens)
         check_events(first + rest)
         assert tokens(first + rest) == tokens(whole)
     finally:

@@ -1,5 +1,5 @@
 """Per-row (per-token) fp8 e4m3 quantization of activations in one kernel: ``q, scale`` with ``scale[m]`` =
-max |x[m, :]| / 448 and ``q[m, k]`` = x[m, k] / scale[m] rounded to e4m3, the rounding of
+max |x[m, :]| * (1 / 448) and ``q[m, k]`` = x[m, k] / scale[m] rounded to e4m3, the rounding of
 ``plugins/quantizers/fp8.py``'s ``quantize_rows`` (IEEE division, round to nearest even, saturating).
 
 Done with torch operations, the same takes about eight kernels per linear layer (absolute value, row maximum,
@@ -28,8 +28,9 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm,
     for k0 in range(0, K, BLOCK_K):
         x = tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    # IEEE division, as torch's: Triton's ``/`` on float32 is an approximate one on NVIDIA GPUs.
-    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), FP8_MAX)
+    # The scale times the reciprocal, as the quantizer; x over it by IEEE division, as torch divides one tensor by
+    # another (Triton's ``/`` on float32 is an approximate one on NVIDIA GPUs).
+    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) * (1.0 / FP8_MAX)
     tl.store(scale_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):
         mask = k0 + cols < K

@@ -40,7 +40,9 @@ def _fp8_matmul_works(device_index: int) -> bool:
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row of ``x`` scaled so that its largest magnitude becomes fp8's largest: (fp8 values, fp32 scales [rows,
     1])."""
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-12) / _FP8_MAX
+    # Times the reciprocal, not divided: torch divides by a Python number that way on CUDA but not on the CPU, and
+    # the scale must be the same bits everywhere (rtx_kernels.fp8_rows computes it too).
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-12) * (1.0 / _FP8_MAX)
     return (x.float() / scale).clamp(-_FP8_MAX, _FP8_MAX).to(FP8), scale
 
 

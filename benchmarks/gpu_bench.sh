@@ -20,6 +20,8 @@
 #   cb64before  continuous versus static batching on W2 at 64 running, twice each, alternately with the tree as it
 #           is and with the files under $BEFORE (same relative paths: those files as they were before a change) in
 #           their place; the tree is restored afterwards
+#   quantsweepbefore, int4w3before  the same alternation ($RUNS times, default 2) for the quantized kernels at one
+#           and four rows (quant_sweep.py), and for int4's W3 against bf16's, five runs each (quant_speed.py)
 #   greedy  greedy GPU == CPU only;  attn  the attention kernel tests only
 #   quant   quantized weights: quantkernels, then quantspeed
 #   quantkernels  the W8A16/W4A16 and fp8 activation kernel tests, and the kernels against cuBLAS bf16 at llama-8b
@@ -29,7 +31,8 @@
 #   w4tiers W4 with KV tiers (benchmarks/w4_tiers.py) on llama-1b: hit rate and p99 at 1.5x load, device cache
 #           with room for everything, too small with a host tier under it, too small without
 # Usage: benchmarks/gpu_bench.sh [tests] [checks] [sweep] [splits] [layers] [mixed] [bench] [w1] [w3] [cb] [host]
-#        [bench8b] [host64] [decode] [w3ab] [cb64ab] [cb64before] [greedy] [attn] [w4tiers] [quant] [quantkernels]
+#        [bench8b] [host64] [decode] [w3ab] [cb64ab] [cb64before] [quantsweepbefore] [int4w3before]
+#        [greedy] [attn] [w4tiers] [quant] [quantkernels]
 #        [quantspeed] [kvtests]
 #        (default: tests checks bench bench8b); results go to $OUT (or ./gpu-out)
 set -uo pipefail
@@ -47,6 +50,26 @@ RTX=$(command -v rtx || echo "python3 -m rtxcore.cli.main")
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 
 llama1b=(--model dummy:llama-1b --max-num-batched-tokens 8192 --max-model-len 4096)
+
+# before_and_after CMD: CMD TAG, $RUNS times each (default 2), alternately with the tree as it is (TAG after_1, ...) and with the files
+# under $BEFORE (same relative paths: those files as they were before a change) in their place (before_1, ...); the
+# tree is restored after each. The install is editable: the source is what runs.
+before_and_after() {
+  [ -d "${BEFORE:-}" ] || { echo "$1 before/after: set BEFORE to a folder of the files as they were" >&2; exit 2; }
+  local saved rc=0 run which
+  saved=$(mktemp -d)
+  (cd "$BEFORE" && find . -type f) >"$saved.list"
+  while read -r f; do mkdir -p "$saved/$(dirname "$f")" && cp "$f" "$saved/$f"; done <"$saved.list"
+  for run in $(seq "${RUNS:-2}"); do
+    for which in after before; do
+      [ $which = before ] && cp -r "$BEFORE"/. .
+      echo "== $1, $which, run $run"
+      "$1" "${which}_$run" || rc=1
+      [ $which = before ] && cp -r "$saved"/. .
+    done
+  done
+  return $rc
+}
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests checks bench bench8b)
 status=0
@@ -90,20 +113,23 @@ for step in "${steps[@]}"; do
           --max-num-seqs 64 --json "$OUT/W2_llama1b_cb_vs_static_64_pdl${pdl}_cache$cache.json" || status=1
       done ;;
     cb64before)
-      [ -d "${BEFORE:-}" ] || { echo "cb64before: set BEFORE to a folder of the files as they were" >&2; exit 2; }
-      after=$(mktemp -d)
-      (cd "$BEFORE" && find . -type f) >"$after.list"
-      # The tree's own versions, put back after each "before" run (the install is editable: the source is what runs).
-      while read -r f; do mkdir -p "$after/$(dirname "$f")" && cp "$f" "$after/$f"; done <"$after.list"
-      for run in 1 2; do
-        for which in after before; do
-          [ $which = before ] && cp -r "$BEFORE"/. .
-          echo "== CB vs static, 64 running, $which, run $run"
-          $RTX bench --workload W2 --baseline static "${llama1b[@]}" --max-num-seqs 64 \
-            --json "$OUT/W2_llama1b_cb_vs_static_64_${which}_$run.json" || status=1
-          [ $which = before ] && cp -r "$after"/. .
-        done
-      done ;;
+      cb64() {
+        $RTX bench --workload W2 --baseline static "${llama1b[@]}" --max-num-seqs 64 \
+          --json "$OUT/W2_llama1b_cb_vs_static_64_$1.json"
+      }
+      before_and_after cb64 || status=1 ;;
+    quantsweepbefore)
+      quantsweep() {
+        python3 benchmarks/quant_sweep.py "$OUT/quant_sweep_gemv_$1.json" --rows 1,4 \
+          --shapes qkv,o_proj,gate_up,down_proj 2>&1 | tee "$OUT/quant_sweep_gemv_$1.log" | tail -42
+      }
+      before_and_after quantsweep || status=1 ;;
+    int4w3before)
+      int4w3() {
+        python3 benchmarks/quant_speed.py --methods int4 --workloads W3 --repeats 5 \
+          --json "$OUT/quant_speed_w3_$1.json" 2>&1 | tee "$OUT/quant_speed_w3_$1.log" | tail -5
+      }
+      before_and_after int4w3 || status=1 ;;
     w4tiers)
       python3 benchmarks/w4_tiers.py --model dummy:llama-1b --conversations 32 --turns 8 --new-tokens 64 \
         --reply-tokens 128 --max-num-seqs 16 --max-num-batched-tokens 2048 --json "$OUT/w4_tiers_llama1b.json" \

@@ -4,13 +4,17 @@ exactly the rest. Greedy decoding on ``dummy:tiny`` makes every output comparabl
 
 from __future__ import annotations
 
+import asyncio
 import signal
+import socket
 
 import grpc
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from rtxcore.client import AsyncGrpcClient, GrpcClient
+from rtxcore.client.retry import RetryPolicy
 from rtxcore.server.grpc.codegen import ensure_generated
 from server_helpers import start_server
 
@@ -93,6 +97,28 @@ def test_a_dropped_call_resumes_after_its_last_event(stub):
     assert tokens(replayed) == tokens(whole)
 
 
+def test_the_clients_resume_a_request_they_left(server):
+    """``GrpcClient.resume`` and ``AsyncGrpcClient.resume`` give the rest of a journaled request whose stream the
+    client closed (which leaves it running, since it is journaled)."""
+    params = {"max_tokens": 48, "temperature": 0.0, "ignore_eos": True}
+    with GrpcClient(server.grpc_target) as client:
+        whole = list(client.generate(PROMPT, **params))
+        stream = client.generate(PROMPT, **params)
+        first = [next(stream) for _ in range(3)]
+        stream.close()
+        rest = list(client.resume(first[0].request_id, after_event_id=first[-1].event_id))
+    check_events(first + rest)
+    assert tokens(first + rest) == tokens(whole)
+
+    async def replay_with_the_async_client():
+        async with AsyncGrpcClient(server.grpc_target) as client:
+            return [m async for m in client.resume(first[0].request_id)]
+
+    replayed = asyncio.run(replay_with_the_async_client())
+    assert [m.event_id for m in replayed] == [m.event_id for m in first + rest]
+    assert tokens(replayed) == tokens(whole)
+
+
 def test_resume_refuses_what_it_cannot_follow(server, stub):
     with pytest.raises(grpc.RpcError) as info:
         list(stub.Resume(rtx_pb2.ResumeRequest(request_id="rq-nothing-like-it")))
@@ -158,5 +184,37 @@ def test_a_stream_cut_by_a_shutdown_resumes_after_the_restart(tmp_path):
         rest, whole = resume_and_rerun(server, first, max_tokens)
         check_events(first + rest)
         assert tokens(first + rest) == tokens(whole)
+    finally:
+        server.stop(signal.SIGKILL)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_the_client_goes_on_by_itself_across_a_kill_and_restart(tmp_path):
+    """A ``GrpcClient.generate`` stream cut by SIGKILL goes on with ``Resume`` once a server is back on the same port
+    and state dir, with no help from the caller: one stream of gapless events equal to an uninterrupted run."""
+    port = free_port()
+    args = (*MODEL_ARGS, "--state-dir", str(tmp_path / "state"), "--grpc-port", str(port))
+    params = {"max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
+    # gRPC waits a second or more before reconnecting a channel whose server went away: room for that.
+    retry = RetryPolicy(max_attempts=60, backoff_s=0.25, max_backoff_s=0.5)
+    server = start_server(*args)
+    try:
+        with GrpcClient(f"127.0.0.1:{port}", retry=retry) as client:
+            stream = client.generate(PROMPT, **params)
+            first = [next(stream) for _ in range(3)]
+            server.stop(signal.SIGKILL)
+            server = start_server(*args)
+            messages = first + list(stream)
+            whole = list(client.generate(PROMPT, **params))
+        check_events(messages)
+        assert tokens(messages) == tokens(whole)
+        assert len(tokens(messages)) == params["max_tokens"]
+        assert metric(server, "rtx_stream_resumes_total") == 1
+        assert metric(server, "rtx_journal_resumed_requests_total") == 1
     finally:
         server.stop(signal.SIGKILL)

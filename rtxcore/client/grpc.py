@@ -1,8 +1,15 @@
 """Clients of the ``rtx.v1.Rtx`` gRPC service, sync and async.
 
 ``generate`` returns a generator of ``GenerateResponse`` messages; closing it early (or cancelling the task that
-iterates the async one) cancels the call, and the server aborts the request. Calls are retried by
-:class:`RetryPolicy` on RESOURCE_EXHAUSTED / UNAVAILABLE, honouring the server's ``retry-after`` metadata.
+iterates the async one) cancels the call, and the server aborts the request (unless it journals requests, see
+below). Calls are retried by :class:`RetryPolicy` on RESOURCE_EXHAUSTED / UNAVAILABLE, honouring the server's
+``retry-after`` metadata.
+
+A stream is retried only before its first message, unless the server journals requests (``rtx serve
+--state-dir``): then every message carries the request's id and an event id, and a stream cut by a retryable error
+after it started, as when the server restarts, goes on with ``Resume`` after the last message received. Nothing is
+delivered twice or skipped. ``resume`` follows a journaled request from any event, for a client that lost its
+iterator.
 """
 
 from __future__ import annotations
@@ -51,23 +58,36 @@ class GrpcClient:
         if self._owns_channel:
             self.channel.close()
 
-    def generate(self, prompt: Prompt, *, timeout: float | None = None, **fields: Any
+    def generate(self, prompt: Prompt, *, timeout: float | None = None, resume: bool = True, **fields: Any
                  ) -> Iterator[rtx_pb2.GenerateResponse]:
         """Stream a request; ``fields`` are ``GenerateRequest`` fields (``max_tokens``, ``temperature``, ``model``,
-        ``stop``...)."""
+        ``stop``...). ``resume``: go on with ``Resume`` when a journaled stream is cut (see the module docstring)."""
         request = generate_request(prompt, **fields)
-        attempt = 1
+        yield from self._stream(lambda: self._stub.Generate(request, timeout=timeout or self.timeout), timeout,
+                                resume)
+
+    def resume(self, request_id: str, after_event_id: int = 0, *, timeout: float | None = None
+               ) -> Iterator[rtx_pb2.GenerateResponse]:
+        """The messages of journaled request ``request_id`` after event ``after_event_id`` (0: all of them), replayed
+        then live, until it finishes; also after a restart of the server."""
+        request = rtx_pb2.ResumeRequest(request_id=request_id, after_event_id=after_event_id)
+        yield from self._stream(lambda: self._stub.Resume(request, timeout=timeout or self.timeout), timeout,
+                                resume=True)
+
+    def _stream(self, open_call, timeout: float | None, resume: bool) -> Iterator[rtx_pb2.GenerateResponse]:
+        attempt, last = 1, None
         while True:
-            call = self._stub.Generate(request, timeout=timeout or self.timeout)
-            started = False
+            # After a message, only the journal can go on without a repeat or a gap.
+            call = open_call() if last is None else self._stub.Resume(resume_request(last),
+                                                                      timeout=timeout or self.timeout)
             try:
                 for response in call:
-                    started = True
+                    attempt, last = 1, response
                     yield response
                 return
             except grpc.RpcError as exc:
                 error = error_from_rpc(exc)
-                if started or (delay := self.retry.delay(attempt, error)) is None:
+                if (delay := retry_delay(self.retry, attempt, error, last, resume)) is None:
                     raise error from None
             finally:
                 call.cancel()  # no-op once the call has ended; aborts the request when the caller left early
@@ -126,22 +146,35 @@ class AsyncGrpcClient:
             self._channel = grpc.aio.insecure_channel(self.target)
         return self._channel
 
-    async def generate(self, prompt: Prompt, *, timeout: float | None = None, **fields: Any
+    async def generate(self, prompt: Prompt, *, timeout: float | None = None, resume: bool = True, **fields: Any
                        ) -> AsyncIterator[rtx_pb2.GenerateResponse]:
         request = generate_request(prompt, **fields)
         stub = rtx_pb2_grpc.RtxStub(self.channel)
-        attempt = 1
+        async for response in self._stream(stub, lambda: stub.Generate(request, timeout=timeout or self.timeout),
+                                           timeout, resume):
+            yield response
+
+    async def resume(self, request_id: str, after_event_id: int = 0, *, timeout: float | None = None
+                     ) -> AsyncIterator[rtx_pb2.GenerateResponse]:
+        request = rtx_pb2.ResumeRequest(request_id=request_id, after_event_id=after_event_id)
+        stub = rtx_pb2_grpc.RtxStub(self.channel)
+        async for response in self._stream(stub, lambda: stub.Resume(request, timeout=timeout or self.timeout),
+                                           timeout, resume=True):
+            yield response
+
+    async def _stream(self, stub, open_call, timeout: float | None, resume: bool
+                      ) -> AsyncIterator[rtx_pb2.GenerateResponse]:
+        attempt, last = 1, None
         while True:
-            call = stub.Generate(request, timeout=timeout or self.timeout)
-            started = False
+            call = open_call() if last is None else stub.Resume(resume_request(last), timeout=timeout or self.timeout)
             try:
                 async for response in call:
-                    started = True
+                    attempt, last = 1, response
                     yield response
                 return
             except grpc.RpcError as exc:
                 error = error_from_rpc(exc)
-                if started or (delay := self.retry.delay(attempt, error)) is None:
+                if (delay := retry_delay(self.retry, attempt, error, last, resume)) is None:
                     raise error from None
             finally:
                 call.cancel()
@@ -171,6 +204,20 @@ class AsyncGrpcClient:
         except grpc.RpcError as exc:
             raise error_from_rpc(exc) from None
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+
+def retry_delay(policy: RetryPolicy, attempt: int, error: APIError, last: rtx_pb2.GenerateResponse | None,
+                resume: bool) -> float | None:
+    """Seconds to wait before going on with a stream that ``error`` ended, or None to raise it. After a message
+    (``last``) the stream can go on only from the journal: with ``resume`` and an event id to resume after."""
+    if last is not None and not (resume and last.event_id > 0 and last.request_id):
+        return None
+    return policy.delay(attempt, error)
+
+
+def resume_request(last: rtx_pb2.GenerateResponse) -> rtx_pb2.ResumeRequest:
+    """The ``Resume`` call that goes on after message ``last``."""
+    return rtx_pb2.ResumeRequest(request_id=last.request_id, after_event_id=last.event_id)
 
 
 def generate_request(prompt: Prompt, **fields: Any) -> rtx_pb2.GenerateRequest:

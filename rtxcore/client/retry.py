@@ -2,7 +2,9 @@
 exponential backoff with jitter when it does not.
 
 Only answers that mean "try again later" are retried: HTTP 429 and 503, gRPC RESOURCE_EXHAUSTED and UNAVAILABLE.
-A streaming call is retried only before its first event arrives, so nothing is ever delivered twice.
+A streaming call is retried only before its first event arrives, so nothing is ever delivered twice; the gRPC
+clients also go on after that point, but only from a server's journal, after the last event received
+(:mod:`rtxcore.client.grpc`).
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ exactly the rest. Greedy decoding on ``dummy:tiny`` makes every output comparabl
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import socket
 
@@ -218,3 +219,34 @@ def test_the_client_goes_on_by_itself_across_a_kill_and_restart(tmp_path):
         assert metric(server, "rtx_journal_resumed_requests_total") == 1
     finally:
         server.stop(signal.SIGKILL)
+
+
+def test_a_tenant_resumes_only_its_own_requests(tmp_path):
+    """Another tenant's request is as unknown to Resume as one that never was (NOT_FOUND with the same words). The
+    request's trace says it came over gRPC, from which tenant, under the id the client gave it."""
+    keys = {"alice": "alice-key", "bob": "bob-key"}
+    env = {"RTX_API_KEYS": ",".join(f"{t}={k}" for t, k in keys.items())}
+    alice, bob = ((("authorization", f"Bearer {keys[t]}"),) for t in ("alice", "bob"))
+    with start_server(*MODEL_ARGS, "--state-dir", str(tmp_path / "state"), "--log-level", "info", env=env) as server, \
+            grpc.insecure_channel(server.grpc_target) as channel:
+        stub = rtx_pb2_grpc.RtxStub(channel)
+        request = generate_request(4)
+        request.request_id = "alices-own-id"
+        done = list(stub.Generate(request, metadata=alice))
+        req_id = done[0].request_id
+        assert tokens(stub.Resume(rtx_pb2.ResumeRequest(request_id=req_id), metadata=alice)) == tokens(done)
+        refusals = {}
+        for name, who in (("other", req_id), ("unknown", "rq-000000000000000000000000")):
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Resume(rtx_pb2.ResumeRequest(request_id=who), metadata=bob))
+            refusals[name] = info.value
+        assert refusals["other"].code() == refusals["unknown"].code() == grpc.StatusCode.NOT_FOUND
+        assert refusals["other"].details() == refusals["unknown"].details().replace("rq-000000000000000000000000",
+                                                                                    req_id)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Resume(rtx_pb2.ResumeRequest(request_id=req_id)))
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finished = [json.loads(line[line.index("{"):]) for line in server.output().splitlines()
+                if '"request_finished"' in line]
+    # The id a client sets names the request in traces; the responses carry the journal's.
+    assert [(r["request_id"], r["protocol"], r["tenant"]) for r in finished] == [("alices-own-id", "grpc", "alice")]

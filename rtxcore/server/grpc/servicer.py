@@ -312,7 +312,7 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
 async def _start_journaled(runtime: ServingRuntime, req_id: str, prompts: list[list[int]], params: SamplingParams,
                            traceparent: str | None, route: Route) -> DurableRequest:
     """Admit, journal and start a gRPC request; on the main loop."""
-    gen = await Generation.start(runtime, req_id, prompts, params, traceparent, route)
+    gen = await Generation.start(runtime, req_id, prompts, params, traceparent, route, protocol="grpc")
     spec = ResponseSpec("grpc", True, {"id": gen.req_id, "model": runtime.model_name},
                         logprobs=params.logprobs is not None)
     return await begin(runtime, Started(gen, spec, prompts, params), None)

@@ -95,7 +95,8 @@ async def _resume(runtime: ServingRuntime, entry: DurableRequest, journaled: Jou
     route = Route(tenant, accept["lane"], accept["cache_salt"])
     while True:
         try:
-            gen = await Generation.resume(runtime, accept["gen_id"], prompts, params, route, choices, token_ids)
+            gen = await Generation.resume(runtime, accept["gen_id"], prompts, params, route, choices, token_ids,
+                                          "grpc" if spec.kind == "grpc" else "http")
             break
         except AdmissionRefused as exc:  # the scheduler is full for now: it was accepted once, so it waits its turn
             await asyncio.sleep(max(0.05, exc.retry_after_s))

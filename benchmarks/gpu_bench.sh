@@ -17,10 +17,10 @@
 #   w3ab    W3 four times, alternately without and with programmatic dependent launch (no HF baseline)
 #   cb64ab  continuous versus static batching on W2 at 64 running: as built, without the attention launch cache
 #           (RTX_LAUNCH_CACHE=0), and without that and programmatic dependent launch (RTX_PDL=0)
-#   cb64before  continuous versus static batching on W2 at 64 running, twice each, alternately with the tree as it
-#           is and with the files under $BEFORE (same relative paths: those files as they were before a change) in
-#           their place; the tree is restored afterwards
-#   quantsweepbefore, int4w3before  the same alternation ($RUNS times, default 2) for the quantized kernels at one
+#   cb64before  continuous versus static batching on W2 at 64 running, $RUNS times each (default 2), alternately
+#           with the tree as it is and with the files under $BEFORE (same relative paths: those files as they were
+#           before a change) in their place; the tree is restored afterwards
+#   quantsweepbefore, int4w3before  the same alternation for the quantized kernels at one
 #           and four rows (quant_sweep.py), and for int4's W3 against bf16's, five runs each (quant_speed.py)
 #   greedy  greedy GPU == CPU only;  attn  the attention kernel tests only
 #   quant   quantized weights: quantkernels, then quantspeed
@@ -51,21 +51,36 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv |
 
 llama1b=(--model dummy:llama-1b --max-num-batched-tokens 8192 --max-model-len 4096)
 
-# before_and_after CMD: CMD TAG, $RUNS times each (default 2), alternately with the tree as it is (TAG after_1, ...) and with the files
-# under $BEFORE (same relative paths: those files as they were before a change) in their place (before_1, ...); the
-# tree is restored after each. The install is editable: the source is what runs.
+# before_and_after CMD: CMD TAG, $RUNS times each (default 2), alternately with the tree as it is (TAG after_1, ...)
+# and with the files under $BEFORE (same relative paths: those files as they were before a change) in their place
+# (before_1, ...). A file of $BEFORE that the tree lacks is removed again after its run, and the tree is restored
+# after each run, also when the script is interrupted. The install is editable: the source is what runs.
 before_and_after() {
   [ -d "${BEFORE:-}" ] || { echo "$1 before/after: set BEFORE to a folder of the files as they were" >&2; exit 2; }
+  [[ ${RUNS:-2} =~ ^[1-9][0-9]*$ ]] || { echo "RUNS must be a positive count, got '$RUNS'" >&2; exit 2; }
   local saved rc=0 run which
   saved=$(mktemp -d)
   (cd "$BEFORE" && find . -type f) >"$saved.list"
-  while read -r f; do mkdir -p "$saved/$(dirname "$f")" && cp "$f" "$saved/$f"; done <"$saved.list"
+  while read -r f; do
+    if [ -e "$f" ]; then mkdir -p "$saved/$(dirname "$f")" && cp "$f" "$saved/$f"; else echo "$f" >>"$saved.absent"; fi
+  done <"$saved.list"
+  restore() {
+    cp -r "$saved"/. .
+    [ -f "$saved.absent" ] && while read -r f; do rm -f "$f"; done <"$saved.absent"
+    return 0
+  }
   for run in $(seq "${RUNS:-2}"); do
     for which in after before; do
-      [ $which = before ] && cp -r "$BEFORE"/. .
+      if [ $which = before ]; then
+        trap 'restore; exit 130' INT TERM
+        cp -r "$BEFORE"/. .
+      fi
       echo "== $1, $which, run $run"
       "$1" "${which}_$run" || rc=1
-      [ $which = before ] && cp -r "$saved"/. .
+      if [ $which = before ]; then
+        restore
+        trap - INT TERM
+      fi
     done
   done
   return $rc

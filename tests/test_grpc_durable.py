@@ -15,7 +15,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from rtxcore.client import AsyncGrpcClient, GrpcClient
-from rtxcore.client.retry import RetryPolicy
 from rtxcore.server.grpc.codegen import ensure_generated
 from server_helpers import start_server
 
@@ -201,11 +200,9 @@ def test_the_client_goes_on_by_itself_across_a_kill_and_restart(tmp_path):
     port = free_port()
     args = (*MODEL_ARGS, "--state-dir", str(tmp_path / "state"), "--grpc-port", str(port))
     params = {"max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
-    # gRPC waits a second or more before reconnecting a channel whose server went away: room for that.
-    retry = RetryPolicy(max_attempts=60, backoff_s=0.25, max_backoff_s=0.5)
     server = start_server(*args)
     try:
-        with GrpcClient(f"127.0.0.1:{port}", retry=retry) as client:
+        with GrpcClient(f"127.0.0.1:{port}") as client:  # the default retry policy
             stream = client.generate(PROMPT, **params)
             first = [next(stream) for _ in range(3)]
             server.stop(signal.SIGKILL)

@@ -6,10 +6,12 @@ below). Calls are retried by :class:`RetryPolicy` on RESOURCE_EXHAUSTED / UNAVAI
 ``retry-after`` metadata.
 
 A stream is retried only before its first message, unless the server journals requests (``rtx serve
---state-dir``): then every message carries the request's id and an event id, and a stream cut by a retryable error
-after it started, as when the server restarts, goes on with ``Resume`` after the last message received. Nothing is
-delivered twice or skipped. ``resume`` follows a journaled request from any event, for a client that lost its
-iterator.
+--state-dir``). Then the call's initial metadata and every message carry the request's journal id, and messages an
+event id, and a stream cut by a retryable error, as when the server restarts, goes on with ``Resume`` after the last
+message received (or from the start, if none came yet) for up to ``RetryPolicy.max_resume_wait_s``: nothing is
+delivered twice or skipped, and a request the server has named is not sent again. ``resume`` follows a journaled
+request from any event, for a client that lost its iterator. ``timeout`` bounds each call, so a stream that resumes
+may take longer.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rtxcore.client.errors import APIError, APITimeoutError
-from rtxcore.client.retry import RetryPolicy, parse_retry_after
+from rtxcore.client.retry import RetryPolicy, is_retryable, parse_retry_after
 from rtxcore.server.grpc.codegen import ensure_generated
 
 ensure_generated()
@@ -32,6 +34,11 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 # Each call's deadline, streams included: as long as the server's own default request timeout.
 DEFAULT_TIMEOUT_S = 600.0
 HEALTH_TIMEOUT_S = 10.0
+# The server's initial metadata naming a journaled request (rtxcore.server.http.responding.RTX_REQUEST_ID_HEADER).
+RTX_REQUEST_ID_METADATA = "x-rtx-request-id"
+# gRPC waits up to two minutes between reconnection attempts by default; a stream waiting to resume would notice a
+# restarted server that late.
+CHANNEL_OPTIONS = [("grpc.max_reconnect_backoff_ms", 2000)]
 Prompt = str | Sequence[int]
 
 
@@ -44,7 +51,7 @@ class GrpcClient:
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
         self._owns_channel = channel is None
-        self.channel = channel or grpc.insecure_channel(target)
+        self.channel = channel or grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = rtx_pb2_grpc.RtxStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
@@ -63,36 +70,33 @@ class GrpcClient:
         """Stream a request; ``fields`` are ``GenerateRequest`` fields (``max_tokens``, ``temperature``, ``model``,
         ``stop``...). ``resume``: go on with ``Resume`` when a journaled stream is cut (see the module docstring)."""
         request = generate_request(prompt, **fields)
-        yield from self._stream(lambda: self._stub.Generate(request, timeout=timeout or self.timeout), timeout,
-                                resume)
+        return self._stream(request, StreamProgress(self.retry, resume), timeout)
 
     def resume(self, request_id: str, after_event_id: int = 0, *, timeout: float | None = None
                ) -> Iterator[rtx_pb2.GenerateResponse]:
         """The messages of journaled request ``request_id`` after event ``after_event_id`` (0: all of them), replayed
-        then live, until it finishes; also after a restart of the server."""
-        request = rtx_pb2.ResumeRequest(request_id=request_id, after_event_id=after_event_id)
-        yield from self._stream(lambda: self._stub.Resume(request, timeout=timeout or self.timeout), timeout,
-                                resume=True)
+        then live, until it finishes; also across a restart of the server."""
+        return self._stream(None, StreamProgress(self.retry, True, request_id, after_event_id), timeout)
 
-    def _stream(self, open_call, timeout: float | None, resume: bool) -> Iterator[rtx_pb2.GenerateResponse]:
-        attempt, last = 1, None
+    def _stream(self, request: rtx_pb2.GenerateRequest | None, progress: StreamProgress, timeout: float | None
+                ) -> Iterator[rtx_pb2.GenerateResponse]:
         while True:
-            # After a message, only the journal can go on without a repeat or a gap.
-            call = open_call() if last is None else self._stub.Resume(resume_request(last),
-                                                                      timeout=timeout or self.timeout)
+            resume = progress.resume_request()
+            call = (self._stub.Resume(resume, timeout=timeout or self.timeout) if resume is not None else
+                    self._stub.Generate(request, timeout=timeout or self.timeout))
             try:
                 for response in call:
-                    attempt, last = 1, response
+                    progress.received(response)
                     yield response
                 return
             except grpc.RpcError as exc:
-                error = error_from_rpc(exc)
-                if (delay := retry_delay(self.retry, attempt, error, last, resume)) is None:
-                    raise error from None
+                progress.saw_metadata(call.initial_metadata())
+                if progress.finished:  # cut after the last message: nothing is missing
+                    return
+                delay = progress.delay_after(error_from_rpc(exc))
             finally:
                 call.cancel()  # no-op once the call has ended; aborts the request when the caller left early
             time.sleep(delay)
-            attempt += 1
 
     def embed(self, inputs: Sequence[Prompt], *, model: str = "", timeout: float | None = None
               ) -> rtx_pb2.EmbedResponse:
@@ -143,43 +147,38 @@ class AsyncGrpcClient:
     @property
     def channel(self) -> grpc.aio.Channel:
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.target)
+            self._channel = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
         return self._channel
 
-    async def generate(self, prompt: Prompt, *, timeout: float | None = None, resume: bool = True, **fields: Any
-                       ) -> AsyncIterator[rtx_pb2.GenerateResponse]:
+    def generate(self, prompt: Prompt, *, timeout: float | None = None, resume: bool = True, **fields: Any
+                 ) -> AsyncIterator[rtx_pb2.GenerateResponse]:
         request = generate_request(prompt, **fields)
-        stub = rtx_pb2_grpc.RtxStub(self.channel)
-        async for response in self._stream(stub, lambda: stub.Generate(request, timeout=timeout or self.timeout),
-                                           timeout, resume):
-            yield response
+        return self._stream(request, StreamProgress(self.retry, resume), timeout)
 
-    async def resume(self, request_id: str, after_event_id: int = 0, *, timeout: float | None = None
-                     ) -> AsyncIterator[rtx_pb2.GenerateResponse]:
-        request = rtx_pb2.ResumeRequest(request_id=request_id, after_event_id=after_event_id)
-        stub = rtx_pb2_grpc.RtxStub(self.channel)
-        async for response in self._stream(stub, lambda: stub.Resume(request, timeout=timeout or self.timeout),
-                                           timeout, resume=True):
-            yield response
+    def resume(self, request_id: str, after_event_id: int = 0, *, timeout: float | None = None
+               ) -> AsyncIterator[rtx_pb2.GenerateResponse]:
+        return self._stream(None, StreamProgress(self.retry, True, request_id, after_event_id), timeout)
 
-    async def _stream(self, stub, open_call, timeout: float | None, resume: bool
-                      ) -> AsyncIterator[rtx_pb2.GenerateResponse]:
-        attempt, last = 1, None
+    async def _stream(self, request: rtx_pb2.GenerateRequest | None, progress: StreamProgress,
+                      timeout: float | None) -> AsyncIterator[rtx_pb2.GenerateResponse]:
+        stub = rtx_pb2_grpc.RtxStub(self.channel)
         while True:
-            call = open_call() if last is None else stub.Resume(resume_request(last), timeout=timeout or self.timeout)
+            resume = progress.resume_request()
+            call = (stub.Resume(resume, timeout=timeout or self.timeout) if resume is not None else
+                    stub.Generate(request, timeout=timeout or self.timeout))
             try:
                 async for response in call:
-                    attempt, last = 1, response
+                    progress.received(response)
                     yield response
                 return
             except grpc.RpcError as exc:
-                error = error_from_rpc(exc)
-                if (delay := retry_delay(self.retry, attempt, error, last, resume)) is None:
-                    raise error from None
+                progress.saw_metadata(await call.initial_metadata())
+                if progress.finished:
+                    return
+                delay = progress.delay_after(error_from_rpc(exc))
             finally:
                 call.cancel()
             await asyncio.sleep(delay)
-            attempt += 1
 
     async def embed(self, inputs: Sequence[Prompt], *, model: str = "", timeout: float | None = None
                     ) -> rtx_pb2.EmbedResponse:
@@ -206,18 +205,57 @@ class AsyncGrpcClient:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
 
-def retry_delay(policy: RetryPolicy, attempt: int, error: APIError, last: rtx_pb2.GenerateResponse | None,
-                resume: bool) -> float | None:
-    """Seconds to wait before going on with a stream that ``error`` ended, or None to raise it. After a message
-    (``last``) the stream can go on only from the journal: with ``resume`` and an event id to resume after."""
-    if last is not None and not (resume and last.event_id > 0 and last.request_id):
+class StreamProgress:
+    """How far a ``Generate`` (or ``Resume``) stream got, and so how to go on after a failed call: send the request
+    again (nothing reached the caller and the server did not journal it), ``Resume`` it from the journal, or give
+    up. Shared by the sync and async clients."""
+
+    def __init__(self, policy: RetryPolicy, resume: bool, request_id: str = "", after_event_id: int = 0):
+        self.policy = policy
+        self.resume = resume
+        self.request_id = request_id  # the journal's id, once known
+        self.after_event_id = after_event_id
+        self.delivered = False
+        self.finished = False
+        self._attempt = 1
+        self._cut: tuple[float, APIError] | None = None  # when and how the stream was first cut since its last message
+
+    def received(self, response: rtx_pb2.GenerateResponse) -> None:
+        self.delivered, self.finished, self._attempt, self._cut = True, response.finished, 1, None
+        if response.event_id > 0 and response.request_id:
+            self.request_id, self.after_event_id = response.request_id, response.event_id
+
+    def saw_metadata(self, metadata) -> None:
+        """A journaled call names its request in its initial metadata, before any message."""
+        if not self.request_id:
+            self.request_id = dict(metadata or ()).get(RTX_REQUEST_ID_METADATA, "")
+
+    def resume_request(self) -> rtx_pb2.ResumeRequest | None:
+        """The ``Resume`` to call next, or None to send the request itself."""
+        if self.resume and self.request_id:
+            return rtx_pb2.ResumeRequest(request_id=self.request_id, after_event_id=self.after_event_id)
         return None
-    return policy.delay(attempt, error)
 
+    def delay_after(self, error: APIError) -> float:
+        """Seconds to wait before the next call after ``error``.
 
-def resume_request(last: rtx_pb2.GenerateResponse) -> rtx_pb2.ResumeRequest:
-    """The ``Resume`` call that goes on after message ``last``."""
-    return rtx_pb2.ResumeRequest(request_id=last.request_id, after_event_id=last.event_id)
+        :raises APIError: ``error`` (caused by the error that first cut a resumed stream) when it is not worth
+            another call.
+        """
+        attempt, self._attempt = self._attempt, self._attempt + 1
+        if self.resume_request() is not None and self.policy.max_attempts > 1:  # NO_RETRY: no further call
+            now = time.monotonic()
+            first_cut_at, cut = self._cut or (now, error)
+            self._cut = (first_cut_at, cut)
+            waited = now - first_cut_at
+            if is_retryable(error) and waited < self.policy.max_resume_wait_s:
+                backoff = min(self.policy.backoff_s * 2 ** (attempt - 1), self.policy.max_backoff_s)
+                wait = error.retry_after if error.retry_after is not None else backoff
+                return min(wait, self.policy.max_resume_wait_s - waited)
+            raise error from (cut if cut is not error else None)
+        if not self.delivered and (delay := self.policy.delay(attempt, error)) is not None:
+            return delay
+        raise error from None
 
 
 def generate_request(prompt: Prompt, **fields: Any) -> rtx_pb2.GenerateRequest:

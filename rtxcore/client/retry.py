@@ -29,11 +29,14 @@ class RetryPolicy:
     max_backoff_s: float = 8.0
     # A server asking for a longer wait than this is not waited for: the error is raised at once.
     max_retry_after_s: float = 60.0
+    # How long a journaled stream cut after it started keeps trying to resume (the server restarting, say), in
+    # seconds from the cut; attempts are not counted there (rtxcore.client.grpc).
+    max_resume_wait_s: float = 300.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_attempts, int) or self.max_attempts < 1:
             raise ValueError(f"max_attempts must be an integer >= 1, got {self.max_attempts!r}")
-        for name in ("backoff_s", "max_backoff_s", "max_retry_after_s"):
+        for name in ("backoff_s", "max_backoff_s", "max_retry_after_s", "max_resume_wait_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 

@@ -38,6 +38,10 @@ RULES: dict[str, str] = {
     "quantizer.shape": "the quantized tensor records the method name, shape and dtype; dequantize restores them",
     "quantizer.round_trip": "save (safetensors plus JSON meta) and load give back a tensor that dequantizes "
                             "identically",
+    "quantizer.linear": "linear() from the stored form keeps the output within twice max_relative_error of the exact "
+                        "product, in x's dtype and shape",
+    "quantizer.fusable": "weights quantized apart and stacked along their outputs (q|k|v) dequantize as the stacked "
+                         "weights: every tensor's first dimension is the outputs, but input_* tensors, shared",
     # backends
     "backend.logits_match": "logits match the reference (Hugging Face transformers, same weights) within tolerance",
     "backend.greedy_tokens": "greedy tokens equal the reference's",

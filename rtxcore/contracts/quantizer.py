@@ -16,7 +16,9 @@ class QuantizedTensor:
     method: str
     # Tensors that together encode the weight (packed values, scales, zero points...), saved as they are. The first
     # dimension of every one is the weight's output features, so the weights of layers fused along their outputs
-    # (q|k|v, gate|up) are fused by concatenating each tensor along dimension 0.
+    # (q|k|v, gate|up) are fused by concatenating each tensor along dimension 0. Tensors named ``input_*`` instead
+    # run along the input features (a per-channel smoothing of x, say): fused layers read one input, so theirs must
+    # be equal, and the fused weight keeps one.
     tensors: dict[str, torch.Tensor]
     # The original weight's shape and dtype, to rebuild it.
     shape: tuple[int, ...]
@@ -75,9 +77,10 @@ class Quantizer(ABC):
 
 def concat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
     """One quantized weight from weights stacked along their outputs (q|k|v): every tensor concatenated along
-    dimension 0, which the contract makes the output features.
+    dimension 0, which the contract makes the output features, but the ``input_*`` ones, shared.
 
-    :raises ValueError: the parts are not quantized alike (method, settings, tensors, input features).
+    :raises ValueError: the parts are not quantized alike (method, settings, tensors, input features, ``input_*``
+        tensors).
     """
     first = parts[0]
     for part in parts[1:]:
@@ -87,7 +90,11 @@ def concat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
                              f"{first.method} {first.meta} one of shape {first.shape}")
     if len(parts) == 1:
         return first
-    tensors = {key: torch.cat([p.tensors[key] for p in parts]) for key in first.tensors}
+    for key in (k for k in first.tensors if k.startswith("input_")):
+        if not all(torch.equal(p.tensors[key], first.tensors[key]) for p in parts[1:]):
+            raise ValueError(f"cannot stack weights whose {key!r} differ: they must read their input alike")
+    tensors = {key: first.tensors[key] if key.startswith("input_") else torch.cat([p.tensors[key] for p in parts])
+               for key in first.tensors}
     return QuantizedTensor(first.method, tensors, (sum(p.shape[0] for p in parts), *first.shape[1:]), first.dtype,
                            first.meta)
 

@@ -29,7 +29,8 @@ WEIGHTS_FILE = "model.safetensors"
 REPORT_FILE = "quantization_report.json"
 FORMAT_VERSION = 1
 # compressed-tensors' format name of each built-in method's layout.
-_FORMATS = {"int8": "int-quantized", "int4": "pack-quantized", "int4-gptq": "pack-quantized", "fp8": "float-quantized"}
+_FORMATS = {"int8": "int-quantized", "int8-sq": "int-quantized", "int4": "pack-quantized", "int4-gptq": "pack-quantized",
+            "fp8": "float-quantized"}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -192,9 +193,11 @@ def _read_layer(f, keys: set[str], name: str, info: dict[str, Any], path: Path) 
         if f"{prefix}.{key}" not in keys:
             raise ModelLoadError(f"{path}: layer {name} lacks its tensor {prefix}.{key}")
         t = f.get_tensor(f"{prefix}.{key}")
-        if t.dim() == 0 or t.shape[0] != shape[0]:
-            raise ModelLoadError(f"{path}: {prefix}.{key} has shape {tuple(t.shape)}; the layer has {shape[0]} "
-                                 "output features")
+        # input_* tensors run along the input features (see QuantizedTensor), the others along the outputs.
+        along, size = ("input", shape[1]) if key.startswith("input_") else ("output", shape[0])
+        if t.dim() == 0 or t.shape[0] != size:
+            raise ModelLoadError(f"{path}: {prefix}.{key} has shape {tuple(t.shape)}; the layer has {size} {along} "
+                                 "features")
         if t.is_floating_point() and t.dtype.itemsize > 1 and not torch.isfinite(t).all():
             raise ModelLoadError(f"{path}: {prefix}.{key} holds non-finite values")
         tensors[key] = t

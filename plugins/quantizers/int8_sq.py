@@ -1,0 +1,116 @@
+"""int8 weights and activations, SmoothQuant-style (W8A8): "int8-sq".
+
+A few input channels of a layer's activations run far larger than the rest, and a per-token int8 scale set by them
+leaves every other channel a handful of levels. Calibration measures each input channel's largest ``|x_j|``; the
+layer divides its input by ``s_j = |x_j|max ** ALPHA`` (scaled to a geometric mean of 1) and multiplies the weight's
+column j by the same, which leaves the product as it was and moves half of each channel's range (in log terms) from
+the activations into the weights. Weights are then int8 with one scale per output channel; activations int8 with
+one scale per token, quantized when the layer runs.
+
+SmoothQuant proper also weighs each weight column's range into ``s``. Here ``s`` comes from the activations alone,
+because layers fused along their outputs (q|k|v, gate|up) read one input and must share one ``s``, while each of
+them is quantized on its own. Without calibration statistics (quantized as a model loads), ``s`` is 1.
+
+On a GPU whose build of torch runs ``torch._int_mm`` (tried once), the product is an int8 matrix multiply with int32
+sums; elsewhere the same integers are multiplied in float32, which is exact while a sum stays below 2^24 and within
+float32's rounding beyond.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from rtxcore.contracts.quantizer import LayerStats, QuantizedTensor, Quantizer, require_tensor
+from rtxcore.hookspecs import hookimpl
+from rtx_plugins.quantizers.int8 import Int8Quantizer
+
+ALPHA = 0.5
+_LEVELS = 127
+# torch._int_mm on CUDA wants more than 16 rows of x and both matrices' sizes in multiples of 8.
+_INT_MM_MIN_ROWS = 17
+_INT_MM_ALIGN = 8
+
+
+@functools.cache
+def _int8_matmul_works(device_index: int) -> bool:
+    """Whether ``torch._int_mm`` runs on this GPU: which builds of torch support it where changes between releases."""
+    a = torch.zeros(_INT_MM_MIN_ROWS + 15, 32, dtype=torch.int8, device=f"cuda:{device_index}")
+    try:
+        torch._int_mm(a, a[:32].t())
+    except RuntimeError:
+        return False
+    return True
+
+
+def smoothing(stats: LayerStats | None, in_features: int) -> torch.Tensor:
+    """The divisor of each input channel, float32 [in_features]: ``|x_j|max ** ALPHA`` at a geometric mean of 1."""
+    if stats is None or stats.abs_max.numel() != in_features:
+        return torch.ones(in_features)
+    # Channels calibration never saw move (floor 1e-5) no further than one that was tiny.
+    s = stats.abs_max.float().clamp_min(1e-5).pow(ALPHA)
+    return s / s.log().mean().exp()
+
+
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of float32 ``x`` as int8 with its own symmetric scale: (int8 values, float32 scales [rows, 1])."""
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) * (1.0 / _LEVELS)
+    return (x / scale).round().clamp(-_LEVELS, _LEVELS).to(torch.int8), scale
+
+
+class Int8SmoothQuantizer(Quantizer):
+    # The weights alone are int8 per output channel after the columns are smoothed; on Gaussian weights with no
+    # statistics (s = 1) that is int8's own error.
+    max_relative_error = Int8Quantizer.max_relative_error
+    calibrated = True
+    # Activations are rounded too: per token, int8 leaves about twice int8-weights' error, and outlier channels
+    # that smoothing cannot tame cost more.
+    layer_error_budget = 0.06
+    fallback = "int8"
+
+    @classmethod
+    def describe(cls) -> dict[str, object]:
+        return {"description": "int8 weights (per output channel) and activations (dynamic, per token), with "
+                               "SmoothQuant-style smoothing of the activations' channels from calibration", "bits": 8}
+
+    def quantize(self, weight: torch.Tensor, stats: LayerStats | None = None) -> QuantizedTensor:
+        s = smoothing(stats, weight.shape[1])
+        smoothed = Int8Quantizer().quantize(weight.float() * s[None, :])
+        return QuantizedTensor("int8-sq", {**smoothed.tensors, "input_smooth": s}, tuple(weight.shape), weight.dtype,
+                               {"bits": 8, "strategy": "channel", "activations": "dynamic-token-int8",
+                                "smoothing_alpha": ALPHA})
+
+    def dequantize(self, qtensor: QuantizedTensor) -> torch.Tensor:
+        t = qtensor.tensors
+        return (t["weight"].float() * t["weight_scale"][:, None] / t["input_smooth"][None, :]).to(qtensor.dtype)
+
+    def check(self, qtensor: QuantizedTensor) -> None:
+        n, k = qtensor.shape
+        require_tensor(qtensor, "weight", (n, k), torch.int8)
+        require_tensor(qtensor, "weight_scale", (n,), torch.float32)
+        s = require_tensor(qtensor, "input_smooth", (k,), torch.float32)
+        if not (s > 0).all():
+            raise ValueError("'input_smooth' holds values that are not positive")
+
+    def linear(self, x: torch.Tensor, qtensor: QuantizedTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        t = qtensor.tensors
+        xq, x_scale = quantize_rows_int8(x.float() / t["input_smooth"])
+        n, k = t["weight"].shape
+        if (x.is_cuda and n % _INT_MM_ALIGN == 0 and k % _INT_MM_ALIGN == 0
+                and _int8_matmul_works(x.device.index or 0)):
+            rows = xq.shape[0]
+            if rows < _INT_MM_MIN_ROWS:
+                xq = torch.cat([xq, xq.new_zeros(_INT_MM_MIN_ROWS - rows, k)])
+            sums = torch._int_mm(xq, t["weight"].t())[:rows].float()
+        else:
+            sums = xq.float() @ t["weight"].float().t()
+        y = sums * x_scale * t["weight_scale"][None, :]
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype)
+
+
+@hookimpl
+def register_quantizers(register) -> None:
+    register("int8-sq", Int8SmoothQuantizer)

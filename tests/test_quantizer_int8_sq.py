@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rtx_plugins.quantizers.int8_sq import Int8SmoothQuantizer, quantize_rows_int8, smoothing
+from rtx_plugins.quantizers.int8_sq import Int8SmoothQuantizer, int_products, quantize_rows_int8, smoothing
 from rtxcore.contracts.quantizer import LayerStats, concat_rows
 
 K, N = 256, 96
@@ -61,6 +61,32 @@ def test_smoothing_without_statistics_is_one_and_otherwise_has_geometric_mean_on
     x = _activations(torch.Generator().manual_seed(2))
     s = smoothing(_stats(x), K)
     assert abs(s.log().mean().item()) < 1e-5 and s[3] > 5 * s[4]
+
+
+def test_a_channel_silent_in_calibration_is_not_blown_up_later():
+    gen = torch.Generator().manual_seed(4)
+    x, weight = torch.randn(64, K, generator=gen), torch.randn(N, K, generator=gen) / K**0.5
+    x[:32, 7] = 0.0  # silent in calibration, awake afterwards
+    quantizer = Int8SmoothQuantizer()
+    qt = quantizer.quantize(weight, _stats(x[:32]))
+    assert qt.tensors["input_smooth"][7] == pytest.approx(0.1)  # the floor, not 1e-6
+    assert _relative_error(quantizer.linear(x[32:], qt), x[32:] @ weight.t()) < 0.05
+
+
+def test_both_ways_of_multiplying_the_integers_agree():
+    gen = torch.Generator().manual_seed(5)
+    for rows in (1, 16, 17, 40):  # torch._int_mm wants more than 16 rows: fewer are padded
+        xq = torch.randint(-127, 128, (rows, 64), generator=gen, dtype=torch.int8)
+        w = torch.randint(-127, 128, (24, 64), generator=gen, dtype=torch.int8)
+        exact = (xq.long() @ w.long().t()).float()
+        assert torch.equal(int_products(xq, w, int_mm=True), exact)
+        assert torch.equal(int_products(xq, w, int_mm=False), exact)
+
+
+def test_quantize_keeps_the_weight_on_its_device():
+    """As a model loads with --quantization, weights are already on the GPU: the smoothing must follow them."""
+    qt = Int8SmoothQuantizer().quantize(torch.empty(N, K, device="meta"), _stats(_activations(torch.Generator())))
+    assert {t.device.type for t in qt.tensors.values()} == {"meta"}
 
 
 def test_fused_layers_share_their_smoothing():

@@ -62,10 +62,9 @@ def check_fusable(quantizer: Quantizer, weight: torch.Tensor) -> None:
     half = weight.shape[0] // 2
     top, bottom = quantizer.quantize(weight[:half]), quantizer.quantize(weight[half:])
     for key, t in top.tensors.items():
-        if key.startswith("input_"):  # along the input features, which the halves share
-            continue
-        require(t.dim() >= 1 and t.shape[0] == half, "quantizer.fusable",
-                f"tensor {key!r} has shape {tuple(t.shape)}: its first dimension must be the {half} output features")
+        along, size = ("input", weight.shape[1]) if key.startswith("input_") else ("output", half)
+        require(t.dim() >= 1 and t.shape[0] == size, "quantizer.fusable",
+                f"tensor {key!r} has shape {tuple(t.shape)}: its first dimension must be the {size} {along} features")
     try:
         stacked = concat_rows([top, bottom])
     except ValueError as exc:

@@ -7,13 +7,15 @@ column j by the same, which leaves the product as it was and moves half of each 
 the activations into the weights. Weights are then int8 with one scale per output channel; activations int8 with
 one scale per token, quantized when the layer runs.
 
-SmoothQuant proper also weighs each weight column's range into ``s``. Here ``s`` comes from the activations alone,
-because layers fused along their outputs (q|k|v, gate|up) read one input and must share one ``s``, while each of
-them is quantized on its own. Without calibration statistics (quantized as a model loads), ``s`` is 1.
+SmoothQuant proper also weighs each weight column's range into ``s`` (over all of q|k|v for a fused input). Here
+``s`` comes from the activations alone: ``quantize`` sees one layer at a time, and layers fused along their outputs
+(q|k|v, gate|up) read one input and must share one ``s``. It is kept within [1/10, 10]: a channel calibration saw
+almost silent would otherwise be multiplied up a hundredfold or more when it does carry values, and set every token's
+scale. Without calibration statistics (quantized as a model loads), ``s`` is 1.
 
-On a GPU whose build of torch runs ``torch._int_mm`` (tried once), the product is an int8 matrix multiply with int32
-sums; elsewhere the same integers are multiplied in float32, which is exact while a sum stays below 2^24 and within
-float32's rounding beyond.
+On a GPU whose build of torch runs ``torch._int_mm`` correctly (tried once) and whose layer sizes it takes, the
+product is an int8 matrix multiply with int32 sums; elsewhere the same integers are multiplied in float32, which is
+exact while a sum stays below 2^24 and within float32's rounding beyond (on the CPU ``_int_mm`` is far slower).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from rtxcore.hookspecs import hookimpl
 from rtx_plugins.quantizers.int8 import Int8Quantizer
 
 ALPHA = 0.5
+_SMOOTHING_RANGE = (0.1, 10.0)
 _LEVELS = 127
 # torch._int_mm on CUDA wants more than 16 rows of x and both matrices' sizes in multiples of 8.
 _INT_MM_MIN_ROWS = 17
@@ -35,22 +38,36 @@ _INT_MM_ALIGN = 8
 
 @functools.cache
 def _int8_matmul_works(device_index: int) -> bool:
-    """Whether ``torch._int_mm`` runs on this GPU: which builds of torch support it where changes between releases."""
-    a = torch.zeros(_INT_MM_MIN_ROWS + 15, 32, dtype=torch.int8, device=f"cuda:{device_index}")
+    """Whether ``torch._int_mm`` runs on this GPU and gets a small product right: which builds of torch support it
+    where changes between releases."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(-_LEVELS, _LEVELS + 1, (_INT_MM_MIN_ROWS, 32), generator=gen, dtype=torch.int8)
+    w = torch.randint(-_LEVELS, _LEVELS + 1, (16, 32), generator=gen, dtype=torch.int8)
     try:
-        torch._int_mm(a, a[:32].t())
+        got = int_products(x.to(f"cuda:{device_index}"), w.to(f"cuda:{device_index}"), True).cpu()
     except RuntimeError:
         return False
-    return True
+    return torch.equal(got, (x.long() @ w.long().t()).float())
+
+
+def int_products(xq: torch.Tensor, weight: torch.Tensor, int_mm: bool) -> torch.Tensor:
+    """``xq @ weight.T`` of int8 [M, K] and [N, K] as float32: by ``torch._int_mm`` (int32 sums; x padded to the rows
+    it wants) or by float32 products of the same integers."""
+    if not int_mm:
+        return xq.float() @ weight.float().t()
+    rows = xq.shape[0]
+    if rows < _INT_MM_MIN_ROWS:
+        xq = torch.cat([xq, xq.new_zeros(_INT_MM_MIN_ROWS - rows, xq.shape[1])])
+    return torch._int_mm(xq, weight.t())[:rows].float()
 
 
 def smoothing(stats: LayerStats | None, in_features: int) -> torch.Tensor:
-    """The divisor of each input channel, float32 [in_features]: ``|x_j|max ** ALPHA`` at a geometric mean of 1."""
+    """The divisor of each input channel, float32 [in_features]: ``|x_j|max ** ALPHA`` at a geometric mean of 1, kept
+    within ``_SMOOTHING_RANGE``."""
     if stats is None or stats.abs_max.numel() != in_features:
         return torch.ones(in_features)
-    # Channels calibration never saw move (floor 1e-5) no further than one that was tiny.
-    s = stats.abs_max.float().clamp_min(1e-5).pow(ALPHA)
-    return s / s.log().mean().exp()
+    s = stats.abs_max.float().clamp_min(1e-12).pow(ALPHA)
+    return (s / s.log().mean().exp()).clamp(*_SMOOTHING_RANGE)
 
 
 def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,6 +81,7 @@ class Int8SmoothQuantizer(Quantizer):
     # statistics (s = 1) that is int8's own error.
     max_relative_error = Int8Quantizer.max_relative_error
     calibrated = True
+    uses_hessian = False  # the per-channel maxima are enough
     # Activations are rounded too: per token, int8 leaves about twice int8-weights' error, and outlier channels
     # that smoothing cannot tame cost more.
     layer_error_budget = 0.06
@@ -75,7 +93,7 @@ class Int8SmoothQuantizer(Quantizer):
                                "SmoothQuant-style smoothing of the activations' channels from calibration", "bits": 8}
 
     def quantize(self, weight: torch.Tensor, stats: LayerStats | None = None) -> QuantizedTensor:
-        s = smoothing(stats, weight.shape[1])
+        s = smoothing(stats, weight.shape[1]).to(weight.device)
         smoothed = Int8Quantizer().quantize(weight.float() * s[None, :])
         return QuantizedTensor("int8-sq", {**smoothed.tensors, "input_smooth": s}, tuple(weight.shape), weight.dtype,
                                {"bits": 8, "strategy": "channel", "activations": "dynamic-token-int8",
@@ -97,15 +115,9 @@ class Int8SmoothQuantizer(Quantizer):
         t = qtensor.tensors
         xq, x_scale = quantize_rows_int8(x.float() / t["input_smooth"])
         n, k = t["weight"].shape
-        if (x.is_cuda and n % _INT_MM_ALIGN == 0 and k % _INT_MM_ALIGN == 0
-                and _int8_matmul_works(x.device.index or 0)):
-            rows = xq.shape[0]
-            if rows < _INT_MM_MIN_ROWS:
-                xq = torch.cat([xq, xq.new_zeros(_INT_MM_MIN_ROWS - rows, k)])
-            sums = torch._int_mm(xq, t["weight"].t())[:rows].float()
-        else:
-            sums = xq.float() @ t["weight"].float().t()
-        y = sums * x_scale * t["weight_scale"][None, :]
+        int_mm = (x.is_cuda and n % _INT_MM_ALIGN == 0 and k % _INT_MM_ALIGN == 0
+                  and _int8_matmul_works(x.device.index or 0))
+        y = int_products(xq, t["weight"], int_mm) * x_scale * t["weight_scale"][None, :]
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype)

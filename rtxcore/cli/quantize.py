@@ -14,7 +14,8 @@ def add_parser(sub) -> None:
                     "precision for layers whose output error exceeds the budget), write safetensors plus a "
                     "quantization config to --out, then score held-out text with the result.")
     p.add_argument("model", help="smollm2-135m (the default model), a .gguf file or a Hugging Face directory")
-    p.add_argument("--method", required=True, help="quantizer plugin: int8, int8-sq, int4, int4-gptq, fp8 or an installed one")
+    p.add_argument("--method", required=True,
+                   help="quantizer plugin: int8, int8-sq, int4, int4-gptq, fp8 or an installed one")
     p.add_argument("--out", required=True, type=Path, help="new directory to write (must not exist or be empty)")
     p.add_argument("--max-layer-error", type=float, default=None, metavar="X",
                    help="largest relative output error of a layer on calibration text before it falls back to "

@@ -16,9 +16,10 @@ class QuantizedTensor:
     method: str
     # Tensors that together encode the weight (packed values, scales, zero points...), saved as they are. The first
     # dimension of every one is the weight's output features, so the weights of layers fused along their outputs
-    # (q|k|v, gate|up) are fused by concatenating each tensor along dimension 0. Tensors named ``input_*`` instead
-    # run along the input features (a per-channel smoothing of x, say): fused layers read one input, so theirs must
-    # be equal, and the fused weight keeps one.
+    # (q|k|v, gate|up) are fused by concatenating each tensor along dimension 0. The prefix ``input_`` is reserved
+    # for tensors that run along the input features instead (a per-channel smoothing of x, say): fused layers read
+    # one input, so theirs must be equal (they may depend on the input's statistics, not on the weight), and the
+    # fused weight keeps one.
     tensors: dict[str, torch.Tensor]
     # The original weight's shape and dtype, to rebuild it.
     shape: tuple[int, ...]
@@ -46,6 +47,9 @@ class Quantizer(ABC):
     max_relative_error: float = 0.0
     #: Whether :meth:`quantize` makes use of calibration statistics (``rtx quantize`` collects them only then).
     calibrated: bool = False
+    #: Whether a calibrated method reads ``LayerStats.hessian``, the costly part (in_features^2 per layer): without
+    #: it ``rtx quantize`` collects only the per-feature maxima and sample rows.
+    uses_hessian: bool = True
     #: Largest relative error of a layer's output on calibration text before ``rtx quantize`` gives the layer to
     #: :attr:`fallback` instead (``--max-layer-error`` overrides it).
     layer_error_budget: float = 0.1
@@ -79,24 +83,30 @@ def concat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
     """One quantized weight from weights stacked along their outputs (q|k|v): every tensor concatenated along
     dimension 0, which the contract makes the output features, but the ``input_*`` ones, shared.
 
-    :raises ValueError: the parts are not quantized alike (method, settings, tensors, input features, ``input_*``
-        tensors).
+    :raises ValueError: see :func:`check_stackable`.
     """
+    check_stackable(parts)
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    tensors = {key: first.tensors[key] if key.startswith("input_") else torch.cat([p.tensors[key] for p in parts])
+               for key in first.tensors}
+    return QuantizedTensor(first.method, tensors, (sum(p.shape[0] for p in parts), *first.shape[1:]), first.dtype,
+                           first.meta)
+
+
+def check_stackable(parts: list[QuantizedTensor]) -> None:
+    """Raise ValueError unless :func:`concat_rows` can stack ``parts``: quantized alike (method, settings, tensors,
+    input features) and with equal ``input_*`` tensors."""
     first = parts[0]
     for part in parts[1:]:
         if (part.method, part.meta, part.tensors.keys(), part.shape[1:]) != (first.method, first.meta,
                                                                              first.tensors.keys(), first.shape[1:]):
             raise ValueError(f"cannot stack a {part.method} {part.meta} weight of shape {part.shape} under a "
                              f"{first.method} {first.meta} one of shape {first.shape}")
-    if len(parts) == 1:
-        return first
-    for key in (k for k in first.tensors if k.startswith("input_")):
-        if not all(torch.equal(p.tensors[key], first.tensors[key]) for p in parts[1:]):
-            raise ValueError(f"cannot stack weights whose {key!r} differ: they must read their input alike")
-    tensors = {key: first.tensors[key] if key.startswith("input_") else torch.cat([p.tensors[key] for p in parts])
-               for key in first.tensors}
-    return QuantizedTensor(first.method, tensors, (sum(p.shape[0] for p in parts), *first.shape[1:]), first.dtype,
-                           first.meta)
+        for key in (k for k in first.tensors if k.startswith("input_")):
+            if not torch.equal(part.tensors[key], first.tensors[key]):
+                raise ValueError(f"cannot stack weights whose {key!r} differ: they must read their input alike")
 
 
 def require_tensor(qtensor: QuantizedTensor, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -29,8 +29,9 @@ WEIGHTS_FILE = "model.safetensors"
 REPORT_FILE = "quantization_report.json"
 FORMAT_VERSION = 1
 # compressed-tensors' format name of each built-in method's layout.
-_FORMATS = {"int8": "int-quantized", "int8-sq": "int-quantized", "int4": "pack-quantized", "int4-gptq": "pack-quantized",
-            "fp8": "float-quantized"}
+# int8-sq's weight holds W times its smoothing: only "quant_method": "rtx-serve" keeps other loaders off it.
+_FORMATS = {"int8": "int-quantized", "int8-sq": "int-quantized", "int4": "pack-quantized",
+            "int4-gptq": "pack-quantized", "fp8": "float-quantized"}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -185,6 +186,8 @@ def _read_layer(f, keys: set[str], name: str, info: dict[str, Any], path: Path) 
     try:
         method, shape, meta, tensor_keys = info["method"], tuple(info["shape"]), info["meta"], info["tensors"]
         dtype = getattr(torch, info["dtype"])
+        if len(shape) != 2:
+            raise TypeError(f"shape {list(shape)} is not [out_features, in_features]")
     except (KeyError, TypeError, AttributeError) as exc:
         raise ModelLoadError(f"{path.parent}/config.json: layer {name}: malformed entry ({exc!r})") from None
     prefix = name.removesuffix(".weight")

@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from rtxcore.contracts.quantizer import LayerStats, QuantizedTensor, Quantizer
+from rtxcore.contracts.quantizer import LayerStats, QuantizedTensor, Quantizer, check_stackable
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +72,7 @@ def choose(names: list[str], weights: dict[str, torch.Tensor], stats: dict[str, 
         # Only calibrated methods take statistics (older plugins' quantize() has no such parameter).
         qts = {n: quantizer.quantize(weights[n], stats[n]) if quantizer.calibrated else quantizer.quantize(weights[n])
                for n in names}
+        check_stackable(list(qts.values()))  # the group runs fused: a ValueError now, not when the checkpoint loads
         errors = {n: output_error(quantizer, weights[n], qts[n], stats[n].sample) for n in names}
         attempts.append(Attempt(current, limit, errors))
         if not attempts[-1].over_budget:

@@ -93,7 +93,8 @@ def quantize_model(model: str | None, options: QuantizeOptions, registry: Plugin
         raise ConfigError(f"{source.name} is already quantized ({', '.join(source.quantization_methods())})")
     started = time.perf_counter()
     stats, groups, ppl_original, eval_ids, num_chunks = _calibrate(
-        registry, source, options, any(quantizer_for(m).calibrated for m in chain), log)
+        registry, source, options, any(quantizer_for(m).calibrated and quantizer_for(m).uses_hessian for m in chain),
+        log)
 
     weights = dict(source.weights())
     choices: list[GroupChoice] = []

@@ -3,10 +3,13 @@ equals its integer arithmetic, and fused layers share their smoothing."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from rtx_plugins.quantizers.int8_sq import Int8SmoothQuantizer, int_products, quantize_rows_int8, smoothing
+from rtx_plugins.quantizers.int8_sq import (WEIGHT_ONLY_MAX_ROWS, Int8SmoothQuantizer, int_products,
+                                            quantize_rows_int8, smoothing)
 from rtxcore.contracts.quantizer import LayerStats, concat_rows
 
 K, N = 256, 96
@@ -54,6 +57,28 @@ def test_linear_is_its_integer_arithmetic():
     # dequantize undoes the smoothing. The weight's own error grows (about 0.03 here, int8 alone about 0.01): that
     # is the range smoothing moved from the activations into the weights.
     assert _relative_error(quantizer.dequantize(qt), weight) < 0.05
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU's two paths need a GPU")
+@pytest.mark.parametrize("rows", [1, WEIGHT_ONLY_MAX_ROWS, WEIGHT_ONLY_MAX_ROWS + 1, 40])
+def test_on_the_gpu(rows):
+    """Up to WEIGHT_ONLY_MAX_ROWS rows: the int8 weights times the smoothed activations, unrounded. Beyond: the
+    integer arithmetic above, the activations rounded by the Triton kernel and multiplied by ``torch._int_mm``."""
+    gen = torch.Generator().manual_seed(6 + rows)
+    x, weight, bias = _activations(gen, rows), torch.randn(N, K, generator=gen), torch.randn(N, generator=gen)
+    quantizer = Int8SmoothQuantizer()
+    qt = quantizer.quantize(weight, _stats(_activations(gen)))
+    t = qt.tensors
+    if rows <= WEIGHT_ONLY_MAX_ROWS:
+        w = t["weight"].double() * t["weight_scale"].double()[:, None]
+        want = (x.double() / t["input_smooth"].double()) @ w.t() + bias.double()
+    else:
+        xq, x_scale = quantize_rows_int8(x / t["input_smooth"])
+        sums = xq.long() @ t["weight"].long().t()
+        want = sums.double() * x_scale.double() * t["weight_scale"].double()[None, :] + bias.double()
+    on_gpu = dataclasses.replace(qt, tensors={name: tensor.cuda() for name, tensor in t.items()})
+    got = quantizer.linear(x.cuda(), on_gpu, bias.cuda())
+    assert got.dtype == x.dtype and _relative_error(got.double().cpu(), want) < 1e-5
 
 
 def test_smoothing_without_statistics_is_one_and_otherwise_has_geometric_mean_one():

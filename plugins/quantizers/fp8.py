@@ -41,7 +41,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row of ``x`` scaled so that its largest magnitude becomes fp8's largest: (fp8 values, fp32 scales [rows,
     1])."""
     # Times the reciprocal, not divided: torch divides by a Python number that way on CUDA but not on the CPU, and
-    # the scale must be the same bits everywhere (rtx_kernels.fp8_rows computes it too).
+    # the scale must be the same bits everywhere (rtx_kernels.quant_rows computes it too).
     scale = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-12) * (1.0 / _FP8_MAX)
     return (x.float() / scale).clamp(-_FP8_MAX, _FP8_MAX).to(FP8), scale
 
@@ -50,7 +50,7 @@ def _quantize_rows_on_gpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize_rows`, the same bits, in one Triton kernel rather than torch's eight per layer."""
     if not quant_reference.HAS_TRITON:
         return quantize_rows(x)
-    from rtx_kernels.fp8_rows import quantize_rows_fp8
+    from rtx_kernels.quant_rows import quantize_rows_fp8
 
     return quantize_rows_fp8(x)
 

@@ -14,8 +14,15 @@ almost silent would otherwise be multiplied up a hundredfold or more when it doe
 scale. Without calibration statistics (quantized as a model loads), ``s`` is 1.
 
 On a GPU whose build of torch runs ``torch._int_mm`` correctly (tried once) and whose layer sizes it takes, the
-product is an int8 matrix multiply with int32 sums; elsewhere the same integers are multiplied in float32, which is
+product is an int8 matrix multiply with int32 sums, its activations quantized by one Triton kernel
+(``rtx_kernels.quant_rows``, the same bits as here); elsewhere the same integers are multiplied in float32, which is
 exact while a sum stays below 2^24 and within float32's rounding beyond (on the CPU ``_int_mm`` is far slower).
+
+Products of at most ``WEIGHT_ONLY_MAX_ROWS`` rows on a GPU (decode steps of a few requests) skip rounding the
+activations: reading the weight bounds them, so int8 activations would save nothing, while padding them to
+``_int_mm``'s 17 rows and the extra kernels cost more than the product. They run the int8 weights through the
+weight-only GEMV (``rtx_kernels.quant_matmul``) on the smoothed activations as they are, which is also closer to the
+unquantized layer.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import torch
 
 from rtxcore.contracts.quantizer import LayerStats, QuantizedTensor, Quantizer, require_tensor
 from rtxcore.hookspecs import hookimpl
+from rtx_kernels import quant_reference
 from rtx_plugins.quantizers.int8 import Int8Quantizer
 
 ALPHA = 0.5
@@ -34,6 +42,7 @@ _LEVELS = 127
 # torch._int_mm on CUDA wants more than 16 rows of x and both matrices' sizes in multiples of 8.
 _INT_MM_MIN_ROWS = 17
 _INT_MM_ALIGN = 8
+WEIGHT_ONLY_MAX_ROWS = 8
 
 
 @functools.cache
@@ -113,7 +122,17 @@ class Int8SmoothQuantizer(Quantizer):
 
     def linear(self, x: torch.Tensor, qtensor: QuantizedTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         t = qtensor.tensors
-        xq, x_scale = quantize_rows_int8(x.float() / t["input_smooth"])
+        on_gpu = x.is_cuda and quant_reference.HAS_TRITON
+        if on_gpu and x.shape[0] <= WEIGHT_ONLY_MAX_ROWS:
+            from rtx_kernels.quant_matmul import int8_linear
+
+            return int8_linear(x.float() / t["input_smooth"], t["weight"], t["weight_scale"], bias).to(x.dtype)
+        if on_gpu:
+            from rtx_kernels.quant_rows import quantize_rows_int8 as quantize_on_gpu
+
+            xq, x_scale = quantize_on_gpu(x, t["input_smooth"])
+        else:
+            xq, x_scale = quantize_rows_int8(x.float() / t["input_smooth"])
         n, k = t["weight"].shape
         int_mm = (x.is_cuda and n % _INT_MM_ALIGN == 0 and k % _INT_MM_ALIGN == 0
                   and _int8_matmul_works(x.device.index or 0))

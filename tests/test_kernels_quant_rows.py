@@ -1,10 +1,12 @@
-"""The fused per-token fp8 quantization of activations equals the fp8 quantizer's torch rounding bit for bit."""
+"""The fused per-token quantization of activations equals the quantizers' torch rounding bit for bit: fp8's, and
+int8-sq's with its smoothing divisor."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from rtx_kernels.fp8_rows import FP8, FP8_MAX, quantize_rows_fp8
+from rtx_kernels.quant_rows import FP8, FP8_MAX, quantize_rows_fp8, quantize_rows_int8
+from rtx_plugins.quantizers import int8_sq
 from rtx_plugins.quantizers.fp8 import quantize_rows
 from triton_helpers import DEVICE, generator
 
@@ -57,3 +59,43 @@ def test_rejects_what_it_cannot_quantize():
         quantize_rows_fp8(torch.zeros(3, 4, 5, device=DEVICE))
     with pytest.raises(ValueError, match="must be"):
         quantize_rows_fp8(torch.zeros(3, 4, dtype=torch.int32, device=DEVICE))
+
+
+# --- int8, as int8-sq quantizes its activations -------------------------------------------------------------------
+
+
+def _assert_same_int8(x: torch.Tensor, divisor: torch.Tensor | None) -> None:
+    q, scale = quantize_rows_int8(x, divisor)
+    q_ref, scale_ref = int8_sq.quantize_rows_int8(x.float() / divisor if divisor is not None else x.float())
+    assert q.dtype == torch.int8 and scale.shape == (x.shape[0], 1)
+    assert torch.equal(scale, scale_ref)
+    diff = (q != q_ref).nonzero()
+    assert diff.numel() == 0, f"{len(diff)} values differ, first at {diff[0].tolist()}"
+
+
+@pytest.mark.parametrize("smoothed", [True, False], ids=["smoothed", "plain"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("k", [1, 77, 3000])
+def test_int8_matches_int8_sq_rounding(k, dtype, smoothed):
+    gen = generator(k + 1)
+    wide = torch.randn(6, k + 5, generator=gen, device=DEVICE) * torch.logspace(-3, 3, 6, device=DEVICE)[:, None]
+    wide[3] = 0
+    x = wide.to(dtype)[:, :k]
+    divisor = (torch.rand(k, generator=gen, device=DEVICE) * 9.9 + 0.1) if smoothed else None
+    _assert_same_int8(x, divisor)
+
+
+def test_int8_ties_round_to_even():
+    """A row whose maximum is 127 has a scale of exactly 1: halves go to the even integer, a hair off them does not."""
+    halves = torch.tensor([0.5, 1.5, 2.5, 125.5, 126.5, 126.5 + 2**-16, 2.5 - 2**-20], device=DEVICE)
+    x = torch.cat([torch.tensor([127.0], device=DEVICE), halves, -halves])[None, :]
+    _assert_same_int8(x, None)
+    q, scale = quantize_rows_int8(x)
+    assert scale.item() == 1.0
+    expected = torch.tensor([0, 2, 2, 126, 126, 127, 2], device=DEVICE)
+    assert torch.equal(q[0, 1:].long(), torch.cat([expected, -expected]))
+
+
+def test_int8_rejects_a_divisor_of_the_wrong_shape():
+    with pytest.raises(ValueError, match="divisor"):
+        quantize_rows_int8(torch.zeros(2, 8, device=DEVICE), torch.ones(7, device=DEVICE))

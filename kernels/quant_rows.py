@@ -1,0 +1,107 @@
+"""Per-row (per-token) quantization of activations in one kernel, to fp8 e4m3 or int8: ``q, scale`` with
+``scale[m]`` = max |x[m, :]| * (1 / LEVELS) and ``q[m, k]`` = x[m, k] / scale[m] rounded, the rounding of the
+quantizers' torch code (IEEE division, round to nearest even, saturating): ``quantize_rows`` in
+``plugins/quantizers/fp8.py`` (LEVELS 448) and ``quantize_rows_int8`` in ``plugins/quantizers/int8_sq.py`` (LEVELS
+127). For int8 each column may first be divided by a divisor of its own (int8-sq's smoothing), as the quantizer
+divides ``x`` before it rounds.
+
+Done with torch operations, the same takes about eight kernels per linear layer (absolute value, row maximum,
+clamp, division, casts), each a launch and a pass over ``x``; at one token per step that cost more than the fp8
+product saved. Here each program owns a row: one pass finds its maximum, a second writes the quantized values.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+INT8_LEVELS = 127
+_BLOCK_K = 1024
+# Added to and taken from a float32 of magnitude below 2^22, rounds it to an integer, ties to even.
+_ROUNDING = tl.constexpr(12582912.0)  # 1.5 * 2^23
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, divisor_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm,
+                          LEVELS: tl.constexpr, INT8: tl.constexpr, HAS_DIVISOR: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_K)
+    x_row = x_ptr + row * stride_xm
+    amax = tl.zeros([BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = _load_row(x_row, divisor_ptr, k0 + cols, K, HAS_DIVISOR)
+        amax = tl.maximum(amax, tl.abs(x))
+    # The scale times the reciprocal, as the quantizers; x over it by IEEE division, as torch divides one tensor by
+    # another (Triton's ``/`` on float32 is an approximate one on NVIDIA GPUs).
+    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) * (1.0 / LEVELS)
+    tl.store(scale_ptr + row, scale)
+    for k0 in range(0, K, BLOCK_K):
+        mask = k0 + cols < K
+        x = _load_row(x_row, divisor_ptr, k0 + cols, K, HAS_DIVISOR)
+        q = tl.clamp(tl.math.div_rn(x, scale), -LEVELS, LEVELS)
+        if INT8:
+            q = ((q + _ROUNDING) - _ROUNDING).to(tl.int8)
+        else:
+            q = _e4m3_bits(q)
+        tl.store(q_ptr + row * stride_qm + k0 + cols, q, mask=mask)
+
+
+@triton.jit
+def _load_row(x_row, divisor_ptr, cols, K, HAS_DIVISOR: tl.constexpr):
+    mask = cols < K
+    x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DIVISOR:
+        x = tl.math.div_rn(x, tl.load(divisor_ptr + cols, mask=mask, other=1.0))
+    return x
+
+
+@triton.jit
+def _e4m3_bits(v):
+    """The e4m3fn byte of float32 ``v`` (|v| <= 448), rounded to nearest even, from integer operations: the same
+    bits on the GPU and in Triton's interpreter, whose own fp8 cast loses the carry into the exponent."""
+    b = v.to(tl.int32, bitcast=True)
+    a = tl.abs(v)
+    # Normal: keep 3 mantissa bits, round half to even (the carry may go into the exponent), rebias 127 -> 7.
+    normal = ((b & 0x7FFFFFFF) + 0x7FFFF + ((b >> 20) & 1)) >> 20
+    normal = normal - ((127 - 7) << 3)
+    # Below 2^-6, multiples of 2^-9: a * 2^9 rounded half to even by adding and removing 2^23.
+    sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+    bits = tl.where(a >= 0.015625, normal, sub)
+    return (bits | ((b >> 24) & 0x80)).to(tl.uint8)
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 e4m3 [M, K], float32 scales [M, 1]) for ``x`` [M, K] in float32, float16 or bfloat16 (rows may be
+    strided, K contiguous)."""
+    q, scale = _quantize_rows(x, None, torch.uint8, FP8_MAX)
+    return q.view(FP8), scale
+
+
+def quantize_rows_int8(x: torch.Tensor, divisor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [M, K], float32 scales [M, 1]) for ``x`` [M, K] in float32, float16 or bfloat16 (rows may be strided, K
+    contiguous), each column divided first by ``divisor`` (float32 [K]) where given."""
+    if divisor is not None and (divisor.shape != (x.shape[-1],) or divisor.dtype != torch.float32
+                                or divisor.device != x.device):
+        raise ValueError(f"divisor {tuple(divisor.shape)} {divisor.dtype} must be float32 [{x.shape[-1]}] on "
+                         f"{x.device}")
+    return _quantize_rows(x, divisor.contiguous() if divisor is not None else None, torch.int8, INT8_LEVELS)
+
+
+def _quantize_rows(x: torch.Tensor, divisor: torch.Tensor | None, dtype: torch.dtype,
+                   levels: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.dim() != 2 or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} must be [M, K] in float32, float16 or bfloat16")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=dtype, device=x.device)
+    scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    if m and k:
+        _quantize_rows_kernel[(m,)](x, divisor if divisor is not None else x, q, scale, k, x.stride(0), q.stride(0),
+                                    LEVELS=levels, INT8=dtype == torch.int8, HAS_DIVISOR=divisor is not None,
+                                    BLOCK_K=min(_BLOCK_K, triton.next_power_of_2(k)), num_warps=4)
+    return q, scale

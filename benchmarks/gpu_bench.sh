@@ -20,20 +20,25 @@
 #   cb64before  continuous versus static batching on W2 at 64 running, $RUNS times each (default 2), alternately
 #           with the tree as it is and with the files under $BEFORE (same relative paths: those files as they were
 #           before a change) in their place; the tree is restored afterwards
-#   quantsweepbefore, int4w3before  the same alternation for the quantized kernels at one
-#           and four rows (quant_sweep.py), and for int4's W3 against bf16's, five runs each (quant_speed.py)
+#   quantsweepbefore, int4w3before  the same alternation for the quantized kernels at $ROWS rows of x (default one
+#           and four; quant_sweep.py), and for int4's W3 against bf16's, five runs each (quant_speed.py)
 #   greedy  greedy GPU == CPU only;  attn  the attention kernel tests only
 #   quant   quantized weights: quantkernels, then quantspeed
 #   quantkernels  the W8A16/W4A16 and fp8 activation kernel tests, and the kernels against cuBLAS bf16 at llama-8b
 #           shapes
 #   quantspeed    W3 and W1 on llama-8b for bf16, int8, int4 and fp8 in one run (benchmarks/quant_speed.py)
+#   install       nothing more than the install every call starts with (for commands run by hand afterwards, with
+#                 PYTHONPATH=/tmp/site)
+#   quanttests    the quantized kernel tests and int8-sq's tests alone
+#   quantconfigs  every GEMV launch configuration of a grid at one row of x (quant_sweep.py --configs)
+#   quantw3       W3 on llama-8b for bf16, int4, int8 and int8-sq, the median of three runs each
 #   kvtests the KV tier tests, among them the one that fails if offload waits for the GPU
 #   w4tiers W4 with KV tiers (benchmarks/w4_tiers.py) on llama-1b: hit rate and p99 at 1.5x load, device cache
 #           with room for everything, too small with a host tier under it, too small without
 # Usage: benchmarks/gpu_bench.sh [tests] [checks] [sweep] [splits] [layers] [mixed] [bench] [w1] [w3] [cb] [host]
 #        [bench8b] [host64] [decode] [w3ab] [cb64ab] [cb64before] [quantsweepbefore] [int4w3before]
 #        [greedy] [attn] [w4tiers] [quant] [quantkernels]
-#        [quantspeed] [kvtests]
+#        [quantspeed] [install] [quanttests] [quantconfigs] [quantw3] [kvtests]
 #        (default: tests checks bench bench8b); results go to $OUT (or ./gpu-out)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -135,7 +140,7 @@ for step in "${steps[@]}"; do
       before_and_after cb64 || status=1 ;;
     quantsweepbefore)
       quantsweep() {
-        python3 benchmarks/quant_sweep.py "$OUT/quant_sweep_gemv_$1.json" --rows 1,4 \
+        python3 benchmarks/quant_sweep.py "$OUT/quant_sweep_gemv_$1.json" --rows "${ROWS:-1,4}" \
           --shapes qkv,o_proj,gate_up,down_proj 2>&1 | tee "$OUT/quant_sweep_gemv_$1.log" | tail -42
       }
       before_and_after quantsweep || status=1 ;;
@@ -173,12 +178,25 @@ for step in "${steps[@]}"; do
       $RTX bench --workload W2 --baseline static "${common[@]}" --max-num-seqs 64 \
         --json "$OUT/W2_llama1b_cb_vs_static.json" || status=1 ;;
     quant|quantkernels)
-      python3 -m pytest -q -p no:cacheprovider tests/test_kernels_quant.py tests/test_kernels_fp8_rows.py 2>&1 | tee "$OUT/quant_kernel_tests.log" | tail -5
+      python3 -m pytest -q -p no:cacheprovider tests/test_kernels_quant.py tests/test_kernels_quant_rows.py 2>&1 | tee "$OUT/quant_kernel_tests.log" | tail -5
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       python3 benchmarks/quant_sweep.py "$OUT/quant_sweep.json" 2>&1 | tee "$OUT/quant_sweep.log" || status=1 ;;&
     quant|quantspeed)
       python3 benchmarks/quant_speed.py --json "$OUT/quant_speed.json" 2>&1 | tee "$OUT/quant_speed.log" || status=1 ;;
     quantkernels) ;;
+    install) ;;
+    quanttests)
+      python3 -m pytest -q -p no:cacheprovider tests/test_kernels_quant.py tests/test_kernels_quant_rows.py \
+        tests/test_quantizer_int8_sq.py 2>&1 | tee "$OUT/quant_tests.log" | tail -8
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    quantconfigs)
+      python3 benchmarks/quant_sweep.py "$OUT/quant_configs.json" --configs --rows 1 \
+        --shapes qkv,o_proj,gate_up,down_proj 2>&1 | tee "$OUT/quant_configs.log" | tail -12
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    quantw3)
+      python3 benchmarks/quant_speed.py --methods int4,int8,int8-sq --workloads W3 --repeats 3 \
+        --json "$OUT/quant_w3.json" 2>&1 | tee "$OUT/quant_w3.log" | tail -12
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     kvtests)
       python3 -m pytest -q -p no:cacheprovider tests/test_kv_tiers.py 2>&1 | tee "$OUT/kv_tests.log" | tail -5
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;

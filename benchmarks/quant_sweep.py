@@ -6,12 +6,19 @@ events (median of REPLAYS), as the engine's decode step runs them, so launch ove
 through enough copies of the weights (>= 4, >= 2x the L2 in total) that no call finds its weight in L2. Effective
 bandwidth counts the bytes of the weight in its stored format (int4: the packed words, scales and zero points).
 
+With ``--configs`` it times instead every GEMV launch configuration of a grid (rows per program, warps, vectors
+per thread) that fits the kernel's register plan, pinned one at a time in place of the autotuner's choice, for rows of
+x up to 8: the data behind the kernel's autotuning list.
+
 Usage: python benchmarks/quant_sweep.py [summary.json] [--rows 1,4,16,64,256] [--group-size 128] [--shapes qkv,lm_head]
+       [--configs]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
 import math
 import statistics
@@ -32,6 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rows", default="1,4,16,64,256", help="comma-separated M values (default: 1,4,16,64,256)")
     parser.add_argument("--group-size", type=int, default=128, help="int4 group size along K (default: 128)")
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {list(SHAPES)}")
+    parser.add_argument("--configs", action="store_true",
+                        help="time every GEMV launch configuration of a grid instead (rows up to 8)")
     args = parser.parse_args(argv)
     args.rows = [int(r) for r in args.rows.split(",")]
     args.shapes = args.shapes.split(",")
@@ -154,6 +163,54 @@ def sweep_shape(name: str, n: int, k: int, rows: list[int], group: int, l2_bytes
     return results
 
 
+# The grid --configs walks: rows per program, warps (along K), vectors of words per thread and row.
+CONFIG_GRID = {"block_n": (1, 2, 4, 8), "num_warps": (1, 2, 4, 8), "chunks": (1, 2)}
+
+
+@contextlib.contextmanager
+def pinned(kernel, config):
+    """The autotuned ``kernel`` running ``config`` only (an autotuner with one config neither prunes nor times)."""
+    saved = kernel.configs, kernel.cache
+    kernel.configs, kernel.cache = [config], {}
+    try:
+        yield
+    finally:
+        kernel.configs, kernel.cache = saved
+
+
+def sweep_configs(name: str, n: int, k: int, rows: list[int], group: int, l2_bytes: int) -> list[dict]:
+    import triton
+    from rtx_kernels import quant_matmul
+    from rtx_kernels.quant_matmul import _gemv_config, _gemv_vec, _prune_gemv_configs, int4_linear, int8_linear
+
+    formats = {"int8": (random_int8, (), int8_linear, n * k + n * 4),
+               "int4": (random_int4, (group,), int4_linear, n * k // 2 + n * (k // group) * 5)}
+    results = []
+    for method, (make, extra, linear, nbytes) in formats.items():
+        weights = [make(n, k, *extra) for _ in range(max(4, math.ceil(2 * l2_bytes / nbytes)))]
+        bits = 8 if method == "int8" else 4
+        for m in (r for r in rows if r <= 8):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = linear(x, *weights[0], *extra)
+            grid = [_gemv_config(*c) for c in itertools.product(*CONFIG_GRID.values())]
+            fitting = _prune_gemv_configs(grid, {}, BITS=bits, VEC=_gemv_vec(bits, group),
+                                          BLOCK_M=triton.next_power_of_2(m))
+            for config in fitting:
+                with pinned(quant_matmul._gemv_kernel, config):
+                    err = relative_error(linear(x, *weights[0], *extra), ref)
+                    us = time_graph(lambda i, x=x: linear(x, *weights[i], *extra), len(weights))
+                results.append({"matrix": name, "n": n, "k": k, "m": m, "method": method, "us": us,
+                                "weight_gbps": nbytes / us / 1e3, "config": describe(config), "rel_err": err})
+                wrong = " WRONG" if err > 2e-2 else ""
+                print(f"{name} {method} M={m} {describe(config)}: {us:.2f} us, error {err:.1e}{wrong}", flush=True)
+        del weights
+    return results
+
+
+def describe(config) -> str:
+    return f"BLOCK_N={config.kwargs['BLOCK_N']} BLOCK_V={config.kwargs['BLOCK_V']} warps={config.num_warps}"
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     props = torch.cuda.get_device_properties(0)
@@ -163,8 +220,20 @@ def main(argv=None) -> None:
     results = []
     for name in args.shapes:
         n, k = SHAPES[name]
-        results += sweep_shape(name, n, k, args.rows, args.group_size, props.L2_cache_size)
+        sweep = sweep_configs if args.configs else sweep_shape
+        results += sweep(name, n, k, args.rows, args.group_size, props.L2_cache_size)
         torch.cuda.empty_cache()  # the shape's weights, freed on return
+    if args.configs:
+        print(f"\n{'matrix':<10}{'M':>3}  {'method':<6}{'best us':>9}{'GB/s':>7}  best config")
+        for (name, m, method), group_results in itertools.groupby(
+                results, key=lambda r: (r["matrix"], r["m"], r["method"])):
+            group_results = list(group_results)
+            best = min(group_results, key=lambda r: r["us"])
+            print(f"{name:<10}{m:>3}  {method:<6}{best['us']:>9.2f}{best['weight_gbps']:>7.0f}  {best['config']}")
+        if args.summary:
+            with open(args.summary, "w") as f:
+                json.dump({"device": props.name, "group_size": args.group_size, "configs": results}, f, indent=1)
+        return
 
     print(f"\n{'matrix':<10}{'N':>7}{'K':>6}{'M':>5}  {'method':<7}{'us':>9}{'GB/s':>8}{'x cuBLAS':>10}  config")
     for r in results:

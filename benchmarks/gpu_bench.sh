@@ -27,8 +27,8 @@
 #   quantkernels  the W8A16/W4A16 and fp8 activation kernel tests, and the kernels against cuBLAS bf16 at llama-8b
 #           shapes
 #   quantspeed    W3 and W1 on llama-8b for bf16, int8, int4 and fp8 in one run (benchmarks/quant_speed.py)
-#   install       nothing more than the install every call starts with (for commands run by hand afterwards, with
-#                 PYTHONPATH=/tmp/site)
+#   install       nothing more than the install every call starts with (for commands run by hand afterwards; with
+#                 wheels in .whl/, under PYTHONPATH=/tmp/site)
 #   quanttests    the quantized kernel tests and int8-sq's tests alone
 #   quantconfigs  every GEMV launch configuration of a grid at one row of x (quant_sweep.py --configs)
 #   quantw3       W3 on llama-8b for bf16, int4, int8 and int8-sq, the median of three runs each

@@ -198,12 +198,11 @@ def sweep_configs(name: str, n: int, k: int, rows: list[int], group: int, l2_byt
             for config in fitting:
                 with pinned(quant_matmul._gemv_kernel, config):
                     err = relative_error(linear(x, *weights[0], *extra), ref)
-                    us = time_graph(lambda i, x=x: linear(x, *weights[i], *extra), len(weights))
+                    us = time_graph(lambda i, x=x, w=weights: linear(x, *w[i], *extra), len(weights))
                 results.append({"matrix": name, "n": n, "k": k, "m": m, "method": method, "us": us,
                                 "weight_gbps": nbytes / us / 1e3, "config": describe(config), "rel_err": err})
                 wrong = " WRONG" if err > 2e-2 else ""
                 print(f"{name} {method} M={m} {describe(config)}: {us:.2f} us, error {err:.1e}{wrong}", flush=True)
-        del weights
     return results
 
 

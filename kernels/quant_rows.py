@@ -22,6 +22,7 @@ INT8_LEVELS = 127
 _BLOCK_K = 1024
 # Added to and taken from a float32 of magnitude below 2^22, rounds it to an integer, ties to even.
 _ROUNDING = tl.constexpr(12582912.0)  # 1.5 * 2^23
+_NAN = tl.constexpr(float("nan"))
 
 
 @triton.jit
@@ -32,12 +33,16 @@ def _quantize_rows_kernel(x_ptr, divisor_ptr, q_ptr, scale_ptr, K, stride_xm, st
     cols = tl.arange(0, BLOCK_K)
     x_row = x_ptr + row * stride_xm
     amax = tl.zeros([BLOCK_K], tl.float32)
+    nans = tl.zeros([BLOCK_K], tl.int32)
     for k0 in range(0, K, BLOCK_K):
         x = _load_row(x_row, divisor_ptr, k0 + cols, K, HAS_DIVISOR)
         amax = tl.maximum(amax, tl.abs(x))
+        nans += (x != x).to(tl.int32)
     # The scale times the reciprocal, as the quantizers; x over it by IEEE division, as torch divides one tensor by
-    # another (Triton's ``/`` on float32 is an approximate one on NVIDIA GPUs).
+    # another (Triton's ``/`` on float32 is an approximate one on NVIDIA GPUs). tl.maximum passes over NaN where
+    # torch's row maximum is NaN: a row holding one gets a NaN scale, so the layer's output shows it, as on the CPU.
     scale = tl.maximum(tl.max(amax, axis=0), 1e-12) * (1.0 / LEVELS)
+    scale = tl.where(tl.sum(nans, axis=0) > 0, _NAN, scale)
     tl.store(scale_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):
         mask = k0 + cols < K
@@ -76,14 +81,15 @@ def _e4m3_bits(v):
 
 def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8 e4m3 [M, K], float32 scales [M, 1]) for ``x`` [M, K] in float32, float16 or bfloat16 (rows may be
-    strided, K contiguous)."""
+    strided, K contiguous). A row holding NaN gets a NaN scale (its values are then meaningless)."""
     q, scale = _quantize_rows(x, None, torch.uint8, FP8_MAX)
     return q.view(FP8), scale
 
 
 def quantize_rows_int8(x: torch.Tensor, divisor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 [M, K], float32 scales [M, 1]) for ``x`` [M, K] in float32, float16 or bfloat16 (rows may be strided, K
-    contiguous), each column divided first by ``divisor`` (float32 [K]) where given."""
+    contiguous), each column divided first by ``divisor`` (float32 [K]) where given. A row holding NaN gets a NaN
+    scale (its values are then meaningless)."""
     if divisor is not None and (divisor.shape != (x.shape[-1],) or divisor.dtype != torch.float32
                                 or divisor.device != x.device):
         raise ValueError(f"divisor {tuple(divisor.shape)} {divisor.dtype} must be float32 [{x.shape[-1]}] on "
@@ -92,7 +98,7 @@ def quantize_rows_int8(x: torch.Tensor, divisor: torch.Tensor | None = None) -> 
 
 
 def _quantize_rows(x: torch.Tensor, divisor: torch.Tensor | None, dtype: torch.dtype,
-                   levels: float) -> tuple[torch.Tensor, torch.Tensor]:
+                   levels: int | float) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dim() != 2 or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} must be [M, K] in float32, float16 or bfloat16")
     if x.stride(1) != 1:

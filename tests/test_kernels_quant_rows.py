@@ -99,3 +99,18 @@ def test_int8_ties_round_to_even():
 def test_int8_rejects_a_divisor_of_the_wrong_shape():
     with pytest.raises(ValueError, match="divisor"):
         quantize_rows_int8(torch.zeros(2, 8, device=DEVICE), torch.ones(7, device=DEVICE))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_a_row_holding_nan_gets_a_nan_scale(fmt):
+    """As torch's row maximum is NaN, so the layer's output shows the NaN; the other rows are untouched."""
+    gen = generator(9)
+    x = torch.randn(3, 300, generator=gen, device=DEVICE)
+    x[1, 257] = float("nan")
+    if fmt == "fp8":
+        (q, scale), (q_ref, scale_ref) = quantize_rows_fp8(x), quantize_rows(x)
+        q, q_ref = q.view(torch.uint8), q_ref.view(torch.uint8)
+    else:
+        (q, scale), (q_ref, scale_ref) = quantize_rows_int8(x), int8_sq.quantize_rows_int8(x)
+    assert scale[1].isnan().all() and scale_ref[1].isnan().all()
+    assert torch.equal(scale[[0, 2]], scale_ref[[0, 2]]) and torch.equal(q[[0, 2]], q_ref[[0, 2]])

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from rtx_kernels import quant_reference
 from rtx_plugins.quantizers.int8_sq import (WEIGHT_ONLY_MAX_ROWS, Int8SmoothQuantizer, int_products,
                                             quantize_rows_int8, smoothing)
 from rtxcore.contracts.quantizer import LayerStats, concat_rows
@@ -59,13 +60,17 @@ def test_linear_is_its_integer_arithmetic():
     assert _relative_error(quantizer.dequantize(qt), weight) < 0.05
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU's two paths need a GPU")
+@pytest.mark.skipif(not torch.cuda.is_available() or not quant_reference.HAS_TRITON,
+                    reason="the GPU's two paths need a GPU and Triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("rows", [1, WEIGHT_ONLY_MAX_ROWS, WEIGHT_ONLY_MAX_ROWS + 1, 40])
-def test_on_the_gpu(rows):
+def test_on_the_gpu(rows, dtype):
     """Up to WEIGHT_ONLY_MAX_ROWS rows: the int8 weights times the smoothed activations, unrounded. Beyond: the
-    integer arithmetic above, the activations rounded by the Triton kernel and multiplied by ``torch._int_mm``."""
+    integer arithmetic above, the activations rounded by the Triton kernel and multiplied by ``torch._int_mm``.
+    bfloat16 results are those rounded once more."""
     gen = torch.Generator().manual_seed(6 + rows)
     x, weight, bias = _activations(gen, rows), torch.randn(N, K, generator=gen), torch.randn(N, generator=gen)
+    x, bias = x.to(dtype), bias.to(dtype)
     quantizer = Int8SmoothQuantizer()
     qt = quantizer.quantize(weight, _stats(_activations(gen)))
     t = qt.tensors
@@ -78,7 +83,13 @@ def test_on_the_gpu(rows):
         want = sums.double() * x_scale.double() * t["weight_scale"].double()[None, :] + bias.double()
     on_gpu = dataclasses.replace(qt, tensors={name: tensor.cuda() for name, tensor in t.items()})
     got = quantizer.linear(x.cuda(), on_gpu, bias.cuda())
-    assert got.dtype == x.dtype and _relative_error(got.double().cpu(), want) < 1e-5
+    assert got.dtype == x.dtype and _relative_error(got.double().cpu(), want) < (1e-5 if dtype == torch.float32
+                                                                                 else 1e-2)
+
+
+def test_the_weight_only_path_ends_where_the_gemv_does():
+    quant_matmul = pytest.importorskip("rtx_kernels.quant_matmul")
+    assert WEIGHT_ONLY_MAX_ROWS == quant_matmul._MAX_GEMV_M
 
 
 def test_smoothing_without_statistics_is_one_and_otherwise_has_geometric_mean_one():

@@ -14,15 +14,16 @@ almost silent would otherwise be multiplied up a hundredfold or more when it doe
 scale. Without calibration statistics (quantized as a model loads), ``s`` is 1.
 
 On a GPU whose build of torch runs ``torch._int_mm`` correctly (tried once) and whose layer sizes it takes, the
-product is an int8 matrix multiply with int32 sums, its activations quantized by one Triton kernel
-(``rtx_kernels.quant_rows``, the same bits as here); elsewhere the same integers are multiplied in float32, which is
-exact while a sum stays below 2^24 and within float32's rounding beyond (on the CPU ``_int_mm`` is far slower).
+product is an int8 matrix multiply with int32 sums; elsewhere the same integers are multiplied in float32, which is
+exact while a sum stays below 2^24 and within float32's rounding beyond (on the CPU ``_int_mm`` is far slower). On a
+GPU one Triton kernel divides and rounds the activations (``rtx_kernels.quant_rows``, the same bits as here).
 
 Products of at most ``WEIGHT_ONLY_MAX_ROWS`` rows on a GPU (decode steps of a few requests) skip rounding the
 activations: reading the weight bounds them, so int8 activations would save nothing, while padding them to
 ``_int_mm``'s 17 rows and the extra kernels cost more than the product. They run the int8 weights through the
 weight-only GEMV (``rtx_kernels.quant_matmul``) on the smoothed activations as they are, which is also closer to the
-unquantized layer.
+unquantized layer. So on a GPU a layer's rounding depends on how many rows it gets at once: a request's tokens can
+differ in their last bits between a step of 8 rows and one of 9.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ _LEVELS = 127
 # torch._int_mm on CUDA wants more than 16 rows of x and both matrices' sizes in multiples of 8.
 _INT_MM_MIN_ROWS = 17
 _INT_MM_ALIGN = 8
+# The W8A16 GEMV's limit (rtx_kernels.quant_matmul's _MAX_GEMV_M): past it int8_linear takes a GEMM.
 WEIGHT_ONLY_MAX_ROWS = 8
 
 
@@ -126,7 +128,8 @@ class Int8SmoothQuantizer(Quantizer):
         if on_gpu and x.shape[0] <= WEIGHT_ONLY_MAX_ROWS:
             from rtx_kernels.quant_matmul import int8_linear
 
-            return int8_linear(x.float() / t["input_smooth"], t["weight"], t["weight_scale"], bias).to(x.dtype)
+            # x / s is float32 (type promotion): one kernel, and the smoothed values unrounded.
+            return int8_linear(x / t["input_smooth"], t["weight"], t["weight_scale"], bias).to(x.dtype)
         if on_gpu:
             from rtx_kernels.quant_rows import quantize_rows_int8 as quantize_on_gpu
 

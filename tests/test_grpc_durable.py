@@ -39,9 +39,9 @@ def tokens(messages) -> list[int]:
     return [t for m in messages for t in m.token_ids]
 
 
-def read_some(stub, max_tokens: int, num_messages: int) -> list[rtx_pb2.GenerateResponse]:
+def read_some(stub, max_tokens: int, num_messages: int, metadata=()) -> list[rtx_pb2.GenerateResponse]:
     """The first ``num_messages`` messages of a Generate call, then the call is cancelled (the client leaves)."""
-    call = stub.Generate(generate_request(max_tokens))
+    call = stub.Generate(generate_request(max_tokens), metadata=metadata)
     seen = []
     for message in call:
         seen.append(message)
@@ -142,16 +142,21 @@ def test_resume_refuses_what_it_cannot_follow(server, stub):
 
 def test_a_stream_resumes_across_a_kill_and_restart(tmp_path):
     """SIGKILL mid-stream, restart on the same state dir: Resume gives the rest, computed by the restarted server,
-    joining the first messages without a gap or a repeat."""
-    state = str(tmp_path / "state")
+    joining the first messages without a gap or a repeat, in the trace the request came with."""
+    state = tmp_path / "state"
     max_tokens = 400
-    server = start_server(*MODEL_ARGS, "--state-dir", state)
+    trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    trace = (("traceparent", f"00-{trace_id}-{parent_id}-01"), ("tracestate", "vendor=opaque"))
+    server = start_server(*MODEL_ARGS, "--state-dir", str(state))
     try:
         with grpc.insecure_channel(server.grpc_target) as channel:
-            first = read_some(rtx_pb2_grpc.RtxStub(channel), max_tokens, 3)
+            first = read_some(rtx_pb2_grpc.RtxStub(channel), max_tokens, 3, metadata=trace)
         server.stop(signal.SIGKILL)
         assert not first[-1].finished
-        server = start_server(*MODEL_ARGS, "--state-dir", state)
+        # The journal keeps the trace context: tracestate reaches only the spans, so it is checked here.
+        assert '"tracestate":"vendor=opaque"' in "".join(p.read_text(errors="replace") for p in state.rglob("*")
+                                                          if p.is_file()).replace(" ", "")
+        server = start_server(*MODEL_ARGS, "--state-dir", str(state), "--log-level", "info")
         rest, whole = resume_and_rerun(server, first, max_tokens)
         check_events(first + rest)
         assert tokens(first + rest) == tokens(whole)
@@ -160,6 +165,11 @@ def test_a_stream_resumes_across_a_kill_and_restart(tmp_path):
         assert metric(server, "rtx_journal_resumed_requests_total") == 1
     finally:
         server.stop(signal.SIGKILL)
+    finished = [json.loads(line[line.index("{"):]) for line in server.output().splitlines()
+                if '"request_finished"' in line]
+    # Two requests finished there: the resumed one, in its trace, and the rerun, which came without one.
+    assert len(finished) == 2
+    assert [(r["trace_id"], r["parent_span_id"]) for r in finished if "trace_id" in r] == [(trace_id, parent_id)]
 
 
 def test_a_stream_cut_by_a_shutdown_resumes_after_the_restart(tmp_path):

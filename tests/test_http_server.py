@@ -488,9 +488,9 @@ def test_traceparent_and_request_id_parsing():
                 good.replace("4bf92f3577b34da6a3ce929d0e0e4736", "0" * 32), good[:-1]):
         assert parse_traceparent(bad) is None, bad
     assert parse_traceparent("01" + good[2:] + "-future") is not None  # later versions may append fields
-    ctx = TraceContext.from_header(good)
+    ctx = TraceContext.from_headers(good)
     assert ctx.traceparent.startswith("00-4bf92f3577b34da6a3ce929d0e0e4736-") and ctx.span_id != "00f067aa0ba902b7"
-    assert TraceContext.from_header(None).parent_id is None
+    assert TraceContext.from_headers(None).parent_id is None
     assert sanitize_request_id("abc-1.2:3_x") == "abc-1.2:3_x"
     assert sanitize_request_id("a b\x00c<script>") == "abcscript"
     assert len(sanitize_request_id("x" * 500)) == 64

@@ -30,6 +30,15 @@ _MAX_ANNOTATIONS = 65536
 AttributeValue = str | int | float | bool
 
 
+@dataclass(slots=True, frozen=True)
+class TraceHeaders:
+    """The W3C trace context an engine request is traced under, as its headers: kept with a journaled request so
+    that a restart resumes it in the same trace."""
+
+    traceparent: str | None = None
+    tracestate: str | None = None
+
+
 @dataclass(slots=True)
 class _Annotation:
     traceparent: str | None

@@ -28,6 +28,7 @@ from rtxcore.engine.async_engine import AsyncEngine
 from rtxcore.engine.outputs import RequestOutput
 from rtxcore.errors import AdmissionRefused, InvalidRequestError, RtxError
 from rtxcore.lanes import DEFAULT_LANE, check_lane_name
+from rtxcore.metrics.timeline import TraceHeaders
 from rtxcore.sampling_params import SamplingParams
 from rtxcore.server.durable.entry import DurableRequest
 from rtxcore.server.durable.journal import JournalClosed
@@ -96,7 +97,7 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
         if self.runtime.durable is not None and self.runtime.main_loop is not None:
             route = Route(tenant, lane, cache_salt(tenant, metadata.get(CACHE_SALT_METADATA)))
             await self._generate_journaled(context, prompt, params, route, request.request_id,
-                                           metadata.get("traceparent"))
+                                           TraceHeaders(metadata.get("traceparent"), metadata.get("tracestate")))
             return
         tenant_name = tenant.name if tenant is not None else None
         num_prompt_tokens = len(prompt) if isinstance(prompt, list) else 0
@@ -159,14 +160,14 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
 
     async def _generate_journaled(self, context: grpc.aio.ServicerContext, prompt: str | list[int],
                                   params: SamplingParams, route: Route, client_req_id: str,
-                                  traceparent: str | None) -> None:
+                                  trace: TraceHeaders) -> None:
         main = await self._journal_loop(context)
         try:
             prompts = await tokenize(self.runtime.async_engine.engine, [prompt])
         except InvalidRequestError as exc:
             await _abort_invalid(context, exc)
         req_id = client_req_id or f"grpc-{secrets.token_hex(12)}"
-        starting = _start_journaled(self.runtime, req_id, prompts, params, traceparent, route)
+        starting = _start_journaled(self.runtime, req_id, prompts, params, trace, route)
         try:
             future = asyncio.run_coroutine_threadsafe(starting, main)
         except RuntimeError:  # the main loop has closed
@@ -310,9 +311,9 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
 
 
 async def _start_journaled(runtime: ServingRuntime, req_id: str, prompts: list[list[int]], params: SamplingParams,
-                           traceparent: str | None, route: Route) -> DurableRequest:
+                           trace: TraceHeaders, route: Route) -> DurableRequest:
     """Admit, journal and start a gRPC request; on the main loop."""
-    gen = await Generation.start(runtime, req_id, prompts, params, traceparent, route, protocol="grpc")
+    gen = await Generation.start(runtime, req_id, prompts, params, trace, route, protocol="grpc")
     spec = ResponseSpec("grpc", True, {"id": gen.req_id, "model": runtime.model_name},
                         logprobs=params.logprobs is not None)
     return await begin(runtime, Started(gen, spec, prompts, params), None)

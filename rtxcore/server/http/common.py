@@ -13,6 +13,7 @@ from rtxcore.engine.llm_engine import LLMEngine
 from rtxcore.engine.outputs import TokenLogprob
 from rtxcore.errors import InvalidRequestError
 from rtxcore.lanes import DEFAULT_LANE, check_lane_name
+from rtxcore.metrics.timeline import TraceHeaders
 from rtxcore.server.http.errors import APIError
 from rtxcore.server.http.protocol import RoutingFields
 from rtxcore.server.runtime import ServingRuntime
@@ -85,9 +86,11 @@ def request_id(request: Request) -> str:
     return request.state.request_id
 
 
-def traceparent(request: Request) -> str:
-    """This server's ``traceparent`` (the one sent back), under which engine requests are traced."""
-    return request.state.trace.traceparent
+def trace_headers(request: Request) -> TraceHeaders:
+    """This server's ``traceparent`` (the one sent back) and the caller's ``tracestate``, under which engine
+    requests are traced."""
+    trace = request.state.trace
+    return TraceHeaders(trace.traceparent, trace.tracestate)
 
 
 def token_text(engine: LLMEngine, token_id: int) -> str:

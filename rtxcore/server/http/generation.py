@@ -19,6 +19,7 @@ from rtxcore.engine.async_engine import AsyncEngine
 from rtxcore.engine.llm_engine import LLMEngine
 from rtxcore.engine.outputs import RequestOutput, TokenLogprob
 from rtxcore.errors import AdmissionRefused, InvalidRequestError
+from rtxcore.metrics.timeline import TraceHeaders
 from rtxcore.sampling_params import SamplingParams
 from rtxcore.server.http.common import Route
 from rtxcore.server.http.errors import APIError, not_ready, overloaded, too_many_requests
@@ -73,7 +74,7 @@ async def tokenize(engine: LLMEngine, prompts: list[Prompt], param: str = "promp
 
 class Generation:
     def __init__(self, runtime: ServingRuntime, req_id: str, prompts: list[list[int]], params: SamplingParams,
-                 traceparent: str | None, route: Route, lease: Lease, resumed: list[Choice] | None = None,
+                 trace: TraceHeaders, route: Route, lease: Lease, resumed: list[Choice] | None = None,
                  resumed_token_ids: list[list[int]] | None = None, protocol: str = "http"):
         """:param resumed: the choices as a journal left them (a request resumed after a restart); finished ones
             are not run again, the others go on after ``resumed_token_ids``, their tokens so far.
@@ -82,6 +83,7 @@ class Generation:
         self.runtime = runtime
         self.req_id = req_id
         self.route = route
+        self.trace = trace
         self._lease = lease
         self.choices = resumed or [Choice(i, len(p)) for i, p in enumerate(prompts)]
         outputs_so_far = resumed_token_ids or [[] for _ in prompts]
@@ -92,8 +94,8 @@ class Generation:
         base = f"{req_id}.{next(_submissions)}"
         self._req_ids = [f"{base}-{i}" for i in range(len(prompts))]
         for engine_req_id in (self._req_ids[i] for i in running):
-            runtime.metrics.annotate(engine_req_id, traceparent=traceparent, request_id=req_id, protocol=protocol,
-                                     lane=route.lane, tenant=route.tenant_name or "")
+            runtime.metrics.annotate(engine_req_id, trace.traceparent, trace.tracestate, request_id=req_id,
+                                     protocol=protocol, lane=route.lane, tenant=route.tenant_name or "")
         self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
         self._buffer: deque[tuple[int, RequestOutput | BaseException]] = deque()
         self._tasks = [asyncio.ensure_future(self._pump(i, prompts[i], params, outputs_so_far[i])) for i in running]
@@ -103,7 +105,7 @@ class Generation:
 
     @classmethod
     async def start(cls, runtime: ServingRuntime, req_id: str, prompts: list[list[int]], params: SamplingParams,
-                    traceparent: str | None, route: Route, protocol: str = "http") -> Generation:
+                    trace: TraceHeaders, route: Route, protocol: str = "http") -> Generation:
         """Admit and submit; returns once the engine has accepted every prompt (so errors are still 4xx).
 
         :raises APIError: 429 when the server, the tenant's limits or the lane are full, 400 when the engine
@@ -120,7 +122,7 @@ class Generation:
             runtime.tenants.release(lease, 0)
             metrics.record_rejection("overloaded", lane=route.lane, tenant=route.tenant_name)
             raise overloaded(runtime.settings.max_active_requests)
-        gen = cls(runtime, req_id, prompts, params, traceparent, route, lease, protocol=protocol)
+        gen = cls(runtime, req_id, prompts, params, trace, route, lease, protocol=protocol)
         try:
             await gen._wait_accepted()
         except AdmissionRefused as exc:
@@ -141,16 +143,17 @@ class Generation:
 
     @classmethod
     async def resume(cls, runtime: ServingRuntime, req_id: str, prompts: list[list[int]], params: SamplingParams,
-                     route: Route, choices: list[Choice], token_ids: list[list[int]], protocol: str = "http"
-                     ) -> Generation:
+                     route: Route, choices: list[Choice], token_ids: list[list[int]], protocol: str = "http",
+                     trace: TraceHeaders = TraceHeaders()) -> Generation:
         """Go on with a request accepted before a restart. It was admitted then: tenant limits and the server's
-        request limit do not refuse it now (it counts towards them, not against them).
+        request limit do not refuse it now (it counts towards them, not against them). It is traced under the trace
+        it came with.
 
         :raises AdmissionRefused: the scheduler cannot take it yet (the caller retries).
         :raises InvalidRequestError: the engine can no longer run it (another model or context).
         """
         runtime.force_admit(len(prompts))
-        gen = cls(runtime, req_id, prompts, params, None, route, Lease(None, len(prompts), 0), choices, token_ids,
+        gen = cls(runtime, req_id, prompts, params, trace, route, Lease(None, len(prompts), 0), choices, token_ids,
                   protocol)
         try:
             await gen._wait_accepted()

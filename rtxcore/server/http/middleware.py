@@ -37,14 +37,17 @@ class TraceContext:
     parent_id: str | None
     span_id: str
     flags: str
+    # The caller's ``tracestate``, passed on with its trace; None without a parent or when out of bounds.
+    tracestate: str | None = None
 
     @classmethod
-    def from_header(cls, value: str | None) -> TraceContext:
-        parsed = parse_traceparent(value)
+    def from_headers(cls, traceparent: str | None, tracestate: str | None = None) -> TraceContext:
+        parsed = parse_traceparent(traceparent)
         if parsed is None:
             return cls(secrets.token_hex(16), None, secrets.token_hex(8), "00")
         trace_id, parent_id, flags = parsed
-        return cls(trace_id, parent_id, secrets.token_hex(8), flags)
+        kept = tracestate if tracestate and len(tracestate) <= _TRACESTATE_MAX_LEN else None
+        return cls(trace_id, parent_id, secrets.token_hex(8), flags, kept)
 
     @property
     def traceparent(self) -> str:
@@ -83,11 +86,11 @@ class RequestContextMiddleware:
         start = time.monotonic()
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         request_id = sanitize_request_id(headers.get(REQUEST_ID_HEADER))
-        trace = TraceContext.from_header(headers.get("traceparent"))
+        trace = TraceContext.from_headers(headers.get("traceparent"), headers.get("tracestate"))
         scope["state"] = {**scope.get("state", {}), "request_id": request_id, "trace": trace}
         extra = [(REQUEST_ID_HEADER.encode(), request_id.encode()), (b"traceparent", trace.traceparent.encode())]
-        if trace.parent_id is not None and len(headers.get("tracestate", "")) in range(1, _TRACESTATE_MAX_LEN + 1):
-            extra.append((b"tracestate", headers["tracestate"].encode("latin-1")))
+        if trace.tracestate is not None:
+            extra.append((b"tracestate", trace.tracestate.encode("latin-1")))
         status = 0
 
         async def send_with_headers(message: Message) -> None:

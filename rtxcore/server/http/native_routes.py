@@ -8,7 +8,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from rtxcore.server.http.common import read_json, request_id, route, traceparent
+from rtxcore.server.http.common import read_json, request_id, route, trace_headers
 from rtxcore.server.http.errors import APIError
 from rtxcore.server.http.formats import ResponseSpec
 from rtxcore.server.http.generation import Generation, embed, ensure_engine, tokenize
@@ -41,7 +41,7 @@ class NativeRoutes:
         where = route(self.runtime, request, req.routing)
         prompts = await tokenize(self.runtime.async_engine.engine, [req.prompt])
         params = make_sampling_params(req.params)
-        gen = await Generation.start(self.runtime, request_id(request), prompts, params, traceparent(request), where)
+        gen = await Generation.start(self.runtime, request_id(request), prompts, params, trace_headers(request), where)
         spec = ResponseSpec("native", req.stream, {"id": gen.req_id, "model": self.runtime.model_name},
                             logprobs=params.logprobs is not None)
         return Started(gen, spec, prompts, params)

@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from rtxcore.engine.llm_engine import LLMEngine
-from rtxcore.server.http.common import check_model, read_json, request_id, route, traceparent
+from rtxcore.server.http.common import check_model, read_json, request_id, route, trace_headers
 from rtxcore.server.http.formats import ResponseSpec
 from rtxcore.server.http.generation import Generation, embed, ensure_engine, tokenize
 from rtxcore.server.http.protocol import DEFAULT_CHAT_MAX_TOKENS, make_sampling_params, parse_chat, \
@@ -47,7 +47,7 @@ class OpenAIRoutes:
         where = route(self.runtime, request, req.routing)
         prompts = await tokenize(engine, req.prompts)
         params = make_sampling_params(req.params)
-        gen = await Generation.start(self.runtime, request_id(request), prompts, params, traceparent(request), where)
+        gen = await Generation.start(self.runtime, request_id(request), prompts, params, trace_headers(request), where)
         header = {"id": f"cmpl-{gen.req_id}", "object": "text_completion", "created": int(time.time()),
                   "model": self.runtime.model_name}
         spec = ResponseSpec("completion", req.stream, header, req.include_usage, params.logprobs is not None)
@@ -69,7 +69,7 @@ class OpenAIRoutes:
         params = dict(req.params)
         params["max_tokens"] = req.max_tokens if req.max_tokens is not None else _room_left(engine, len(prompts[0]))
         sampling = make_sampling_params(params)
-        gen = await Generation.start(self.runtime, request_id(request), prompts, sampling, traceparent(request),
+        gen = await Generation.start(self.runtime, request_id(request), prompts, sampling, trace_headers(request),
                                      where)
         header = {"id": f"chatcmpl-{gen.req_id}", "object": "chat.completion.chunk" if req.stream else
                   "chat.completion", "created": int(time.time()), "model": self.runtime.model_name}

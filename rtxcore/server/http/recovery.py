@@ -15,6 +15,7 @@ from typing import Any
 
 from rtxcore.engine.outputs import RequestOutput, TokenLogprob
 from rtxcore.errors import AdmissionRefused, InvalidRequestError, RtxError
+from rtxcore.metrics.timeline import TraceHeaders
 from rtxcore.sampling_params import SamplingParams
 from rtxcore.server.durable.entry import DurableRequest, IdempotencyClaim
 from rtxcore.server.durable.journal import Journal
@@ -81,6 +82,7 @@ async def _resume(runtime: ServingRuntime, entry: DurableRequest, journaled: Jou
         spec = ResponseSpec.from_json(accept["spec"])
         prompts: list[list[int]] = accept["prompts"]
         params = SamplingParams(**accept["params"])
+        trace = TraceHeaders(**accept.get("trace") or {})  # journals written before it have none
         choices = [Choice(i, len(p)) for i, p in enumerate(prompts)]
         token_ids: list[list[int]] = [[] for _ in prompts]
         for output in journaled.outputs:
@@ -96,7 +98,7 @@ async def _resume(runtime: ServingRuntime, entry: DurableRequest, journaled: Jou
     while True:
         try:
             gen = await Generation.resume(runtime, accept["gen_id"], prompts, params, route, choices, token_ids,
-                                          "grpc" if spec.kind == "grpc" else "http")
+                                          "grpc" if spec.kind == "grpc" else "http", trace)
             break
         except AdmissionRefused as exc:  # the scheduler is full for now: it was accepted once, so it waits its turn
             await asyncio.sleep(max(0.05, exc.retry_after_s))

@@ -224,6 +224,7 @@ def accept_record(entry: DurableRequest, started: Started) -> dict[str, Any]:
     return {"t": "accept", "id": entry.req_id, "time": entry.accepted_at, "spec": started.spec.to_json(),
             "gen_id": gen.req_id, "prompts": started.prompts, "params": dataclasses.asdict(started.params),
             "lane": route.lane, "tenant": route.tenant_name, "cache_salt": route.cache_salt, "stream": entry.stream,
+            "trace": dataclasses.asdict(gen.trace),
             "idempotency": dataclasses.asdict(entry.idempotency) if entry.idempotency is not None else None}
 
 

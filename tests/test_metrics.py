@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from conftest import make_engine
 from rtxcore.engine.async_engine import AsyncEngine
 from rtxcore.metrics import EngineMetrics
+from rtxcore.metrics.timeline import TraceHeaders
 from rtxcore.sampling_params import SamplingParams
 from rtxcore.server.durable.metrics import FAMILY_NAMES as DURABLE_FAMILIES
 
@@ -278,3 +279,17 @@ def test_spans_when_a_tracer_provider_is_configured(served):
     for name in ("rtx.queue", "rtx.prefill", "rtx.decode"):
         assert spans[name].parent.span_id == root.context.span_id
         assert root.start_time <= spans[name].start_time <= spans[name].end_time <= root.end_time
+
+
+def test_trace_headers_as_received_and_as_journaled():
+    parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    assert TraceHeaders.received(parent.upper() + " ", "v=1") == TraceHeaders(parent, "v=1")
+    # A tracestate rides only with a valid traceparent, and only within W3C's 512 characters.
+    assert TraceHeaders.received(None, "v=1") == TraceHeaders.received("junk", "v=1") == TraceHeaders()
+    assert TraceHeaders.received(parent, "v" * 513) == TraceHeaders(parent, None)
+    # Journal records: none (written before traces were kept), or two optional strings; anything else is damage.
+    assert TraceHeaders.from_json(None) == TraceHeaders()
+    assert TraceHeaders.from_json({"traceparent": parent, "tracestate": None}) == TraceHeaders(parent)
+    for damaged in ({"traceparent": 5}, {"span": parent}, [parent], "x"):
+        with pytest.raises(TypeError, match="trace record"):
+            TraceHeaders.from_json(damaged)

@@ -23,6 +23,8 @@ from rtxcore.engine.outputs import RequestOutput
 log = logging.getLogger("rtx.requests")
 
 # W3C trace context: version-trace_id-parent_id-flags.
+# W3C's limit on what a vendor may be sent is 512 characters; longer ones are dropped, not cut.
+TRACESTATE_MAX_LEN = 512
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
 # Annotations kept for requests that never reach the engine (refused after annotate) are dropped past this many.
 _MAX_ANNOTATIONS = 65536
@@ -37,6 +39,29 @@ class TraceHeaders:
 
     traceparent: str | None = None
     tracestate: str | None = None
+
+    @classmethod
+    def received(cls, traceparent: str | None, tracestate: str | None) -> TraceHeaders:
+        """As a caller sent them: a ``traceparent`` that is not W3C's is dropped, and a ``tracestate`` is kept only
+        beside a valid one and within TRACESTATE_MAX_LEN characters."""
+        traceparent = traceparent.strip().lower() if traceparent else None
+        if traceparent is None or not _TRACEPARENT.match(traceparent):
+            return cls()
+        return cls(traceparent, tracestate if tracestate and len(tracestate) <= TRACESTATE_MAX_LEN else None)
+
+    @classmethod
+    def from_json(cls, record: object) -> TraceHeaders:
+        """From a journal record (None for one written before traces were kept).
+
+        :raises TypeError: the record is not at most these two fields, each a string or None.
+        """
+        if record is None:
+            return cls()
+        if (not isinstance(record, dict) or not set(record) <= {"traceparent", "tracestate"}
+                or not all(v is None or isinstance(v, str) for v in record.values())):
+            raise TypeError(f"a trace record must hold a traceparent and a tracestate, each a string or null; got "
+                            f"{record!r}")
+        return cls(**record)
 
 
 @dataclass(slots=True)

@@ -94,10 +94,10 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
         if isinstance(prompt, str) and prompt and tokenizer is not None:
             # Off the event loop and off the engine thread: a long prompt takes a while to encode.
             prompt = await asyncio.to_thread(tokenizer.encode, prompt)
+        trace = TraceHeaders.received(metadata.get("traceparent"), metadata.get("tracestate"))
         if self.runtime.durable is not None and self.runtime.main_loop is not None:
             route = Route(tenant, lane, cache_salt(tenant, metadata.get(CACHE_SALT_METADATA)))
-            await self._generate_journaled(context, prompt, params, route, request.request_id,
-                                           TraceHeaders(metadata.get("traceparent"), metadata.get("tracestate")))
+            await self._generate_journaled(context, prompt, params, route, request.request_id, trace)
             return
         tenant_name = tenant.name if tenant is not None else None
         num_prompt_tokens = len(prompt) if isinstance(prompt, list) else 0
@@ -112,8 +112,8 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
             self.runtime.tenants.release(lease, 0)
             raise
         req_id = request.request_id or f"grpc-{secrets.token_hex(12)}"
-        self.runtime.metrics.annotate(req_id, metadata.get("traceparent"), metadata.get("tracestate"),
-                                      request_id=req_id, protocol="grpc", lane=lane, tenant=tenant_name or "")
+        self.runtime.metrics.annotate(req_id, trace.traceparent, trace.tracestate, request_id=req_id, protocol="grpc",
+                                      lane=lane, tenant=tenant_name or "")
         stream = engine.generate(prompt, params, req_id=req_id,
                                  cache_salt=cache_salt(tenant, metadata.get(CACHE_SALT_METADATA)), lane=lane,
                                  tenant=tenant_name)

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from rtxcore.metrics.timeline import TRACESTATE_MAX_LEN
 from rtxcore.server.http.errors import APIError
 
 log = logging.getLogger("rtx.http")
 
 REQUEST_ID_HEADER = "x-request-id"
 _REQUEST_ID_MAX_LEN = 64
-_TRACESTATE_MAX_LEN = 512
 _REQUEST_ID_UNSAFE = re.compile(r"[^A-Za-z0-9._:-]")
 _TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
 # Probes are polled often; their access lines go to DEBUG.
@@ -46,7 +46,7 @@ class TraceContext:
         if parsed is None:
             return cls(secrets.token_hex(16), None, secrets.token_hex(8), "00")
         trace_id, parent_id, flags = parsed
-        kept = tracestate if tracestate and len(tracestate) <= _TRACESTATE_MAX_LEN else None
+        kept = tracestate if tracestate and len(tracestate) <= TRACESTATE_MAX_LEN else None
         return cls(trace_id, parent_id, secrets.token_hex(8), flags, kept)
 
     @property

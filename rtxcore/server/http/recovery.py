@@ -82,7 +82,7 @@ async def _resume(runtime: ServingRuntime, entry: DurableRequest, journaled: Jou
         spec = ResponseSpec.from_json(accept["spec"])
         prompts: list[list[int]] = accept["prompts"]
         params = SamplingParams(**accept["params"])
-        trace = TraceHeaders(**accept.get("trace") or {})  # journals written before it have none
+        trace = TraceHeaders.from_json(accept.get("trace"))
         choices = [Choice(i, len(p)) for i, p in enumerate(prompts)]
         token_ids: list[list[int]] = [[] for _ in prompts]
         for output in journaled.outputs:

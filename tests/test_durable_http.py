@@ -8,6 +8,7 @@ A restart is simulated by what a crash leaves: the journal of a finished run cut
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import shutil
 import time
@@ -74,13 +75,17 @@ def crash_copy(state_dir: Path, to: Path, keep) -> Path:
     return to
 
 
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+CALLERS_TRACE = {"traceparent": f"00-{TRACE_ID}-00f067aa0ba902b7-01", "tracestate": "vendor=opaque"}
+
+
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     """One uninterrupted streaming and one non-streaming request; their responses and journal."""
     state_dir = tmp_path_factory.mktemp("finished")
     runtime = make_runtime(state_dir)
     with serving(runtime) as client:
-        stream = client.post("/generate", json=STREAM)
+        stream = client.post("/generate", json=STREAM, headers=CALLERS_TRACE)
         full = client.post("/v1/completions", json=FULL, headers={"Idempotency-Key": "full-1"})
     assert stream.status_code == 200 and full.status_code == 200
     return state_dir, stream, full
@@ -263,10 +268,16 @@ def test_a_stream_resumes_after_a_crash_with_no_duplicate_or_gap(finished_run, t
                          lambda r, i: r["id"] == req_id and r["t"] != "finish" and r.get("seq", 0) <= 9)
     with open(crashed / "journal" / "journal.log", "ab") as f:
         f.write(encode_record({"t": "out", "id": req_id, "seq": 10, "ev": "cut short"})[:30])  # torn write
-    with caplog.at_level(logging.INFO, logger="rtx.journal"), serving(make_runtime(crashed)) as client:
+    with caplog.at_level(logging.INFO, logger="rtx.journal"), caplog.at_level(logging.INFO, logger="rtx.requests"), \
+            serving(make_runtime(crashed)) as client:
         resumed = client.get(f"/v1/streams/{req_id}", headers={"Last-Event-ID": "6"})
         metrics = client.get("/metrics").text
     assert "torn last record" in caplog.text and "resumed 1 unfinished requests" in caplog.text
+    # Resumed in the trace it came with: the journal kept the server's span, sent back, and the caller's tracestate.
+    (accept,) = [r for r in records(crashed) if r["id"] == req_id and r["t"] == "accept"]
+    assert accept["trace"] == {"traceparent": stream.headers["traceparent"], "tracestate": "vendor=opaque"}
+    finished = [json.loads(r.getMessage()) for r in caplog.records if r.name == "rtx.requests"]
+    assert [line.get("trace_id") for line in finished] == [TRACE_ID]
     assert resumed.status_code == 200 and events(resumed.text) == sent[6:]
     assert 'rtx_journal_resumed_requests_total{model="dummy:tiny"} 1.0' in metrics
     # Finished once: one finish record, after the resumed events.

@@ -32,6 +32,12 @@ _MAX_ANNOTATIONS = 65536
 AttributeValue = str | int | float | bool
 
 
+def kept_tracestate(tracestate: str | None) -> str | None:
+    """A caller's ``tracestate`` as passed on beside a valid traceparent: None when empty or past
+    TRACESTATE_MAX_LEN."""
+    return tracestate if tracestate and len(tracestate) <= TRACESTATE_MAX_LEN else None
+
+
 @dataclass(slots=True, frozen=True)
 class TraceHeaders:
     """The W3C trace context an engine request is traced under, as its headers: kept with a journaled request so
@@ -47,7 +53,7 @@ class TraceHeaders:
         traceparent = traceparent.strip().lower() if traceparent else None
         if traceparent is None or not _TRACEPARENT.match(traceparent):
             return cls()
-        return cls(traceparent, tracestate if tracestate and len(tracestate) <= TRACESTATE_MAX_LEN else None)
+        return cls(traceparent, kept_tracestate(tracestate))
 
     @classmethod
     def from_json(cls, record: object) -> TraceHeaders:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rtxcore.metrics.timeline import TRACESTATE_MAX_LEN
+from rtxcore.metrics.timeline import kept_tracestate
 from rtxcore.server.http.errors import APIError
 
 log = logging.getLogger("rtx.http")
@@ -46,8 +46,7 @@ class TraceContext:
         if parsed is None:
             return cls(secrets.token_hex(16), None, secrets.token_hex(8), "00")
         trace_id, parent_id, flags = parsed
-        kept = tracestate if tracestate and len(tracestate) <= TRACESTATE_MAX_LEN else None
-        return cls(trace_id, parent_id, secrets.token_hex(8), flags, kept)
+        return cls(trace_id, parent_id, secrets.token_hex(8), flags, kept_tracestate(tracestate))
 
     @property
     def traceparent(self) -> str:

@@ -22,7 +22,9 @@ INT8_LEVELS = 127
 _BLOCK_K = 1024
 # Added to and taken from a float32 of magnitude below 2^22, rounds it to an integer, ties to even.
 _ROUNDING = tl.constexpr(12582912.0)  # 1.5 * 2^23
-_NAN = tl.constexpr(float("nan"))
+# A quiet NaN's bits: a NaN constexpr cannot be a global (NaN != NaN, so Triton takes it for a changed global and
+# refuses to launch the compiled kernel).
+_NAN_BITS = tl.constexpr(0x7FC00000)
 
 
 @triton.jit
@@ -42,7 +44,8 @@ def _quantize_rows_kernel(x_ptr, divisor_ptr, q_ptr, scale_ptr, K, stride_xm, st
     # another (Triton's ``/`` on float32 is an approximate one on NVIDIA GPUs). tl.maximum passes over NaN where
     # torch's row maximum is NaN: a row holding one gets a NaN scale, so the layer's output shows it, as on the CPU.
     scale = tl.maximum(tl.max(amax, axis=0), 1e-12) * (1.0 / LEVELS)
-    scale = tl.where(tl.sum(nans, axis=0) > 0, _NAN, scale)
+    nan = tl.full([], _NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
+    scale = tl.where(tl.sum(nans, axis=0) > 0, nan, scale)
     tl.store(scale_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):
         mask = k0 + cols < K

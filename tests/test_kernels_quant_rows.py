@@ -114,3 +114,20 @@ def test_a_row_holding_nan_gets_a_nan_scale(fmt):
         (q, scale), (q_ref, scale_ref) = quantize_rows_int8(x), int8_sq.quantize_rows_int8(x)
     assert scale[1].isnan().all() and scale_ref[1].isnan().all()
     assert torch.equal(scale[[0, 2]], scale_ref[[0, 2]]) and torch.equal(q[[0, 2]], q_ref[[0, 2]])
+
+
+def test_kernel_globals_equal_themselves():
+    """A compiled Triton kernel refuses to launch when a global it read differs from the value it was compiled
+    with, compared by ``==``: a NaN constexpr (NaN != NaN) stops every launch on a GPU, which the interpreter never
+    sees. Every module-level constexpr of the kernels must therefore equal itself."""
+    import importlib
+    import pkgutil
+
+    import rtx_kernels
+    import triton.language as tl
+
+    for info in pkgutil.iter_modules(rtx_kernels.__path__):
+        module = importlib.import_module(f"rtx_kernels.{info.name}")
+        for name, value in vars(module).items():
+            if isinstance(value, tl.constexpr):
+                assert value.value == value.value, f"rtx_kernels.{info.name}.{name} = {value.value!r}"

@@ -25,7 +25,7 @@ import os
 import torch
 import triton
 import triton.language as tl
-from rtx_kernels.pdl import launch_options, pdl_enabled, wait_for_previous
+from rtx_kernels.pdl import gemv_launch_mode, launch_options, wait_for_previous
 
 # Rows of x per launch: one fp32 accumulator tile per row lives in registers.
 _MAX_M = 8
@@ -216,6 +216,30 @@ def _split_k_reduce_kernel(
     tl.store(out_ptr + m * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def split_target(out: torch.Tensor, split_k: int) -> tuple[torch.Tensor, int, int]:
+    """Where a GEMV split ``split_k`` ways along K writes: ``out`` itself unsplit, else a float32 partial buffer
+    [split_k, M, N] for :func:`reduce_splits`; with the strides of its rows and of its splits."""
+    if split_k < 1:
+        raise ValueError(f"split_k must be >= 1, got {split_k}")
+    if split_k == 1:
+        return out, out.stride(0), 0
+    m, n = out.shape
+    return torch.empty(split_k, m, n, dtype=torch.float32, device=out.device), n, m * n
+
+
+def reduce_splits(target: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, split_k: int,
+                  use_pdl: bool) -> None:
+    """``out`` = the splits of ``target`` added in a fixed order, plus ``bias``; nothing to do unsplit."""
+    if split_k == 1:
+        return
+    m, n = out.shape
+    _split_k_reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK), m)](
+        target, bias if bias is not None else target, out, n, m * n, out.stride(0),
+        HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=_REDUCE_BLOCK, USE_PDL=use_pdl,
+        **launch_options(use_pdl),
+    )
+
+
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -257,9 +281,7 @@ def gemv(
     if split_k < 1:
         raise ValueError(f"split_k must be >= 1, got {split_k}")
 
-    use_pdl = pdl_enabled(x.device)
-    prefetch = use_pdl if pdl is None else pdl
-    use_pdl = use_pdl and prefetch
+    prefetch, use_pdl = gemv_launch_mode(x.device, pdl)
     for m0 in range(0, m, _MAX_M):
         _launch(x[m0 : m0 + _MAX_M], weight, bias, out[m0 : m0 + _MAX_M], split_k, prefetch, use_pdl)
     return out
@@ -269,11 +291,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
             prefetch: bool, use_pdl: bool):
     m, k = x.shape
     n = weight.shape[0]
-    if split_k == 1:
-        target, stride_om, stride_os = out, out.stride(0), 0
-    else:
-        target = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-        stride_om, stride_os = n, m * n
+    target, stride_om, stride_os = split_target(out, split_k)
     _gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split_k)](
         x, weight, bias if bias is not None else weight, target,
         m, n, k,
@@ -281,9 +299,4 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
         HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(m), SPLIT_K=split_k,
         PREFETCH=prefetch, USE_PDL=use_pdl, **launch_options(use_pdl),
     )
-    if split_k > 1:
-        _split_k_reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK), m)](
-            target, bias if bias is not None else target, out, n, m * n, out.stride(0),
-            HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=_REDUCE_BLOCK, USE_PDL=use_pdl,
-            **launch_options(use_pdl),
-        )
+    reduce_splits(target, bias, out, split_k, use_pdl)

@@ -49,6 +49,14 @@ def pdl_enabled(device: torch.device) -> bool:
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def gemv_launch_mode(device: torch.device, pdl: bool | None) -> tuple[bool, bool]:
+    """(prefetch, use_pdl) for a GEMV whose first weight tile may load before the wait: ``pdl`` None follows the
+    device; True still prefetches where PDL is off (the interpreter), just without the wait."""
+    use_pdl = pdl_enabled(device)
+    prefetch = use_pdl if pdl is None else pdl
+    return prefetch, use_pdl and prefetch
+
+
 def launch_options(use_pdl: bool) -> dict:
     """Keyword arguments for a Triton launch: ``launch_pdl`` only when it is used (older Triton lacks it)."""
     return {"launch_pdl": True} if use_pdl else {}

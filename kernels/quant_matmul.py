@@ -36,8 +36,9 @@ import os
 import torch
 import triton
 import triton.language as tl
-from rtx_kernels.gemv import _num_sms, _split_k_reduce_kernel
-from rtx_kernels.pdl import launch_options, pdl_enabled, wait_for_previous
+from rtx_kernels.gemv import _num_sms, reduce_splits, split_target
+from rtx_kernels import quant_mma_gemv
+from rtx_kernels.pdl import gemv_launch_mode, launch_options, wait_for_previous
 from rtx_kernels.quant_dequantize import dequantize_int4_tile, dequantized_matmul
 
 _MAX_GEMV_M = 8
@@ -46,12 +47,14 @@ _MAX_GEMV_M = 8
 # to it at every M from 16 on but one (gate_up at 64: 136 against 162 us); the int8 GEMM won at 16 and 64 rows and
 # broke even at 256 (367 against 356 us over the four projections). 128 for int8 lies between, not measured.
 DEQUANTIZE_MIN_M = {4: 9, 8: 128}
-KERNELS = ("gemv", "gemm", "dequantize")
+KERNELS = ("gemv", "mma", "gemm", "dequantize")
+# int4 decode products of 2 to 8 rows of 16-bit x, with groups of whole 128-column blocks, run on the tensor cores
+# (rtx_kernels.quant_mma_gemv); RTX_INT4_MMA=0 sends them to the FMA GEMV instead (A/B measurements).
+_INT4_MMA = os.environ.get("RTX_INT4_MMA", "1") != "0"
 _MAX_SPLIT_K = 8
 # A split reading fewer bytes per row than this streams too briefly to pay for its share of the reduce launch
 # (the bf16 GEMV's 2048 columns, measured on the H200).
 _MIN_BYTES_PER_SPLIT = 4096
-_REDUCE_BLOCK = 512
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _USE_ASM = tl.constexpr(not _INTERPRET)
 # (a & mask) | magic and (a & mask) ^ magic, the int8 magic flipping the byte's sign bit as it sets the exponent.
@@ -397,7 +400,8 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias
     multiple of 4, so rows are whole 32-bit words), M below :data:`DEQUANTIZE_MIN_M` the GEMM kernel, larger M a
     dequantized copy of the weight through cuBLAS.
 
-    :param kernel: one of :data:`KERNELS` instead of the choice by M (benchmarks and tests); "gemv" needs M <= 8.
+    :param kernel: one of :data:`KERNELS` instead of the choice by M (benchmarks and tests); "gemv" needs M <= 8;
+        "mma" is int4's only.
 
     :param split_k: splits of K for the GEMV; :func:`choose_split_k` when None. Results depend on it in the last
         bits.
@@ -415,6 +419,8 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias
         return out
     whole_words = k % 4 == 0 and weight.stride(0) % 4 == 0 and weight.data_ptr() % 4 == 0
     kernel = _choose_kernel(kernel, m, bits=8, gemv_fits=whole_words)
+    if kernel == "mma":
+        raise ValueError("the tensor-core GEMV ('mma') takes int4 weights only")
     if kernel == "gemv":
         _gemv(x, weight.view(torch.int32), scale, scale, bias, out, bits=8, group=0, split_k=split_k, pdl=pdl)
     elif kernel == "gemm":
@@ -431,7 +437,9 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
 
     ``packed`` int32 [N, K/8] (column 8i+j in bits 4j..4j+3 of word i), ``scale`` float32 and ``zero`` uint8, both
     contiguous [N, K/G]; G (``group_size``) a multiple of 8 dividing K. Returns [M, N] in ``x``'s dtype; ``x`` may
-    have strided rows. Kernels by M, ``split_k``, ``pdl`` and ``kernel`` as for :func:`int8_linear`.
+    have strided rows. Kernels by M, ``split_k``, ``pdl`` and ``kernel`` as for :func:`int8_linear`, except that 2
+    to 8 rows of bfloat16 or float16 x with groups of a multiple of 128 go to the tensor-core GEMV ("mma",
+    :mod:`rtx_kernels.quant_mma_gemv`; it takes one row too, when asked).
     """
     m, k = _check_x(x)
     if group_size <= 0 or group_size % 8 or k % group_size:
@@ -448,8 +456,17 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
     x, out = _prepare(x, bias, n)
     if out.numel() == 0:
         return out
+    mma_fits = quant_mma_gemv.fits(x, group_size)
+    if kernel is None and _INT4_MMA and mma_fits and m >= quant_mma_gemv.MIN_M:
+        kernel = "mma"
+    elif kernel == "mma" and not mma_fits:
+        raise ValueError(f"the tensor-core GEMV ('mma') takes at most {quant_mma_gemv.MAX_M} rows of bfloat16 or "
+                         "float16 x with 128-column groups; got "
+                         f"M={m} {x.dtype} group_size={group_size}")
     kernel = _choose_kernel(kernel, m, bits=4, gemv_fits=True)
-    if kernel == "gemv":
+    if kernel == "mma":
+        quant_mma_gemv.int4_mma_gemv(x, packed, scale, zero, group_size, bias, out, split_k=split_k, pdl=pdl)
+    elif kernel == "gemv":
         _gemv(x, packed, scale, zero, bias, out, bits=4, group=group_size, split_k=split_k, pdl=pdl)
     elif kernel == "gemm":
         _gemm(x, packed, scale, zero, bias, out, bits=4, group=group_size)
@@ -464,6 +481,8 @@ def _choose_kernel(kernel: str | None, m: int, bits: int, gemv_fits: bool) -> st
                 "gemm" if m < DEQUANTIZE_MIN_M[bits] else "dequantize")
     if kernel not in KERNELS:
         raise ValueError(f"kernel {kernel!r} is not one of {KERNELS}")
+    if kernel == "mma":
+        return kernel
     if kernel == "gemv" and not (m <= _MAX_GEMV_M and gemv_fits):
         raise ValueError(f"the GEMV kernel takes at most {_MAX_GEMV_M} rows of whole 32-bit words; got M={m}")
     return kernel
@@ -493,16 +512,8 @@ def _gemv(x, words, scale, zero, bias, out, *, bits: int, group: int, split_k: i
     if split_k is None:
         sms = _num_sms(x.device.index or 0) if x.is_cuda else 132
         split_k = choose_split_k(n, num_words * 4, sms)
-    if split_k < 1:
-        raise ValueError(f"split_k must be >= 1, got {split_k}")
-    use_pdl = pdl_enabled(x.device)
-    prefetch = use_pdl if pdl is None else pdl
-    use_pdl = use_pdl and prefetch
-    if split_k == 1:
-        target, stride_om, stride_os = out, out.stride(0), 0
-    else:
-        target = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-        stride_om, stride_os = n, m * n
+    prefetch, use_pdl = gemv_launch_mode(x.device, pdl)
+    target, stride_om, stride_os = split_target(out, split_k)
     stride_sn = scale.stride(0) if bits == 4 else 1
     _gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split_k)](
         x, words, scale, zero, bias if bias is not None else scale, target,
@@ -512,12 +523,7 @@ def _gemv(x, words, scale, zero, bias, out, *, bits: int, group: int, split_k: i
         BLOCK_M=triton.next_power_of_2(m), SPLIT_K=split_k,
         PREFETCH=prefetch, USE_PDL=use_pdl, **launch_options(use_pdl),
     )
-    if split_k > 1:
-        _split_k_reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK), m)](
-            target, bias if bias is not None else target, out, n, m * n, out.stride(0),
-            HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=_REDUCE_BLOCK, USE_PDL=use_pdl,
-            **launch_options(use_pdl),
-        )
+    reduce_splits(target, bias, out, split_k, use_pdl)
 
 
 def _gemm(x, weight, scale, zero, bias, out, *, bits: int, group: int):

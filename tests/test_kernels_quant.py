@@ -279,6 +279,73 @@ def test_dequantized_matmul_matches_reference(m, dtype):
                       gemv_ref(x, dequantize_int4(packed, scale4, zero, group), bias))
 
 
+# The tensor-core GEMV at 1, 3 and 8 rows, both 16-bit dtypes, groups of one and two blocks, split and not. On the
+# CPU (the mma emulated, see quant_mma_gemv): N that leave part of a 32-row tile, and block counts that leave warps
+# without a block in the last step.
+MMA_CASES = ([(6144, 4096, 128), (4096, 14336, 128), (28672, 4096, 256)] if ON_GPU else
+             [(37, 640, 128), (50, 512, 256), (16, 1152, 128)])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("n, k, group", MMA_CASES)
+def test_int4_tensor_core_gemv_matches_reference(n, k, group, m, dtype):
+    gen = generator(n + k + m + group)
+    packed, scale, zero = _int4_weights(n, k, group, gen)
+    x = _x(m, k, dtype, gen)
+    bias = _bias(n, dtype, gen, with_bias=m != 3)
+
+    ref = gemv_ref(x, dequantize_int4(packed, scale, zero, group), bias)
+    for split_k in (None, 3):
+        _assert_close(int4_linear(x, packed, scale, zero, group, bias, kernel="mma", split_k=split_k), ref)
+
+
+def test_every_tensor_core_gemv_config():
+    """Autotuning runs one configuration per shape; each must be right (on the CPU both tile counts)."""
+    from rtx_kernels import quant_mma_gemv
+
+    n, k = (4096, 4096) if ON_GPU else (40, 512)
+    gen = generator(12)
+    packed, scale, zero = _int4_weights(n, k, 128, gen)
+    x = _x(2, k, torch.bfloat16, gen)
+    ref = gemv_ref(x, dequantize_int4(packed, scale, zero, 128))
+    kernel = quant_mma_gemv._mma_gemv_kernel
+    configs = quant_mma_gemv._GPU_CONFIGS if ON_GPU else [quant_mma_gemv._config(1, 1), quant_mma_gemv._config(2, 2)]
+    saved = kernel.configs, kernel.cache
+    try:
+        for config in configs:
+            kernel.configs, kernel.cache = [config], {}
+            _assert_close(int4_linear(x, packed, scale, zero, 128, kernel="mma"), ref)
+    finally:
+        kernel.configs, kernel.cache = saved
+
+
+def test_tensor_core_gemv_choice_and_its_checks(monkeypatch):
+    from rtx_kernels import quant_mma_gemv
+
+    gen = generator(13)
+    packed, scale, zero = _int4_weights(20, 256, 128, gen)
+    packed32, scale32, zero32 = _int4_weights(20, 256, 32, gen)
+    x16, x32 = _x(2, 256, torch.bfloat16, gen), _x(2, 256, torch.float32, gen)
+    calls = []
+    real = quant_mma_gemv.int4_mma_gemv
+    monkeypatch.setattr(quant_mma_gemv, "int4_mma_gemv", lambda *a, **kw: (calls.append(a[0].dtype), real(*a, **kw)))
+    int4_linear(x16, packed, scale, zero, 128)  # 2 rows of 16-bit x, whole-block groups: the tensor cores
+    int4_linear(x16[:1], packed, scale, zero, 128)  # one row: the FMA GEMV
+    int4_linear(x32, packed, scale, zero, 128)  # float32 x: the FMA GEMV
+    int4_linear(x16, packed32, scale32, zero32, 32)  # groups smaller than a block: the FMA GEMV
+    int4_linear(_x(2, 256, torch.bfloat16, gen, pad=5), packed, scale, zero, 128)  # odd row stride: FMA
+    assert calls == [torch.bfloat16]
+    monkeypatch.undo()
+    for x, args in ((x32, (packed, scale, zero, 128)), (x16, (packed32, scale32, zero32, 32)),
+                    (_x(9, 256, torch.bfloat16, gen), (packed, scale, zero, 128))):
+        with pytest.raises(ValueError, match="tensor-core GEMV"):
+            int4_linear(x, *args, kernel="mma")
+    weight, scale8 = _int8_weights(20, 256, gen)
+    with pytest.raises(ValueError, match="int4 weights only"):
+        int8_linear(x16, weight, scale8, kernel="mma")
+
+
 def test_kernel_choice_by_rows_and_its_checks():
     gen = generator(11)
     packed, scale, zero = _int4_weights(37, 224, 32, gen)

@@ -32,13 +32,15 @@
 #   quanttests    the quantized kernel tests and int8-sq's tests alone
 #   quantconfigs  every GEMV launch configuration of a grid at one row of x (quant_sweep.py --configs)
 #   quantw3       W3 on llama-8b for bf16, int4, int8 and int8-sq, the median of three runs each
+#   int4mma       the quantized kernel tests (tensor-core GEMV among them) and int8-sq's, then the kernels at 1, 2, 4
+#                 and 8 rows of x, int4's tensor-core GEMV beside its FMA GEMV and cuBLAS (quant_sweep.py)
 #   kvtests the KV tier tests, among them the one that fails if offload waits for the GPU
 #   w4tiers W4 with KV tiers (benchmarks/w4_tiers.py) on llama-1b: hit rate and p99 at 1.5x load, device cache
 #           with room for everything, too small with a host tier under it, too small without
 # Usage: benchmarks/gpu_bench.sh [tests] [checks] [sweep] [splits] [layers] [mixed] [bench] [w1] [w3] [cb] [host]
 #        [bench8b] [host64] [decode] [w3ab] [cb64ab] [cb64before] [quantsweepbefore] [int4w3before]
 #        [greedy] [attn] [w4tiers] [quant] [quantkernels]
-#        [quantspeed] [install] [quanttests] [quantconfigs] [quantw3] [kvtests]
+#        [quantspeed] [install] [quanttests] [quantconfigs] [quantw3] [int4mma] [kvtests]
 #        (default: tests checks bench bench8b); results go to $OUT (or ./gpu-out)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -196,6 +198,14 @@ for step in "${steps[@]}"; do
     quantw3)
       python3 benchmarks/quant_speed.py --methods int4,int8,int8-sq --workloads W3 --repeats 3 \
         --json "$OUT/quant_w3.json" 2>&1 | tee "$OUT/quant_w3.log" | tail -12
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    int4mma)
+      python3 -m pytest -q -p no:cacheprovider tests/test_kernels_quant.py tests/test_kernels_quant_rows.py \
+        tests/test_quantizer_int8_sq.py -k "not int8_linear_matches and not dequantized_matmul" 2>&1 \
+        | tee "$OUT/quant_tests.log" | tail -8
+      [ "${PIPESTATUS[0]}" -eq 0 ] || { status=1; continue; }  # no timings of wrong kernels
+      python3 benchmarks/quant_sweep.py "$OUT/quant_sweep_mma.json" --rows 1,2,4,8 \
+        --shapes qkv,o_proj,gate_up,down_proj 2>&1 | tee "$OUT/quant_sweep_mma.log" | tail -90
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     kvtests)
       python3 -m pytest -q -p no:cacheprovider tests/test_kv_tiers.py 2>&1 | tee "$OUT/kv_tests.log" | tail -5

@@ -8,7 +8,9 @@ bandwidth counts the bytes of the weight in its stored format (int4: the packed 
 
 With ``--configs`` it times instead every GEMV launch configuration of a grid (rows per program, warps, vectors
 per thread) that fits the kernel's register plan, pinned one at a time in place of the autotuner's choice, for rows of
-x up to 8: the data behind the kernel's autotuning list.
+x up to 8, and for int4 every configuration of the tensor-core GEMV (warps, 16-row tiles per warp, blocks per step):
+the data behind the kernels' autotuning lists. Without it, M <= 8 also times int4's FMA GEMV ("int4-fma") beside
+what int4_linear runs by default ("int4": the tensor-core GEMV from 2 rows on).
 
 Usage: python benchmarks/quant_sweep.py [summary.json] [--rows 1,4,16,64,256] [--group-size 128] [--shapes qkv,lm_head]
        [--configs]
@@ -99,7 +101,7 @@ def best_config(kernel) -> str:
 
 
 def sweep_shape(name: str, n: int, k: int, rows: list[int], group: int, l2_bytes: int) -> list[dict]:
-    from rtx_kernels import quant_matmul
+    from rtx_kernels import quant_matmul, quant_mma_gemv
     from rtx_kernels.gemv import gemv
     from rtx_kernels.quant_matmul import int4_linear, int8_linear
     from rtx_kernels.quant_reference import dequantize_int4, dequantize_int8
@@ -109,6 +111,7 @@ def sweep_shape(name: str, n: int, k: int, rows: list[int], group: int, l2_bytes
                     "int4": n * k // 2 + n * (k // group) * 5}
     weight_bytes.update({f"{bits}-{path}": weight_bytes[bits] for bits in ("int8", "int4")
                          for path in ("gemm", "dequantize")})
+    weight_bytes["int4-fma"] = weight_bytes["int4"]
 
     def copies(nbytes: int) -> int:
         return max(4, math.ceil(2 * l2_bytes / nbytes))
@@ -121,6 +124,7 @@ def sweep_shape(name: str, n: int, k: int, rows: list[int], group: int, l2_bytes
     deq4 = dequantize_int4(*int4[0], group, dtype=dtype)
 
     results = []
+    config4fma = ""
     for m in rows:
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         err8 = relative_error(int8_linear(x, *int8[0]), F.linear(x, deq8))
@@ -134,7 +138,12 @@ def sweep_shape(name: str, n: int, k: int, rows: list[int], group: int, l2_bytes
             timed["int8"] = time_graph(lambda i, x=x: int8_linear(x, *int8[i]), len(int8))
             config8 = best_config(quant_matmul._gemv_kernel)
             timed["int4"] = time_graph(lambda i, x=x: int4_linear(x, *int4[i], group), len(int4))
-            config4 = best_config(quant_matmul._gemv_kernel)
+            on_tensor_cores = quant_mma_gemv.fits(x, group) and m >= quant_mma_gemv.MIN_M
+            config4 = best_config(quant_mma_gemv._mma_gemv_kernel if on_tensor_cores else quant_matmul._gemv_kernel)
+            # The FMA GEMV beside it (the same kernel as "int4" at one row, where int4_linear keeps it).
+            errors["int4-fma"] = relative_error(int4_linear(x, *int4[0], group, kernel="gemv"), F.linear(x, deq4))
+            timed["int4-fma"] = time_graph(lambda i, x=x: int4_linear(x, *int4[i], group, kernel="gemv"), len(int4))
+            config4fma = best_config(quant_matmul._gemv_kernel)
         else:
             # Both large-M paths, to place DEQUANTIZE_MIN_M where one overtakes the other.
             for path in ("gemm", "dequantize"):
@@ -157,7 +166,7 @@ def sweep_shape(name: str, n: int, k: int, rows: list[int], group: int, l2_bytes
                 "matrix": name, "n": n, "k": k, "m": m, "method": method, "us": us,
                 "weight_gbps": weight_bytes[method] / us / 1e3, "speedup_vs_cublas": timed["cublas"] / us,
                 "config": {"int8": config8, "int4": config4, "int8-gemm": config8,
-                           "int4-gemm": config4}.get(method, ""),
+                           "int4-gemm": config4, "int4-fma": config4fma if m <= 8 else ""}.get(method, ""),
                 "rel_err": errors.get(method),
             })
     return results
@@ -180,7 +189,7 @@ def pinned(kernel, config):
 
 def sweep_configs(name: str, n: int, k: int, rows: list[int], group: int, l2_bytes: int) -> list[dict]:
     import triton
-    from rtx_kernels import quant_matmul
+    from rtx_kernels import quant_matmul, quant_mma_gemv
     from rtx_kernels.quant_matmul import _gemv_config, _gemv_vec, _prune_gemv_configs, int4_linear, int8_linear
 
     formats = {"int8": (random_int8, (), int8_linear, n * k + n * 4),
@@ -191,18 +200,30 @@ def sweep_configs(name: str, n: int, k: int, rows: list[int], group: int, l2_byt
         bits = 8 if method == "int8" else 4
         for m in (r for r in rows if r <= 8):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            ref = linear(x, *weights[0], *extra)
+            ref = linear(x, *weights[0], *extra, kernel="gemv")
             grid = [_gemv_config(*c) for c in itertools.product(*CONFIG_GRID.values())]
             fitting = _prune_gemv_configs(grid, {}, BITS=bits, VEC=_gemv_vec(bits, group),
                                           BLOCK_M=triton.next_power_of_2(m))
             for config in fitting:
                 with pinned(quant_matmul._gemv_kernel, config):
-                    err = relative_error(linear(x, *weights[0], *extra), ref)
-                    us = time_graph(lambda i, x=x, w=weights: linear(x, *w[i], *extra), len(weights))
+                    err = relative_error(linear(x, *weights[0], *extra, kernel="gemv"), ref)
+                    us = time_graph(lambda i, x=x, w=weights: linear(x, *w[i], *extra, kernel="gemv"),
+                                    len(weights))
                 results.append({"matrix": name, "n": n, "k": k, "m": m, "method": method, "us": us,
                                 "weight_gbps": nbytes / us / 1e3, "config": describe(config), "rel_err": err})
                 wrong = " WRONG" if err > 2e-2 else ""
                 print(f"{name} {method} M={m} {describe(config)}: {us:.2f} us, error {err:.1e}{wrong}", flush=True)
+            if method == "int4" and quant_mma_gemv.fits(x, group):
+                for config in quant_mma_gemv._GPU_CONFIGS:
+                    with pinned(quant_mma_gemv._mma_gemv_kernel, config):
+                        err = relative_error(linear(x, *weights[0], *extra, kernel="mma"), ref)
+                        us = time_graph(lambda i, x=x, w=weights: linear(x, *w[i], *extra, kernel="mma"),
+                                        len(weights))
+                    label = " ".join(f"{key}={value}" for key, value in config.kwargs.items())
+                    results.append({"matrix": name, "n": n, "k": k, "m": m, "method": "int4-mma", "us": us,
+                                    "weight_gbps": nbytes / us / 1e3, "config": label, "rel_err": err})
+                    wrong = " WRONG" if err > 2e-2 else ""
+                    print(f"{name} int4-mma M={m} {label}: {us:.2f} us, error {err:.1e}{wrong}", flush=True)
     return results
 
 

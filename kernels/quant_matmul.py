@@ -417,6 +417,8 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias
     x, out = _prepare(x, bias, n)
     if out.numel() == 0:
         return out
+    if k == 0:  # an empty sum; the kernels would read past the empty weight
+        return out.copy_(bias.expand_as(out)) if bias is not None else out.zero_()
     whole_words = k % 4 == 0 and weight.stride(0) % 4 == 0 and weight.data_ptr() % 4 == 0
     kernel = _choose_kernel(kernel, m, bits=8, gemv_fits=whole_words)
     if kernel == "mma":
@@ -456,13 +458,14 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
     x, out = _prepare(x, bias, n)
     if out.numel() == 0:
         return out
+    if k == 0:  # an empty sum; the kernels would read past the empty weight
+        return out.copy_(bias.expand_as(out)) if bias is not None else out.zero_()
     mma_fits = quant_mma_gemv.fits(x, group_size)
     if kernel is None and _INT4_MMA and mma_fits and m >= quant_mma_gemv.MIN_M:
         kernel = "mma"
     elif kernel == "mma" and not mma_fits:
-        raise ValueError(f"the tensor-core GEMV ('mma') takes at most {quant_mma_gemv.MAX_M} rows of bfloat16 or "
-                         "float16 x with 128-column groups; got "
-                         f"M={m} {x.dtype} group_size={group_size}")
+        raise ValueError(f"the tensor-core GEMV ('mma') takes {quant_mma_gemv.REQUIREMENTS}; got x "
+                         f"{tuple(x.shape)} {x.dtype} with strides {x.stride()}, group_size={group_size}")
     kernel = _choose_kernel(kernel, m, bits=4, gemv_fits=True)
     if kernel == "mma":
         quant_mma_gemv.int4_mma_gemv(x, packed, scale, zero, group_size, bias, out, split_k=split_k, pdl=pdl)

@@ -5,9 +5,9 @@ Why: the FMA GEMV of :mod:`rtx_kernels.quant_matmul` unpacks every weight and mu
 its work grows with M (on the H200, gate_up at 8 rows takes 11x its time at one). Here one shift and one LOP3
 turn two weights into a pair of 16-bit floats (the nibbles land in the mantissas under a fixed exponent: 128 + q in
 bfloat16, 1024 + q in float16, exact), the tensor cores do the multiplying, and x's rows are the mma's 8 columns:
-8 rows cost little more than one. Measured on the H200 (docs/benchmarks.md, Llama-3.1-8B projections): 1.2-1.8x the FMA
-GEMV's speed at 2 rows, 2.0-3.2x at 4 and 5-10x at 8; at one row a tie or slower (0.68-1.01x), so int4_linear keeps
-one row on the FMA GEMV (:data:`MIN_M`).
+8 rows cost little more than one. Measured on the H200 (Llama-3.1-8B projections; docs/benchmarks.md, which marks
+four figures taken with a configuration since removed): 1.2-1.8x the FMA GEMV's speed at 2 rows, 2.0-3.2x at 4 and
+5-10x at 8; at one row a tie or slower (0.68-1.01x), so int4_linear keeps one row on the FMA GEMV (:data:`MIN_M`).
 
 The packed words are read as :mod:`rtx_kernels.quant_reference` stores them (no repacking). A warp owns 16 rows
 n0..n0+15 (32 with two tiles) and steps through blocks of 128 columns; lane ``l = 4g + t`` loads 16 bytes (words
@@ -30,6 +30,7 @@ Triton's interpreter cannot run PTX, so there the mma step is computed from its 
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -40,9 +41,9 @@ from rtx_kernels.pdl import gemv_launch_mode, launch_options, wait_for_previous
 
 BLOCK_COLUMNS = 128
 MAX_M = 8
-# The fewest rows of x int4_linear sends here by default: at one row the FMA GEMV was as fast or faster on the
-# H200 (qkv 7.87 against 7.76 us, o_proj 4.89 against 7.20, gate_up 24.25 against 24.83, down_proj 14.57
-# against 15.64), from two on this kernel was faster on every projection.
+# The fewest rows of x int4_linear sends here by default: at one row the FMA GEMV tied on qkv and was faster on
+# the other projections on the H200 (qkv 7.87 against 7.76 us, o_proj 4.89 against 7.20, gate_up 24.25 against
+# 24.83, down_proj 14.57 against 15.64); from two rows on this kernel was faster on every projection.
 MIN_M = 2
 _MAX_SPLIT_K = 8
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -332,12 +333,22 @@ def _block_sums(y, rows, xs, IS_BF16: tl.constexpr, OFFSET: tl.constexpr, WARPS:
     return out
 
 
+REQUIREMENTS = ("bfloat16 or float16 x of at most 8 rows, K and the group size multiples of 128, x's rows whole "
+                "4-byte-aligned 32-bit words, and a GPU of compute capability 8.0 or later")
+
+
 def fits(x: torch.Tensor, group_size: int) -> bool:
-    """Whether :func:`int4_mma_gemv` takes this product: 16-bit x of at most 8 rows, groups of whole blocks, and
-    rows of x as whole aligned 32-bit words."""
+    """Whether :func:`int4_mma_gemv` takes this product (:data:`REQUIREMENTS`)."""
     return (x.dtype in _OFFSET and x.shape[0] <= MAX_M and group_size % BLOCK_COLUMNS == 0
-            and x.shape[1] % BLOCK_COLUMNS == 0 and x.stride(1) == 1 and x.stride(0) % 2 == 0
-            and x.data_ptr() % 4 == 0)
+            and x.shape[1] > 0 and x.shape[1] % BLOCK_COLUMNS == 0 and x.stride(1) == 1 and x.stride(0) % 2 == 0
+            and x.storage_offset() % 2 == 0 and x.data_ptr() % 4 == 0
+            and (not x.is_cuda or _has_mma(x.device.index or 0)))
+
+
+@functools.cache
+def _has_mma(device_index: int) -> bool:
+    # mma.sync.m16n8k16 on 16-bit floats came with Ampere.
+    return torch.cuda.get_device_capability(device_index) >= (8, 0)
 
 
 def choose_split_k(n: int, num_blocks: int, num_sms: int = 132) -> int:

@@ -279,10 +279,10 @@ def test_dequantized_matmul_matches_reference(m, dtype):
                       gemv_ref(x, dequantize_int4(packed, scale4, zero, group), bias))
 
 
-# The tensor-core GEMV at 1, 3 and 8 rows, both 16-bit dtypes, groups of one and two blocks, split and not. On the
-# CPU (the mma emulated, see quant_mma_gemv): N that leave part of a 32-row tile, and block counts that leave warps
-# without a block in the last step.
-MMA_CASES = ([(6144, 4096, 128), (4096, 14336, 128), (28672, 4096, 256)] if ON_GPU else
+# The tensor-core GEMV at 1, 3 and 8 rows, both 16-bit dtypes, groups of one and two blocks, split and not; N that
+# leave part of a 32-row tile, and block counts that leave warps without a block in the last step (on the CPU the
+# mma emulated, see quant_mma_gemv).
+MMA_CASES = ([(6144, 4096, 128), (4096, 14336, 128), (28672, 4096, 256), (6184, 4224, 128)] if ON_GPU else
              [(37, 640, 128), (50, 512, 256), (16, 1152, 128)])
 
 
@@ -300,29 +300,35 @@ def test_int4_tensor_core_gemv_matches_reference(n, k, group, m, dtype):
         _assert_close(int4_linear(x, packed, scale, zero, group, bias, kernel="mma", split_k=split_k), ref)
 
 
-def test_every_tensor_core_gemv_config():
-    """Autotuning runs one configuration per shape; each must be right (on the CPU both tile counts)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("k", [4096, 4224] if ON_GPU else [512, 640])
+def test_every_tensor_core_gemv_config(k, dtype):
+    """Autotuning runs one configuration per shape; each must be right, with whole steps of blocks for every warp
+    and without (33 blocks), in both PTX variants (on the CPU both tile counts)."""
     from rtx_kernels import quant_mma_gemv
 
-    n, k = (4096, 4096) if ON_GPU else (40, 512)
-    gen = generator(12)
+    n = 4136 if ON_GPU else 40
+    gen = generator(12 + k)
     packed, scale, zero = _int4_weights(n, k, 128, gen)
-    x = _x(2, k, torch.bfloat16, gen)
-    ref = gemv_ref(x, dequantize_int4(packed, scale, zero, 128))
+    x = _x(3, k, dtype, gen)
+    bias = _bias(n, dtype, gen, with_bias=True)
+    ref = gemv_ref(x, dequantize_int4(packed, scale, zero, 128), bias)
     kernel = quant_mma_gemv._mma_gemv_kernel
     configs = quant_mma_gemv._GPU_CONFIGS if ON_GPU else [quant_mma_gemv._config(1, 1), quant_mma_gemv._config(2, 2)]
     saved = kernel.configs, kernel.cache
     try:
         for config in configs:
             kernel.configs, kernel.cache = [config], {}
-            _assert_close(int4_linear(x, packed, scale, zero, 128, kernel="mma"), ref)
+            for split_k in (1, 2):
+                _assert_close(int4_linear(x, packed, scale, zero, 128, bias, kernel="mma", split_k=split_k), ref)
     finally:
         kernel.configs, kernel.cache = saved
 
 
 def test_tensor_core_gemv_choice_and_its_checks(monkeypatch):
-    from rtx_kernels import quant_mma_gemv
+    from rtx_kernels import quant_matmul, quant_mma_gemv
 
+    monkeypatch.setattr(quant_matmul, "_INT4_MMA", True)  # whatever RTX_INT4_MMA says
     gen = generator(13)
     packed, scale, zero = _int4_weights(20, 256, 128, gen)
     packed32, scale32, zero32 = _int4_weights(20, 256, 32, gen)
@@ -338,12 +344,26 @@ def test_tensor_core_gemv_choice_and_its_checks(monkeypatch):
     assert calls == [torch.bfloat16]
     monkeypatch.undo()
     for x, args in ((x32, (packed, scale, zero, 128)), (x16, (packed32, scale32, zero32, 32)),
-                    (_x(9, 256, torch.bfloat16, gen), (packed, scale, zero, 128))):
+                    (_x(9, 256, torch.bfloat16, gen), (packed, scale, zero, 128)),
+                    (_x(2, 256, torch.bfloat16, gen, pad=5), (packed, scale, zero, 128))):
         with pytest.raises(ValueError, match="tensor-core GEMV"):
             int4_linear(x, *args, kernel="mma")
     weight, scale8 = _int8_weights(20, 256, gen)
     with pytest.raises(ValueError, match="int4 weights only"):
         int8_linear(x16, weight, scale8, kernel="mma")
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_no_columns_is_an_empty_sum(with_bias):
+    gen = generator(14)
+    x = _x(2, 0, torch.bfloat16, gen, pad=0)
+    bias = _bias(5, torch.bfloat16, gen, with_bias)
+    expected = bias.expand(2, 5) if with_bias else torch.zeros(2, 5, dtype=torch.bfloat16, device=DEVICE)
+    weight8 = torch.zeros(5, 0, dtype=torch.int8, device=DEVICE)
+    assert torch.equal(int8_linear(x, weight8, torch.ones(5, device=DEVICE), bias), expected)
+    packed = torch.zeros(5, 0, dtype=torch.int32, device=DEVICE)
+    scale, zero = torch.ones(5, 0, device=DEVICE), torch.zeros(5, 0, dtype=torch.uint8, device=DEVICE)
+    assert torch.equal(int4_linear(x, packed, scale, zero, 128, bias), expected)
 
 
 def test_kernel_choice_by_rows_and_its_checks():

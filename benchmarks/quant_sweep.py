@@ -8,9 +8,9 @@ bandwidth counts the bytes of the weight in its stored format (int4: the packed 
 
 With ``--configs`` it times instead every GEMV launch configuration of a grid (rows per program, warps, vectors
 per thread) that fits the kernel's register plan, pinned one at a time in place of the autotuner's choice, for rows of
-x up to 8, and for int4 every configuration of the tensor-core GEMV (warps, 16-row tiles per warp, blocks per step):
-the data behind the kernels' autotuning lists. Without it, M <= 8 also times int4's FMA GEMV ("int4-fma") beside
-what int4_linear runs by default ("int4": the tensor-core GEMV from 2 rows on).
+x up to 8, and for int4 every configuration of the tensor-core GEMV (warps, 16-row tiles per warp): the data behind
+the kernels' autotuning lists. Without it, M <= 8 also times int4's two GEMVs by name, "int4-fma" and "int4-mma",
+beside what int4_linear runs by default ("int4": the tensor-core GEMV from 2 rows on).
 
 Usage: python benchmarks/quant_sweep.py [summary.json] [--rows 1,4,16,64,256] [--group-size 128] [--shapes qkv,lm_head]
        [--configs]
@@ -111,7 +111,7 @@ def sweep_shape(name: str, n: int, k: int, rows: list[int], group: int, l2_bytes
                     "int4": n * k // 2 + n * (k // group) * 5}
     weight_bytes.update({f"{bits}-{path}": weight_bytes[bits] for bits in ("int8", "int4")
                          for path in ("gemm", "dequantize")})
-    weight_bytes["int4-fma"] = weight_bytes["int4"]
+    weight_bytes["int4-fma"] = weight_bytes["int4-mma"] = weight_bytes["int4"]
 
     def copies(nbytes: int) -> int:
         return max(4, math.ceil(2 * l2_bytes / nbytes))
@@ -124,7 +124,7 @@ def sweep_shape(name: str, n: int, k: int, rows: list[int], group: int, l2_bytes
     deq4 = dequantize_int4(*int4[0], group, dtype=dtype)
 
     results = []
-    config4fma = ""
+    config4fma = config4mma = ""
     for m in rows:
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         err8 = relative_error(int8_linear(x, *int8[0]), F.linear(x, deq8))
@@ -138,12 +138,21 @@ def sweep_shape(name: str, n: int, k: int, rows: list[int], group: int, l2_bytes
             timed["int8"] = time_graph(lambda i, x=x: int8_linear(x, *int8[i]), len(int8))
             config8 = best_config(quant_matmul._gemv_kernel)
             timed["int4"] = time_graph(lambda i, x=x: int4_linear(x, *int4[i], group), len(int4))
-            on_tensor_cores = quant_mma_gemv.fits(x, group) and m >= quant_mma_gemv.MIN_M
+            mma_fits = quant_mma_gemv.fits(x, group)
+            on_tensor_cores = quant_matmul._INT4_MMA and mma_fits and m >= quant_mma_gemv.MIN_M
             config4 = best_config(quant_mma_gemv._mma_gemv_kernel if on_tensor_cores else quant_matmul._gemv_kernel)
-            # The FMA GEMV beside it (the same kernel as "int4" at one row, where int4_linear keeps it).
+            # Both int4 GEMVs by name, whichever int4_linear picked above ("int4").
             errors["int4-fma"] = relative_error(int4_linear(x, *int4[0], group, kernel="gemv"), F.linear(x, deq4))
             timed["int4-fma"] = time_graph(lambda i, x=x: int4_linear(x, *int4[i], group, kernel="gemv"), len(int4))
             config4fma = best_config(quant_matmul._gemv_kernel)
+            if mma_fits:
+                errors["int4-mma"] = relative_error(int4_linear(x, *int4[0], group, kernel="mma"),
+                                                    F.linear(x, deq4))
+                timed["int4-mma"] = time_graph(lambda i, x=x: int4_linear(x, *int4[i], group, kernel="mma"),
+                                               len(int4))
+                config4mma = best_config(quant_mma_gemv._mma_gemv_kernel)
+            if max(errors.values()) > 2e-2:
+                raise AssertionError(f"{name} M={m}: relative errors {errors}")
         else:
             # Both large-M paths, to place DEQUANTIZE_MIN_M where one overtakes the other.
             for path in ("gemm", "dequantize"):
@@ -166,7 +175,7 @@ def sweep_shape(name: str, n: int, k: int, rows: list[int], group: int, l2_bytes
                 "matrix": name, "n": n, "k": k, "m": m, "method": method, "us": us,
                 "weight_gbps": weight_bytes[method] / us / 1e3, "speedup_vs_cublas": timed["cublas"] / us,
                 "config": {"int8": config8, "int4": config4, "int8-gemm": config8,
-                           "int4-gemm": config4, "int4-fma": config4fma if m <= 8 else ""}.get(method, ""),
+                           "int4-gemm": config4, "int4-fma": config4fma, "int4-mma": config4mma}.get(method, ""),
                 "rel_err": errors.get(method),
             })
     return results

@@ -36,8 +36,8 @@ import os
 import torch
 import triton
 import triton.language as tl
-from rtx_kernels.gemv import _num_sms, reduce_splits, split_target
 from rtx_kernels import quant_mma_gemv
+from rtx_kernels.gemv import _num_sms, reduce_splits, split_target
 from rtx_kernels.pdl import gemv_launch_mode, launch_options, wait_for_previous
 from rtx_kernels.quant_dequantize import dequantize_int4_tile, dequantized_matmul
 
@@ -460,10 +460,11 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
         return out
     if k == 0:  # an empty sum; the kernels would read past the empty weight
         return out.copy_(bias.expand_as(out)) if bias is not None else out.zero_()
-    mma_fits = quant_mma_gemv.fits(x, group_size)
-    if kernel is None and _INT4_MMA and mma_fits and m >= quant_mma_gemv.MIN_M:
+    # fits() only where it decides something: not for one-row decode steps or prefill chunks.
+    if (kernel is None and _INT4_MMA and quant_mma_gemv.MIN_M <= m <= quant_mma_gemv.MAX_M
+            and quant_mma_gemv.fits(x, group_size)):
         kernel = "mma"
-    elif kernel == "mma" and not mma_fits:
+    elif kernel == "mma" and not quant_mma_gemv.fits(x, group_size):
         raise ValueError(f"the tensor-core GEMV ('mma') takes {quant_mma_gemv.REQUIREMENTS}; got x "
                          f"{tuple(x.shape)} {x.dtype} with strides {x.stride()}, group_size={group_size}")
     kernel = _choose_kernel(kernel, m, bits=4, gemv_fits=True)

@@ -89,9 +89,10 @@ def _step_asm(kind: str, tiles: int) -> str:
     return "\n".join(lines + ["}"])
 
 
-_ASM = {(kind, tiles): tl.constexpr(_step_asm(kind, tiles)) for kind in ("bf16", "f16") for tiles in (1, 2)}
-_ASM_BF16_1, _ASM_BF16_2 = _ASM["bf16", 1], _ASM["bf16", 2]
-_ASM_F16_1, _ASM_F16_2 = _ASM["f16", 1], _ASM["f16", 2]
+_ASM_BF16_1 = tl.constexpr(_step_asm("bf16", 1))
+_ASM_BF16_2 = tl.constexpr(_step_asm("bf16", 2))
+_ASM_F16_1 = tl.constexpr(_step_asm("f16", 1))
+_ASM_F16_2 = tl.constexpr(_step_asm("f16", 2))
 _CONSTRAINTS_1 = tl.constexpr(",".join(["=f"] * 8 + ["r"] * 6 + ["f"] * 8))
 _CONSTRAINTS_2 = tl.constexpr(",".join(["=f"] * 12 + ["r"] * 8 + ["f"] * 12))
 

@@ -34,13 +34,16 @@
 #   quantw3       W3 on llama-8b for bf16, int4, int8 and int8-sq, the median of three runs each
 #   int4mma       the quantized kernel tests (tensor-core GEMV among them) and int8-sq's, then the kernels at 1, 2, 4
 #                 and 8 rows of x, int4's tensor-core GEMV beside its FMA GEMV and cuBLAS (quant_sweep.py)
+#   int4ncu       int4's GEMVs at one row beside a kernel that only reads the same bytes (gemv_profile.py), the same
+#                 under Nsight Compute (report in $OUT), and the kernels of llama-8b's decode step at batch 1, int4
+#                 and bf16, eager (gpu_profile.py)
 #   kvtests the KV tier tests, among them the one that fails if offload waits for the GPU
 #   w4tiers W4 with KV tiers (benchmarks/w4_tiers.py) on llama-1b: hit rate and p99 at 1.5x load, device cache
 #           with room for everything, too small with a host tier under it, too small without
 # Usage: benchmarks/gpu_bench.sh [tests] [checks] [sweep] [splits] [layers] [mixed] [bench] [w1] [w3] [cb] [host]
 #        [bench8b] [host64] [decode] [w3ab] [cb64ab] [cb64before] [quantsweepbefore] [int4w3before]
 #        [greedy] [attn] [w4tiers] [quant] [quantkernels]
-#        [quantspeed] [install] [quanttests] [quantconfigs] [quantw3] [int4mma] [kvtests]
+#        [quantspeed] [install] [quanttests] [quantconfigs] [quantw3] [int4mma] [int4ncu] [kvtests]
 #        (default: tests checks bench bench8b); results go to $OUT (or ./gpu-out)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -207,6 +210,24 @@ for step in "${steps[@]}"; do
       python3 benchmarks/quant_sweep.py "$OUT/quant_sweep_mma.json" --rows 1,2,4,8 \
         --shapes qkv,o_proj,gate_up,down_proj 2>&1 | tee "$OUT/quant_sweep_mma.log" | tail -90
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    int4ncu)
+      python3 benchmarks/gemv_profile.py 2>&1 | tee "$OUT/gemv_profile.log"
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      if [ -n "$ncu" ]; then
+        "$ncu" --clock-control none --profile-from-start off --set full -f -o "$OUT/gemv" \
+          python3 benchmarks/gemv_profile.py --shapes gate_up --profile >"$OUT/ncu_run.log" 2>&1 || status=1
+        "$ncu" --import "$OUT/gemv.ncu-rep" --page details >"$OUT/ncu_details.txt" 2>&1 || status=1
+        grep -E "^  [a-z_]|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Block Limit" \
+          "$OUT/ncu_details.txt" | head -80
+      else
+        echo "int4ncu: no ncu on this machine" >&2; status=1
+      fi
+      for q in int4 bf16; do
+        quant=(); [ $q = bf16 ] || quant=(--quantization $q)
+        python3 benchmarks/gpu_profile.py 1 --model dummy:llama-8b "${quant[@]}" >"$OUT/profile_8b_$q.log" 2>&1 \
+          || { tail -5 "$OUT/profile_8b_$q.log"; status=1; }
+      done ;;
     kvtests)
       python3 -m pytest -q -p no:cacheprovider tests/test_kv_tiers.py 2>&1 | tee "$OUT/kv_tests.log" | tail -5
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;

@@ -1,14 +1,16 @@
 """Per-kernel GPU time of one decode step of ``dummy:llama-1b`` (bfloat16), eager, under torch.profiler.
+``--model`` and ``--quantization`` profile another shape or quantized weights (e.g. ``dummy:llama-8b`` in int4, W3's
+decode step at batch 1).
 
 Kernel durations are the same inside a CUDA graph; what the graph removes is the launch gaps between them.
 ``mixed`` profiles instead steps of 31 decoding requests that each also carry a newcomer's 640-token prefill, the
 steps continuous batching runs whenever a request joins (run once unprofiled first, so nothing compiles inside).
-Usage: python benchmarks/gpu_profile.py [BATCH ...] [mixed]
+Usage: python benchmarks/gpu_profile.py [BATCH ...] [mixed] [--model dummy:llama-1b] [--quantization int4]
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -43,9 +45,9 @@ def mixed(e: LLMEngine) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=24, max_name_column_width=70))
 
 
-def main(batches: list[int], with_mixed: bool) -> None:
-    e = LLMEngine(EngineConfig(model="dummy:llama-1b", device="cuda", dtype="bfloat16", enforce_eager=True,
-                               max_model_len=4096,
+def main(batches: list[int], with_mixed: bool, model: str, quantization: str | None) -> None:
+    e = LLMEngine(EngineConfig(model=model, quantization=quantization, device="cuda", dtype="bfloat16",
+                               enforce_eager=True, max_model_len=4096,
                                scheduling=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256)))
     for batch in batches:
         params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -60,13 +62,20 @@ def main(batches: list[int], with_mixed: bool) -> None:
             torch.cuda.synchronize()
         while e.has_unfinished_requests():
             e.step()
-        print(f"\n=== decode batch {batch}: 10 steps ===")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
+        print(f"\n=== {model} {quantization or 'bf16'}, decode batch {batch}: 10 steps ===")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=26, max_name_column_width=70))
     if with_mixed:
         mixed(e)
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    batches = [int(a) for a in args if a != "mixed"]
-    main(batches if batches or "mixed" in args else [1, 256], "mixed" in args)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", nargs="*", help="decode batch sizes, and/or 'mixed'")
+    parser.add_argument("--model", default="dummy:llama-1b")
+    parser.add_argument("--quantization", default=None)
+    args = parser.parse_args()
+    if any(a != "mixed" and not a.isdigit() for a in args.what):
+        parser.error(f"expected batch sizes and/or 'mixed', got {args.what}")
+    batches = [int(a) for a in args.what if a != "mixed"]
+    main(batches if batches or "mixed" in args.what else [1, 256], "mixed" in args.what, args.model,
+         args.quantization)

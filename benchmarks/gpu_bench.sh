@@ -37,13 +37,15 @@
 #   int4ncu       int4's GEMVs at one row beside a kernel that only reads the same bytes (gemv_profile.py), the same
 #                 under Nsight Compute (report in $OUT), and the kernels of llama-8b's decode step at batch 1, int4
 #                 and bf16, eager (gpu_profile.py)
+#   w3attn  W3's decode attention on llama-8b: every split count at contexts 128, 256 and 384, 32 layers in one
+#           CUDA graph (kernel_sweep.py --w3)
 #   kvtests the KV tier tests, among them the one that fails if offload waits for the GPU
 #   w4tiers W4 with KV tiers (benchmarks/w4_tiers.py) on llama-1b: hit rate and p99 at 1.5x load, device cache
 #           with room for everything, too small with a host tier under it, too small without
 # Usage: benchmarks/gpu_bench.sh [tests] [checks] [sweep] [splits] [layers] [mixed] [bench] [w1] [w3] [cb] [host]
 #        [bench8b] [host64] [decode] [w3ab] [cb64ab] [cb64before] [quantsweepbefore] [int4w3before]
 #        [greedy] [attn] [w4tiers] [quant] [quantkernels]
-#        [quantspeed] [install] [quanttests] [quantconfigs] [quantw3] [int4mma] [int4ncu] [kvtests]
+#        [quantspeed] [install] [quanttests] [quantconfigs] [quantw3] [int4mma] [int4ncu] [w3attn] [kvtests]
 #        (default: tests checks bench bench8b); results go to $OUT (or ./gpu-out)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -228,6 +230,9 @@ for step in "${steps[@]}"; do
         python3 benchmarks/gpu_profile.py 1 --model dummy:llama-8b "${quant[@]}" >"$OUT/profile_8b_$q.log" 2>&1 \
           || { tail -5 "$OUT/profile_8b_$q.log"; status=1; }
       done ;;
+    w3attn)
+      python3 benchmarks/kernel_sweep.py --w3 2>&1 | tee "$OUT/w3_attention.log" | tail -30
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     kvtests)
       python3 -m pytest -q -p no:cacheprovider tests/test_kv_tiers.py 2>&1 | tee "$OUT/kv_tests.log" | tail -5
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;

@@ -8,7 +8,11 @@ With ``--splits``, times instead each number of sequence splits at W2-like conte
 With ``--layers``, times launch shapes at W2-like contexts as a decode step runs
 them: 16 layers' calls, each on its own cache, replayed from one CUDA graph.
 
-Usage: python benchmarks/kernel_sweep.py [--splits | --layers]
+With ``--w3``, times each number of splits the way W3's decode graph runs attention on ``llama-8b`` (32 query
+heads, 8 KV heads, head size 128): one request at contexts of 128 to 384 tokens, 32 layers in one CUDA graph. The
+graph's split count comes from ``--max-model-len`` (:func:`choose_num_splits`), not from the context.
+
+Usage: python benchmarks/kernel_sweep.py [--splits | --layers | --w3]
 """
 
 from __future__ import annotations
@@ -25,19 +29,40 @@ H, KVH, D, BS = 32, 8, 64, 16
 COPY_BW = 4.24e12  # bytes/s, device-to-device copy measured on the H200 (shared/ENVIRONMENT.md)
 
 
-def _inputs(lens: torch.Tensor):
+def _inputs(lens: torch.Tensor, heads: tuple[int, int, int] = (H, KVH, D)):
     """q, caches and block tables for requests of the given context lengths, blocks scattered over the cache."""
+    num_heads, num_kv_heads, head_size = heads
     gen = torch.Generator(device="cuda").manual_seed(0)
     batch = lens.numel()
     blocks_per_seq = -(-int(lens.max()) // BS)
     num_blocks = batch * blocks_per_seq + 1
-    k = torch.randn(KVH, num_blocks, BS, D, device="cuda", generator=gen).bfloat16()
-    v = torch.randn(KVH, num_blocks, BS, D, device="cuda", generator=gen).bfloat16()
+    k = torch.randn(num_kv_heads, num_blocks, BS, head_size, device="cuda", generator=gen).bfloat16()
+    v = torch.randn(num_kv_heads, num_blocks, BS, head_size, device="cuda", generator=gen).bfloat16()
     tables = (torch.randperm(num_blocks - 1, device="cuda", generator=gen)[: batch * blocks_per_seq] + 1)
     tables = tables.view(batch, blocks_per_seq).int()
-    q = torch.randn(batch, H, D, device="cuda", generator=gen).bfloat16()
-    floor_us = 2 * int(lens.sum()) * KVH * D * 2 / COPY_BW * 1e6
+    q = torch.randn(batch, num_heads, head_size, device="cuda", generator=gen).bfloat16()
+    floor_us = 2 * int(lens.sum()) * num_kv_heads * head_size * 2 / COPY_BW * 1e6
     return q, k, v, tables, lens.int().cuda(), floor_us
+
+
+def _graph_us_per_layer(layers, splits: int, **shape) -> float:
+    """One decode step's attention calls, one per layer on its own cache, replayed from a CUDA graph: us a layer."""
+    def step():
+        for q, k, v, tables, seq_lens, _ in layers:
+            decode_attention(q, k, v, tables, seq_lens, 0.125, splits, **shape)
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 20 / len(layers) * 1000
 
 
 def case(batch: int, ctx: int, splits: int):
@@ -81,27 +106,12 @@ def layers_case(batch: int, num_layers: int = 16) -> None:
     for splits, block_n, warps, stages in itertools.product(
             sorted({max(1, chosen // 2), chosen, chosen * 2}), (32, 64, 128), (2, 4, 8), (1, 3)):
         shape = dict(block_n=block_n, num_warps=warps, num_stages=stages)
-
-        def step():
-            for q, k, v, tables, seq_lens, _ in layers:
-                decode_attention(q, k, v, tables, seq_lens, 0.125, splits, **shape)
-
         try:
-            step()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
+            us = _graph_us_per_layer(layers, splits, **shape)
         except Exception as exc:  # a shape the compiler refuses (e.g. too much shared memory)
             print(f"  {splits=} {shape}: {type(exc).__name__}")
             continue
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        rows.append((start.elapsed_time(end) / 20 / num_layers * 1000, splits, shape))
+        rows.append((us, splits, shape))
     rows.sort(key=lambda r: r[0])
     print(f"\nbatch {batch}, contexts uniform in [100, 2048], {num_layers} layers in one graph: floor {floor_us:.1f} us "
           f"per layer; choose_num_splits = {chosen}")
@@ -111,7 +121,22 @@ def layers_case(batch: int, num_layers: int = 16) -> None:
         print(f"  {us:7.1f} us per layer  splits={splits} {shape}")
 
 
+def w3_case(ctx: int, num_layers: int = 32, max_model_len: int = 4096) -> None:
+    """W3's decode attention on llama-8b: one request at context ``ctx``, every split count, default tiles."""
+    layers = [_inputs(torch.tensor([ctx]), heads=(32, 8, 128)) for _ in range(num_layers)]
+    chosen = choose_num_splits(1, 8, max_model_len)
+    print(f"\nllama-8b heads, one request, context {ctx}, {num_layers} layers in one graph: floor "
+          f"{layers[0][5]:.2f} us per layer; the decode graph's choose_num_splits(max_len={max_model_len}) = {chosen}, "
+          f"an eager step's = {choose_num_splits(1, 8, ctx)}")
+    for splits in (1, 2, 4, 8, 16, 32):
+        print(f"  splits={splits:2d}: {_graph_us_per_layer(layers, splits):7.2f} us per layer")
+
+
 def main() -> None:
+    if "--w3" in sys.argv[1:]:
+        for ctx in (128, 256, 384):
+            w3_case(ctx)
+        return
     if "--layers" in sys.argv[1:]:
         for batch in (32, 64, 128):
             layers_case(batch)

@@ -48,7 +48,7 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--profile", action="store_true", help="run each kernel once more for ncu")
     args = parser.parse_args()
-    from rtx_kernels import quant_matmul, quant_mma_gemv
+    from rtx_kernels import quant_fma_gemv, quant_mma_gemv
     from rtx_kernels.gemv import gemv
     from rtx_kernels.quant_matmul import int4_linear
 
@@ -70,7 +70,7 @@ def main() -> None:
             "bf16-gemv": (lambda i: gemv(x, bf16[i % len(bf16)]), n * k * 2),
             "cublas": (lambda i: F.linear(x, bf16[i % len(bf16)]), n * k * 2),
         }
-        autotuned = {"int4-fma": quant_matmul._gemv_kernel, "int4-mma": quant_mma_gemv._mma_gemv_kernel}
+        autotuned = {"int4-fma": quant_fma_gemv._gemv_kernel, "int4-mma": quant_mma_gemv._mma_gemv_kernel}
         for kernel, (call, nbytes) in calls.items():
             us = time_graph(call, max(len(int4), len(bf16)))
             config = best_config(autotuned[kernel]) if kernel in autotuned else ""
@@ -82,7 +82,7 @@ def main() -> None:
                 call(0)
             torch.cuda.synchronize()
             torch.cuda.cudart().cudaProfilerStop()
-        del int4, bf16
+        int4 = bf16 = None  # the shape's weights, freed before the next shape's are drawn
         torch.cuda.empty_cache()
 
 

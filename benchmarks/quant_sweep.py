@@ -101,7 +101,7 @@ def best_config(kernel) -> str:
 
 
 def sweep_shape(name: str, n: int, k: int, rows: list[int], group: int, l2_bytes: int) -> list[dict]:
-    from rtx_kernels import quant_matmul, quant_mma_gemv
+    from rtx_kernels import quant_fma_gemv, quant_matmul, quant_mma_gemv
     from rtx_kernels.gemv import gemv
     from rtx_kernels.quant_matmul import int4_linear, int8_linear
     from rtx_kernels.quant_reference import dequantize_int4, dequantize_int8
@@ -136,15 +136,15 @@ def sweep_shape(name: str, n: int, k: int, rows: list[int], group: int, l2_bytes
         if m <= 8:
             timed["gemv"] = time_graph(lambda i, x=x: gemv(x, bf16[i]), len(bf16))
             timed["int8"] = time_graph(lambda i, x=x: int8_linear(x, *int8[i]), len(int8))
-            config8 = best_config(quant_matmul._gemv_kernel)
+            config8 = best_config(quant_fma_gemv._gemv_kernel)
             timed["int4"] = time_graph(lambda i, x=x: int4_linear(x, *int4[i], group), len(int4))
             mma_fits = quant_mma_gemv.fits(x, group)
             on_tensor_cores = quant_matmul._INT4_MMA and mma_fits and m >= quant_mma_gemv.MIN_M
-            config4 = best_config(quant_mma_gemv._mma_gemv_kernel if on_tensor_cores else quant_matmul._gemv_kernel)
+            config4 = best_config(quant_mma_gemv._mma_gemv_kernel if on_tensor_cores else quant_fma_gemv._gemv_kernel)
             # Both int4 GEMVs by name, whichever int4_linear picked above ("int4").
             errors["int4-fma"] = relative_error(int4_linear(x, *int4[0], group, kernel="gemv"), F.linear(x, deq4))
             timed["int4-fma"] = time_graph(lambda i, x=x: int4_linear(x, *int4[i], group, kernel="gemv"), len(int4))
-            config4fma = best_config(quant_matmul._gemv_kernel)
+            config4fma = best_config(quant_fma_gemv._gemv_kernel)
             if mma_fits:
                 errors["int4-mma"] = relative_error(int4_linear(x, *int4[0], group, kernel="mma"),
                                                     F.linear(x, deq4))
@@ -198,8 +198,9 @@ def pinned(kernel, config):
 
 def sweep_configs(name: str, n: int, k: int, rows: list[int], group: int, l2_bytes: int) -> list[dict]:
     import triton
-    from rtx_kernels import quant_matmul, quant_mma_gemv
-    from rtx_kernels.quant_matmul import _gemv_config, _gemv_vec, _prune_gemv_configs, int4_linear, int8_linear
+    from rtx_kernels import quant_fma_gemv, quant_mma_gemv
+    from rtx_kernels.quant_fma_gemv import _gemv_config, _gemv_vec, _prune_gemv_configs
+    from rtx_kernels.quant_matmul import int4_linear, int8_linear
 
     formats = {"int8": (random_int8, (), int8_linear, n * k + n * 4),
                "int4": (random_int4, (group,), int4_linear, n * k // 2 + n * (k // group) * 5)}
@@ -214,7 +215,7 @@ def sweep_configs(name: str, n: int, k: int, rows: list[int], group: int, l2_byt
             fitting = _prune_gemv_configs(grid, {}, BITS=bits, VEC=_gemv_vec(bits, group),
                                           BLOCK_M=triton.next_power_of_2(m))
             for config in fitting:
-                with pinned(quant_matmul._gemv_kernel, config):
+                with pinned(quant_fma_gemv._gemv_kernel, config):
                     err = relative_error(linear(x, *weights[0], *extra, kernel="gemv"), ref)
                     us = time_graph(lambda i, x=x, w=weights: linear(x, *w[i], *extra, kernel="gemv"),
                                     len(weights))

@@ -1,7 +1,7 @@
 """W4A16 decode GEMV on the tensor cores: ``y = x @ W.T`` for int4 weights in groups of a multiple of 128 columns,
 ``x`` [M <= 8, K] in bfloat16 or float16, one ``mma.sync.m16n8k16`` per 256 weights.
 
-Why: the FMA GEMV of :mod:`rtx_kernels.quant_matmul` unpacks every weight and multiplies it by every row of x, so
+Why: the FMA GEMV of :mod:`rtx_kernels.quant_fma_gemv` unpacks every weight and multiplies it by every row of x, so
 its work grows with M (on the H200, gate_up at 8 rows takes 11x its time at one). Here one shift and one LOP3
 turn two weights into a pair of 16-bit floats (the nibbles land in the mantissas under a fixed exponent: 128 + q in
 bfloat16, 1024 + q in float16, exact), the tensor cores do the multiplying, and x's rows are the mma's 8 columns:

@@ -13,7 +13,8 @@ import pytest
 import torch
 from triton_helpers import DEVICE, ON_GPU, generator
 
-from rtx_kernels.quant_matmul import DEQUANTIZE_MIN_M, _choose_kernel, choose_split_k, int4_linear, int8_linear
+from rtx_kernels.quant_fma_gemv import choose_split_k
+from rtx_kernels.quant_matmul import DEQUANTIZE_MIN_M, _choose_kernel, int4_linear, int8_linear
 from rtx_kernels.quant_reference import (dequantize_int4, dequantize_int8, int4_linear_cpu, int8_linear_cpu,
                                          pack_int4, unpack_int4)
 from rtx_kernels.reference import gemv_ref

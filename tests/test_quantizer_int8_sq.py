@@ -88,8 +88,8 @@ def test_on_the_gpu(rows, dtype):
 
 
 def test_the_weight_only_path_ends_where_the_gemv_does():
-    quant_matmul = pytest.importorskip("rtx_kernels.quant_matmul")
-    assert WEIGHT_ONLY_MAX_ROWS == quant_matmul._MAX_GEMV_M
+    quant_fma_gemv = pytest.importorskip("rtx_kernels.quant_fma_gemv")
+    assert WEIGHT_ONLY_MAX_ROWS == quant_fma_gemv.MAX_M
 
 
 def test_smoothing_without_statistics_is_one_and_otherwise_has_geometric_mean_one():

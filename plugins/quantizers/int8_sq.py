@@ -21,7 +21,7 @@ GPU one Triton kernel divides and rounds the activations (``rtx_kernels.quant_ro
 Products of at most ``WEIGHT_ONLY_MAX_ROWS`` rows on a GPU (decode steps of a few requests) skip rounding the
 activations: reading the weight bounds them, so int8 activations would save nothing, while padding them to
 ``_int_mm``'s 17 rows and the extra kernels cost more than the product. They run the int8 weights through the
-weight-only GEMV (``rtx_kernels.quant_matmul``) on the smoothed activations as they are, which is also closer to the
+weight-only GEMV (``rtx_kernels.quant_fma_gemv``) on the smoothed activations as they are, which is also closer to the
 unquantized layer. So on a GPU a layer's rounding depends on how many rows it gets at once: a request's tokens can
 differ in their last bits between a step of 8 rows and one of 9.
 """
@@ -43,7 +43,7 @@ _LEVELS = 127
 # torch._int_mm on CUDA wants more than 16 rows of x and both matrices' sizes in multiples of 8.
 _INT_MM_MIN_ROWS = 17
 _INT_MM_ALIGN = 8
-# The W8A16 GEMV's limit (rtx_kernels.quant_matmul's _MAX_GEMV_M): past it int8_linear takes a GEMM.
+# The W8A16 GEMV's limit (rtx_kernels.quant_fma_gemv.MAX_M): past it int8_linear takes a GEMM.
 WEIGHT_ONLY_MAX_ROWS = 8
 
 

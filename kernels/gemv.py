@@ -86,9 +86,14 @@ def choose_split_k(n: int, k: int, num_sms: int = 132) -> int:
     split was fastest (down_proj, N=2048 K=8192: 10.6 us, against 12.6 with two and 12.0 with four), because the
     extra reduce launch costs more than the parallelism gains once N/4 >= the number of SMs.
     """
+    return split_count(triton.cdiv(n, 4), num_sms, k, _MIN_K_PER_SPLIT)
+
+
+def split_count(tiles: int, target: int, length: int, min_length: int) -> int:
+    """Splits of K for a GEMV: doubled while ``tiles`` (programs along N) times the splits stay under ``target``
+    and each split keeps at least ``min_length`` of the row's ``length``; at most 8."""
     split = 1
-    while (split < _MAX_SPLIT_K and triton.cdiv(n, 4) * split < num_sms
-           and k // (2 * split) >= _MIN_K_PER_SPLIT):
+    while split < _MAX_SPLIT_K and tiles * split < target and length // (2 * split) >= min_length:
         split *= 2
     return split
 

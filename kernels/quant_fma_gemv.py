@@ -24,11 +24,10 @@ import os
 
 import triton
 import triton.language as tl
-from rtx_kernels.gemv import _num_sms, reduce_splits, split_target
+from rtx_kernels.gemv import _num_sms, reduce_splits, split_count, split_target
 from rtx_kernels.pdl import gemv_launch_mode, launch_options, wait_for_previous
 
 MAX_M = 8
-_MAX_SPLIT_K = 8
 # A split reading fewer bytes per row than this streams too briefly to pay for its share of the reduce launch
 # (the bf16 GEMV's 2048 columns, measured on the H200).
 _MIN_BYTES_PER_SPLIT = 4096
@@ -85,11 +84,7 @@ def _gemv_vec(bits: int, group: int) -> int:
 
 def choose_split_k(n: int, row_bytes: int, num_sms: int = 132) -> int:
     """Splits of K only when N is too narrow to give every SM an 8-row tile, each split keeping >= 4 KiB a row."""
-    split = 1
-    while (split < _MAX_SPLIT_K and triton.cdiv(n, 8) * split < num_sms
-           and row_bytes // (2 * split) >= _MIN_BYTES_PER_SPLIT):
-        split *= 2
-    return split
+    return split_count(triton.cdiv(n, 8), num_sms, row_bytes, _MIN_BYTES_PER_SPLIT)
 
 
 @triton.jit

@@ -36,7 +36,7 @@ import os
 import torch
 import triton
 import triton.language as tl
-from rtx_kernels.gemv import _num_sms, reduce_splits, split_target
+from rtx_kernels.gemv import _num_sms, reduce_splits, split_count, split_target
 from rtx_kernels.pdl import gemv_launch_mode, launch_options, wait_for_previous
 
 BLOCK_COLUMNS = 128
@@ -45,7 +45,6 @@ MAX_M = 8
 # the other projections on the H200 (qkv 7.87 against 7.76 us, o_proj 4.89 against 7.20, gate_up 24.25 against
 # 24.83, down_proj 14.57 against 15.64); from two rows on this kernel was faster on every projection.
 MIN_M = 2
-_MAX_SPLIT_K = 8
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _USE_PTX = tl.constexpr(not _INTERPRET)
 _OFFSET = {torch.bfloat16: 128.0, torch.float16: 1024.0}
@@ -354,11 +353,7 @@ def _has_mma(device_index: int) -> bool:
 
 def choose_split_k(n: int, num_blocks: int, num_sms: int = 132) -> int:
     """Splits of K only while the 16-row tiles number fewer than two per SM, each split keeping >= 8 blocks."""
-    split = 1
-    while (split < _MAX_SPLIT_K and triton.cdiv(n, 16) * split < 2 * num_sms
-           and num_blocks // (2 * split) >= 8):
-        split *= 2
-    return split
+    return split_count(triton.cdiv(n, 16), 2 * num_sms, num_blocks, 8)
 
 
 def int4_mma_gemv(x, packed, scale, zero, group_size: int, bias, out, *, split_k: int | None = None,

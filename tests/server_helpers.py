@@ -12,6 +12,7 @@ kept in :attr:`ServerProcess.stdout` / :attr:`ServerProcess.stderr`.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -23,6 +24,9 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 RTX = str(Path(sys.executable).parent / "rtx")
 _READY = re.compile(r"^rtx serve: http://\S+ .*model=", re.MULTILINE)
@@ -149,3 +153,37 @@ def http_status(url: str, timeout: float = 5.0) -> int | None:
         return exc.code
     except (urllib.error.URLError, OSError):
         return None
+
+
+def metric(server: ServerProcess, name: str) -> float:
+    """Sum of a sample over its label sets (``name`` as exposed, e.g. ``rtx_request_aborts_total``)."""
+    text = httpx.get(server.base_url + "/metrics").text
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == name)
+
+
+def wait_for(condition, timeout: float = 20.0, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(interval)
+    return condition()
+
+
+def sse_events(response: httpx.Response):
+    """Parsed ``data:`` payloads of an SSE response, as they arrive."""
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line.removeprefix("data: ")
+            yield data if data == "[DONE]" else json.loads(data)
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]
+    assert error["message"] and error["type"] and "code" in error
+    if param is not None:
+        assert error["param"] == param, error
+    assert "Traceback" not in response.text
+    return error

@@ -20,10 +20,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from rtxcore.server.durable.records import decode_records
-from server_helpers import ServerProcess, start_server
+from server_helpers import ServerProcess, metric, start_server
 
 MODEL_ARGS = ("--model", "dummy:tiny", "--no-grpc")
 MAX_TOKENS = 200
@@ -47,11 +46,6 @@ def start_durable(state_dir: Path, *extra_args: str) -> ServerProcess:
 def journal_records(state_dir: Path) -> list[dict]:
     path = state_dir / "journal" / "journal.log"
     return decode_records(path.read_bytes()).records if path.exists() else []
-
-
-def metric(server: ServerProcess, name: str) -> float:
-    text = httpx.get(server.base_url + "/metrics").text
-    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == name)
 
 
 def prompt(i: int) -> list[int]:

@@ -12,11 +12,10 @@ import socket
 import grpc
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from rtxcore.client import AsyncGrpcClient, GrpcClient
 from rtxcore.server.grpc.codegen import ensure_generated
-from server_helpers import start_server
+from server_helpers import metric, start_server
 
 ensure_generated()
 from rtxcore._generated import rtx_pb2, rtx_pb2_grpc  # noqa: E402
@@ -28,11 +27,6 @@ PROMPT = [5, 17, 99, 3, 250, 41, 7, 12]
 def generate_request(max_tokens: int) -> rtx_pb2.GenerateRequest:
     return rtx_pb2.GenerateRequest(token_ids=rtx_pb2.TokenIds(ids=PROMPT), max_tokens=max_tokens, temperature=0.0,
                                    ignore_eos=True)
-
-
-def metric(server, name: str) -> float:
-    text = httpx.get(server.base_url + "/metrics").text
-    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == name)
 
 
 def tokens(messages) -> list[int]:

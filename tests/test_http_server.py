@@ -1,8 +1,8 @@
 """The HTTP server as clients see it: ``rtx serve`` in a subprocess on 127.0.0.1, driven by the official ``openai``
 client and by httpx.
 
-One server on the real default model serves these tests (module scope); the limits that need their own settings
-and the graceful shutdown are in test_http_limits.py.
+One server on the real default model serves these tests (module scope). The limits that need their own settings
+and the graceful shutdown are in test_http_limits.py; the app's pieces, tested in-process, in test_http_app.py.
 """
 
 from __future__ import annotations

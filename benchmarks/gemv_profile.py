@@ -54,7 +54,8 @@ def main() -> None:
 
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     group = args.group_size
-    print(f"{'matrix':<10}{'kernel':<12}{'us':>8}{'GB/s':>8}  (bytes: int4 words+scales+zeros / bf16 weight)")
+    print(f"{'matrix':<10}{'kernel':<12}{'us':>8}{'GB/s':>8}  (bytes: int4 words+scales+zeros; read-int4 the words; "
+          "bf16 the weight)")
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         int4_bytes = n * k // 2 + n * (k // group) * 5

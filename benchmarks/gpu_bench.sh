@@ -37,8 +37,8 @@
 #   int4ncu       int4's GEMVs at one row beside a kernel that only reads the same bytes (gemv_profile.py), the same
 #                 under Nsight Compute (report in $OUT), and the kernels of llama-8b's decode step at batch 1, int4
 #                 and bf16, eager (gpu_profile.py)
-#   w3attn  W3's decode attention on llama-8b: every split count at contexts 128, 256 and 384, 32 layers in one
-#           CUDA graph (kernel_sweep.py --w3)
+#   w3attn  W3's decode attention on llama-8b: every split count at contexts 128, 256 and 384, one graph over
+#           enough layers' caches to fill twice the L2 (kernel_sweep.py --w3)
 #   kvtests the KV tier tests, among them the one that fails if offload waits for the GPU
 #   w4tiers W4 with KV tiers (benchmarks/w4_tiers.py) on llama-1b: hit rate and p99 at 1.5x load, device cache
 #           with room for everything, too small with a host tier under it, too small without

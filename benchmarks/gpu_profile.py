@@ -73,7 +73,7 @@ if __name__ == "__main__":
     parser.add_argument("what", nargs="*", help="decode batch sizes, and/or 'mixed'")
     parser.add_argument("--model", default="dummy:llama-1b")
     parser.add_argument("--quantization", default=None)
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     if any(a != "mixed" and not a.isdigit() for a in args.what):
         parser.error(f"expected batch sizes and/or 'mixed', got {args.what}")
     batches = [int(a) for a in args.what if a != "mixed"]

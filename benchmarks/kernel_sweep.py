@@ -9,7 +9,8 @@ With ``--layers``, times launch shapes at W2-like contexts as a decode step runs
 them: 16 layers' calls, each on its own cache, replayed from one CUDA graph.
 
 With ``--w3``, times each number of splits the way W3's decode graph runs attention on ``llama-8b`` (32 query
-heads, 8 KV heads, head size 128): one request at contexts of 128 to 384 tokens, 32 layers in one CUDA graph. The
+heads, 8 KV heads, head size 128): one request at contexts of 128 to 384 tokens, layers' calls in one CUDA graph,
+each on its own cache, over enough caches that K/V come from HBM. The
 graph's split count comes from ``--max-model-len`` (:func:`choose_num_splits`), not from the context.
 
 Usage: python benchmarks/kernel_sweep.py [--splits | --layers | --w3]
@@ -122,10 +123,16 @@ def layers_case(batch: int, num_layers: int = 16) -> None:
 
 
 def w3_case(ctx: int, num_layers: int = 32, max_model_len: int = 4096) -> None:
-    """W3's decode attention on llama-8b: one request at context ``ctx``, every split count, default tiles."""
-    layers = [_inputs(torch.tensor([ctx]), heads=(32, 8, 128)) for _ in range(num_layers)]
+    """W3's decode attention on llama-8b: one request at context ``ctx``, every split count, default tiles.
+
+    In W3's step the weights stream between two attentions and push the KV cache out of L2; here 32 layers' caches
+    alone would fit in it, so the graph walks enough caches to fill twice the L2 (in whole steps of 32 layers)."""
+    layer_bytes = 2 * 8 * (-(-ctx // BS) * BS) * 128 * 2
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    num_caches = num_layers * -(-2 * l2 // (num_layers * layer_bytes))
+    layers = [_inputs(torch.tensor([ctx]), heads=(32, 8, 128)) for _ in range(num_caches)]
     chosen = choose_num_splits(1, 8, max_model_len)
-    print(f"\nllama-8b heads, one request, context {ctx}, {num_layers} layers in one graph: floor "
+    print(f"\nllama-8b heads, one request, context {ctx}, {num_caches} layers' caches in one graph: floor "
           f"{layers[0][5]:.2f} us per layer; the decode graph's choose_num_splits(max_len={max_model_len}) = {chosen}, "
           f"an eager step's = {choose_num_splits(1, 8, ctx)}")
     for splits in (1, 2, 4, 8, 16, 32):

@@ -73,7 +73,9 @@ def test_sigterm_drains_running_streams_then_exits_0():
     srv = start_server("--no-grpc", "--model", "dummy:tiny", "--shutdown-grace", "60")
     try:
         url = srv.base_url + "/generate"
-        with httpx.stream("POST", url, json={"prompt": [5, 6, 7], "max_tokens": 80, "ignore_eos": True},
+        # The stream must outlive the check below: once it ends the drain is over and the port closes. 80 tokens
+        # (about 0.16 s on dummy:tiny) lost that race on a loaded CI machine; 2000 take about 2 s.
+        with httpx.stream("POST", url, json={"prompt": [5, 6, 7], "max_tokens": 2000, "ignore_eos": True},
                           timeout=60) as r:
             events = sse_events(r)
             first = next(events)
@@ -81,7 +83,7 @@ def test_sigterm_drains_running_streams_then_exits_0():
             assert wait_for(lambda: "received SIGTERM" in srv.stderr, timeout=10)
             assert_error(httpx.post(url, json={"prompt": [5], "max_tokens": 1}), 503)
             rest = list(events)
-        assert sum(len(e["token_ids"]) for e in [first, *rest]) == 80 and rest[-1]["finish_reason"] == "length"
+        assert sum(len(e["token_ids"]) for e in [first, *rest]) == 2000 and rest[-1]["finish_reason"] == "length"
         assert srv.stop(timeout=30) == 0, srv.output()
         assert "draining 1 active requests" in srv.stdout and "rtx serve: stopped" in srv.stdout
     finally:

@@ -114,6 +114,14 @@ def test_bad_prompts_raise_without_side_effects(tiny_engine, prompt, params, mat
     ({"top_k": -1}, "top_k"),
     ({"min_p": 2.0}, "min_p"),
     ({"seed": -1}, "seed"),
+    # bool is an int in Python: these passed once and then broke the sampler on the engine's thread
+    ({"top_k": True}, "top_k"),
+    ({"seed": True}, "seed"),
+    ({"logprobs": False}, "logprobs"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"stop_token_ids": [True]}, "stop_token_ids"),
+    ({"ignore_eos": "false"}, "ignore_eos"),
+    ({"skip_special_tokens": 0}, "skip_special_tokens"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, match):
     with pytest.raises(InvalidRequestError, match=match) as info:

@@ -126,12 +126,15 @@ class LLMEngine:
                                 f"{self.kv_cache.num_usable_blocks * self.config.block_size}", param="max_tokens")
         req = Request(req_id, token_ids, params, all_token_ids=token_ids + output_token_ids, cache_salt=cache_salt,
                       lane=lane, tenant=tenant)
-        self.scheduler.add_request(req)  # first: a refusal must leave nothing behind
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.backend.device).manual_seed(
+                _resumed_seed(params.seed, len(output_token_ids)))
+        self.scheduler.add_request(req)  # the last step that may refuse: a refusal must leave nothing behind
         if params.needs_output_history:
             self._num_history_reqs += 1
-        if params.seed is not None:
-            self._generators[req_id] = torch.Generator(device=self.backend.device).manual_seed(
-                _resumed_seed(params.seed, len(output_token_ids)))
+        if generator is not None:
+            self._generators[req_id] = generator
         self.requests[req_id] = req
         self.output_processor.add(req)
         return req_id

@@ -112,10 +112,14 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
     params = _openai_sampling(body)
     if _bool(body.get("logprobs") or False, "logprobs"):
         top = body.get("top_logprobs")
-        params["logprobs"] = 0 if top is None else _int(top, "top_logprobs")
+        params["logprobs"] = 0 if top is None else _int(top, "top_logprobs", 0, 20)
     elif body.get("top_logprobs") is not None:
         raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = None
+    for name in ("max_completion_tokens", "max_tokens"):  # the newer name wins, as in OpenAI's API
+        if body.get(name) is not None:
+            max_tokens = _int(body[name], name, 1)
+            break
     stream = _bool(body.get("stream", False), "stream")
     return ChatRequest(_model(body), [_message(m, i) for i, m in enumerate(messages)], params, max_tokens, stream,
                        _include_usage(body, stream), parse_routing(body))
@@ -295,9 +299,12 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _int(value: Any, param: str) -> int:
+def _int(value: Any, param: str, low: int | None = None, high: int | None = None) -> int:
     if not _is_int(value):
-        raise InvalidRequestError(f"{param} must be an integer", param=param)
+        raise InvalidRequestError(f"{param} must be an integer, got {value!r}", param=param)
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f"at least {low}" if high is None else f"in [{low}, {high}]"
+        raise InvalidRequestError(f"{param} must be {bounds}, got {value}", param=param)
     return value
 
 

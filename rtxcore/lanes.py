@@ -7,6 +7,7 @@ a request's lane is recorded and labelled in metrics, and nothing more.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
@@ -69,7 +70,10 @@ def parse_lanes(table: Mapping[str, Any] | None) -> dict[str, LaneSpec]:
                               f"(settings: {', '.join(sorted(settable))})")
         changes = dict(values)
         if "preempts" in changes:
-            changes["preempts"] = tuple(changes["preempts"])
+            preempts = changes["preempts"]
+            if not isinstance(preempts, list) or not all(isinstance(lane, str) for lane in preempts):
+                raise ConfigError(f"[lanes.{name}] preempts must be a list of lane names, got {preempts!r}")
+            changes["preempts"] = tuple(preempts)
         lanes[name] = replace(lanes[name], **changes)
     for spec in lanes.values():
         _check_lane(spec)
@@ -80,7 +84,7 @@ def _check_lane(spec: LaneSpec) -> None:
     where = f"[lanes.{spec.name}]"
     for name in ("ttft_target_s", "itl_target_s", "max_wait_s"):
         value = getattr(spec, name)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
             raise ConfigError(f"{where} {name} must be a positive number of seconds, got {value!r}")
     if not isinstance(spec.max_queue, int) or isinstance(spec.max_queue, bool) or spec.max_queue < 1:
         raise ConfigError(f"{where} max_queue must be an integer >= 1, got {spec.max_queue!r}")

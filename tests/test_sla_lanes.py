@@ -357,3 +357,7 @@ def test_bad_options_are_config_errors():
         parse_lanes({"gold": {}})
     with pytest.raises(ConfigError, match="may only preempt lanes below it"):
         parse_lanes({"bulk": {"preempts": ["realtime"]}})
+    with pytest.raises(ConfigError, match="preempts must be a list of lane names"):
+        parse_lanes({"realtime": {"preempts": "bulk"}})
+    with pytest.raises(ConfigError, match="ttft_target_s must be a positive number"):
+        parse_lanes({"realtime": {"ttft_target_s": float("inf")}})

@@ -4,6 +4,7 @@ and prefix-cache isolation between tenants, through a real server (HTTP and gRPC
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import threading
 
@@ -59,6 +60,8 @@ def test_no_keys_means_unauthenticated():
     ({"a": {"key_sha256": sha("k"), "lanes": ["gold"]}}, "unknown lane 'gold'"),
     ({"a b": {"key_sha256": sha("k")}}, "tenant name"),
     ({"a": {"key_sha256": sha("k"), "requests_per_second": -1}}, "positive number"),
+    ({"a": {"key_sha256": sha("k"), "tokens_per_minute": float("nan")}}, "positive number"),
+    ({"a": {"key_sha256": sha("k"), "lanes": 5}}, "lanes must be a string or a list of strings"),
 ])
 def test_config_errors_name_the_problem(table, message):
     with pytest.raises(ConfigError, match=message):
@@ -107,6 +110,18 @@ def test_concurrency_cap():
     registry.release(first, 1)  # twice is harmless
     registry.acquire(tenant, 1, 1)
     assert second is not None
+
+
+@pytest.mark.parametrize("limits, code", [({"max_concurrency": 2}, "concurrency"),
+                                           ({"requests_per_second": 1, "burst": 2}, "requests_per_second")])
+def test_more_prompts_than_a_limit_allows_is_refused_with_a_finite_retry(limits, code):
+    registry = TenantRegistry.from_config({"a": {"key_sha256": sha(KEY_A), **limits}}, environ={})
+    tenant = registry.authenticate(KEY_A)
+    with pytest.raises(RateLimited, match="request holds 3 prompts, more than tenant 'a'") as exc:
+        registry.acquire(tenant, 3, 3)
+    # Retry-After is whole seconds: an infinite wait once made the HTTP error handler raise (a 500).
+    assert exc.value.code == code and math.isfinite(exc.value.retry_after_s)
+    registry.release(registry.acquire(tenant, 2, 2), 2)
 
 
 def test_bucket_refills_at_its_rate():

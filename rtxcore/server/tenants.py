@@ -185,11 +185,17 @@ class TenantRegistry:
             return Lease(None, num_requests, num_tokens)
         now = time.monotonic()
         with self._lock:
+            if tenant.max_concurrency is not None and num_requests > tenant.max_concurrency:
+                raise RateLimited(f"request holds {num_requests} prompts, more than tenant {tenant.name!r}'s limit "
+                                  f"of {tenant.max_concurrency} concurrent requests", 60.0, "concurrency")
             if tenant.max_concurrency is not None and tenant._active + num_requests > tenant.max_concurrency:
                 raise RateLimited(f"tenant {tenant.name!r} is at its limit of {tenant.max_concurrency} concurrent "
                                   "requests", 1.0, "concurrency")
             if tenant._requests is not None:
                 wait = tenant._requests.wait_for(num_requests, now)
+                if wait == math.inf:
+                    raise RateLimited(f"request holds {num_requests} prompts, more than tenant {tenant.name!r}'s "
+                                      f"burst of {tenant._requests.capacity:g} requests", 60.0, "requests_per_second")
                 if wait > 0:
                     raise RateLimited(f"tenant {tenant.name!r} is over its limit of {tenant.requests_per_second:g} "
                                       "requests per second", wait, "requests_per_second")
@@ -254,7 +260,7 @@ def _tenant_from_table(name: str, values: Any, environ: Mapping[str, str]) -> Te
         if not key:
             raise ConfigError(f"{where} key_env names {var!r}, which is not set")
         hashes.append(hash_key(key))
-    lanes = tuple(values.get("lanes", LANE_NAMES))
+    lanes = tuple(_as_list(values.get("lanes", list(LANE_NAMES)), f"{where} lanes"))
     for lane in lanes:
         if lane not in LANE_NAMES:
             raise ConfigError(f"{where} lanes: unknown lane {lane!r} (lanes are: {', '.join(LANE_NAMES)})")
@@ -264,7 +270,8 @@ def _tenant_from_table(name: str, values: Any, environ: Mapping[str, str]) -> Te
     limits = {}
     for setting in ("requests_per_second", "burst", "tokens_per_minute", "max_concurrency"):
         value = values.get(setting)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 < value < math.inf):
             raise ConfigError(f"{where} {setting} must be a positive number, got {value!r}")
         limits[setting] = value
     return Tenant(name, hashes, lanes, default_lane, **limits)

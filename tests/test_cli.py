@@ -36,6 +36,15 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, fragment: str) -> N
     (["generate", "hi", "--model", "/no/such/model.gguf"], "model not found"),
     (["generate", "hi", "--max-tokens", "many"], "invalid int value"),
     (["bench", "--workload", "nope"], "invalid choice"),
+    (["generate", "hi", "--model", "dummy:tiny", "--device", "tpu"], "device 'tpu' is not one the torch backend"),
+    (["generate", "hi", "--model", "dummy:tiny", "--kv-host-bytes", "inf"], "not a finite size"),
+    (["serve", "--request-timeout", "nan"], "not a finite number"),
+    (["serve", "--shutdown-grace", "inf"], "not a finite number"),
+    # checked before the model loads and the run starts, not when its results are written
+    (["bench", "--json", "/no/such/dir/out.json"], "does not exist"),
+    (["loadgen", "--json", "/no/such/dir/out.json"], "does not exist"),
+    (["bench", "--num-requests", "-1"], "not at least 1"),
+    (["sign", "model.gguf", "--key", "k.pem", "--signature", "/no/such/dir/x.sig"], "does not exist"),
 ])
 def test_bad_input_one_line_exit_2(args, fragment):
     assert_one_line_error(rtx(*args), fragment)

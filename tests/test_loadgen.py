@@ -173,7 +173,7 @@ def test_brownout_level_from_prometheus_text():
 @pytest.mark.parametrize("args, fragment", [
     (["--rate", "2", "--load", "1.5"], "either a rate or a load"),
     (["--rate", "0"], "rate must be a positive number"),
-    (["--duration", "soon"], "invalid float value"),
+    (["--duration", "soon"], "'soon' is not a number"),
     (["--pattern", "bursty"], "invalid choice"),
     (["--spike-factor", "4"], "need --pattern spiky"),
     (["--pattern", "spiky", "--spike-len", "90"], "spike length must be in (0, period]"),

@@ -13,7 +13,8 @@ import torch
 
 from rtxcore.bench.offline import ThroughputResult, run_engine, warm_up
 from rtxcore.bench.workloads import WORKLOADS, BenchRequest, get_workload, make_requests
-from rtxcore.cli.common import add_engine_options, engine_cli_args, engine_config, load_engine
+from rtxcore.cli.common import (add_engine_options, engine_cli_args, engine_config, load_engine, output_file,
+                                positive_int)
 from rtxcore.errors import ConfigError
 from rtxcore.transfer import release_device_memory
 
@@ -25,7 +26,7 @@ H200_COPY_BYTES_PER_S = 4.24e12
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="measure offline throughput on a workload (shared/WORKLOADS.md)")
     p.add_argument("--workload", default="cpu", choices=sorted(WORKLOADS), help="workload name (default: cpu)")
-    p.add_argument("--num-requests", type=int, default=None, help="override the workload's request count")
+    p.add_argument("--num-requests", type=positive_int, default=None, help="override the workload's request count")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and lengths")
     p.add_argument("--baseline", choices=["none", "hf", "static", "unquantized"], default="none",
                    help="hf: HF transformers eager generate with static batching; static: this engine with static "
@@ -33,7 +34,8 @@ def add_parser(sub) -> None:
     p.add_argument("--serve", action="store_true",
                    help="also serve the same requests through `rtx serve` to concurrent streaming clients and "
                         "compare served with offline tokens/s (reports TTFT p50/p99)")
-    p.add_argument("--json", dest="json_path", default=None, help="also write the results as JSON to this file")
+    p.add_argument("--json", dest="json_path", type=output_file, default=None,
+                   help="also write the results as JSON to this file")
     add_engine_options(p)
     p.set_defaults(run=run)
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 import time
+from pathlib import Path
 
 from rtxcore.cli.progress import Progress
 from rtxcore.engine.config import EngineConfig
@@ -44,7 +47,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="eviction policy plugin of the host tier (default: --eviction-policy)")
     t.add_argument("--kv-disk-eviction-policy", default=None, metavar="NAME",
                    help="eviction policy plugin of the disk tier (default: --eviction-policy)")
-    t.add_argument("--kv-snapshot-interval", type=float, default=60.0, metavar="SECONDS",
+    t.add_argument("--kv-snapshot-interval", type=finite_float, default=60.0, metavar="SECONDS",
                    help="with --kv-disk-dir, write the prefix cache there this often for warm restarts; 0: only on "
                         "shutdown (default: 60)")
 
@@ -61,9 +64,48 @@ def byte_size(text: str) -> int:
         value = float(number) * _UNITS[unit]
     except (ValueError, KeyError):
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 4096, 512MiB, 8GB)") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite size")
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text!r} is negative")
     return int(value)
+
+
+def finite_float(text: str) -> float:
+    """A float that is neither inf nor nan (argparse type): those passed every ``<= 0`` check and then broke a
+    timer or a ceil far from the option that set them."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not at least 1")
+    return value
+
+
+def output_file(text: str) -> str:
+    """A file path whose directory exists (argparse type): checked before a long run, not after it, when the
+    results would be lost."""
+    path = Path(text).expanduser()
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
+    parent = path.parent
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: directory {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: directory {str(parent)!r} is not writable")
+    return str(path)
 
 
 def engine_cli_args(args: argparse.Namespace) -> list[str]:

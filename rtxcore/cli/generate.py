@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rtxcore.cli.common import add_engine_options, engine_config, load_engine
+from rtxcore.cli.common import add_engine_options, engine_config, finite_float, load_engine
 from rtxcore.sampling_params import SamplingParams
 
 
@@ -15,11 +15,11 @@ def add_parser(sub) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     p.add_argument("--system", default=None, help="system message (with --chat)")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 for greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--temperature", type=finite_float, default=0.0, help="0 for greedy (default)")
+    p.add_argument("--top-p", type=finite_float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--min-p", type=finite_float, default=0.0)
+    p.add_argument("--repetition-penalty", type=finite_float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")

@@ -7,6 +7,7 @@ import datetime
 import json
 import sys
 
+from rtxcore.cli.common import finite_float, output_file
 from rtxcore.errors import ConfigError
 
 
@@ -17,23 +18,23 @@ def add_parser(sub) -> None:
                     "mix of lanes and tenants; report per lane TTFT and inter-token latency p50/p95/p99, goodput, "
                     "429s, 5xx and lost requests. Capacity is measured first when --load is used.")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (default: http://127.0.0.1:8000)")
-    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals (default: 30)")
+    p.add_argument("--duration", type=finite_float, default=30.0, help="seconds of arrivals (default: 30)")
     g = p.add_argument_group("rate")
-    g.add_argument("--rate", type=float, default=None, help="base arrival rate in requests/s")
-    g.add_argument("--load", type=float, default=None,
+    g.add_argument("--rate", type=finite_float, default=None, help="base arrival rate in requests/s")
+    g.add_argument("--load", type=finite_float, default=None,
                    help="base arrival rate as a multiple of capacity (default: 1.0 when --rate is not given)")
-    g.add_argument("--capacity", type=float, default=None,
+    g.add_argument("--capacity", type=finite_float, default=None,
                    help="capacity in completed requests/s, skipping its measurement")
     g.add_argument("--capacity-clients", type=int, default=8,
                    help="closed-loop clients while measuring capacity (default: 8)")
-    g.add_argument("--capacity-duration", type=float, default=20.0,
+    g.add_argument("--capacity-duration", type=finite_float, default=20.0,
                    help="seconds of capacity measurement (default: 20)")
     g = p.add_argument_group("arrivals")
     g.add_argument("--pattern", choices=["poisson", "spiky"], default="poisson", help="arrival pattern")
-    g.add_argument("--spike-factor", type=float, default=None, help="rate multiplier inside spikes (default: 3)")
-    g.add_argument("--spike-len", type=float, default=None, help="seconds each spike lasts (default: 10)")
-    g.add_argument("--spike-period", type=float, default=None, help="seconds from one spike to the next (default: 60)")
-    g.add_argument("--spike-start", type=float, default=None, help="seconds before the first spike (default: 20)")
+    g.add_argument("--spike-factor", type=finite_float, default=None, help="rate multiplier inside spikes (default: 3)")
+    g.add_argument("--spike-len", type=finite_float, default=None, help="seconds each spike lasts (default: 10)")
+    g.add_argument("--spike-period", type=finite_float, default=None, help="seconds from one spike to the next (default: 60)")
+    g.add_argument("--spike-start", type=finite_float, default=None, help="seconds before the first spike (default: 20)")
     g.add_argument("--seed", type=int, default=0, help="seed of arrival times, lanes, tenants and lengths")
     g = p.add_argument_group("requests")
     g.add_argument("--lane-mix", default="realtime=0.1,standard=0.6,bulk=0.3",
@@ -56,12 +57,12 @@ def add_parser(sub) -> None:
                    help="ask for logprobs so chunks carry tokens: needed to time models without a tokenizer "
                         "(dummy:*)")
     g.add_argument("--model", default=None, help="model id to send (default: none, the served model)")
-    g.add_argument("--timeout", type=float, default=60.0,
+    g.add_argument("--timeout", type=finite_float, default=60.0,
                    help="seconds a request may take from send to end of stream before it counts as lost "
                         "(default: 60)")
-    g.add_argument("--metrics-interval", type=float, default=0.5,
+    g.add_argument("--metrics-interval", type=finite_float, default=0.5,
                    help="seconds between polls of GET /metrics for rtx_brownout_level (default: 0.5)")
-    p.add_argument("--json", dest="json_path", default=None, help="also write the report as JSON to this file")
+    p.add_argument("--json", dest="json_path", type=output_file, default=None, help="also write the report as JSON to this file")
     p.set_defaults(run=run)
 
 

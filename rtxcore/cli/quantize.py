@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from rtxcore.cli.common import finite_float
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
@@ -17,7 +19,7 @@ def add_parser(sub) -> None:
     p.add_argument("--method", required=True,
                    help="quantizer plugin: int8, int8-sq, int4, int4-gptq, fp8 or an installed one")
     p.add_argument("--out", required=True, type=Path, help="new directory to write (must not exist or be empty)")
-    p.add_argument("--max-layer-error", type=float, default=None, metavar="X",
+    p.add_argument("--max-layer-error", type=finite_float, default=None, metavar="X",
                    help="largest relative output error of a layer on calibration text before it falls back to "
                         "higher precision (default: the method's own budget)")
     p.add_argument("--calibration-tokens", type=int, default=8192)

@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from rtxcore.cli.common import add_engine_options, engine_config
+from rtxcore.cli.common import add_engine_options, engine_config, finite_float
 
 
 def add_parser(sub) -> None:
@@ -25,13 +25,13 @@ def add_parser(sub) -> None:
     g.add_argument("--no-grpc", action="store_true", help="do not start the gRPC server")
     g.add_argument("--served-model-name", default=None,
                    help="model id clients use (default: the model's name, e.g. smollm2-135m)")
-    g.add_argument("--request-timeout", type=float, default=d.request_timeout_s,
+    g.add_argument("--request-timeout", type=finite_float, default=d.request_timeout_s,
                    help=f"seconds before a request is aborted (default: {d.request_timeout_s:g})")
     g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                    help=f"largest request body accepted (default: {d.max_body_bytes})")
     g.add_argument("--max-active-requests", type=int, default=d.max_active_requests,
                    help=f"requests in flight before answering 429 (default: {d.max_active_requests})")
-    g.add_argument("--shutdown-grace", type=float, default=d.shutdown_grace_s,
+    g.add_argument("--shutdown-grace", type=finite_float, default=d.shutdown_grace_s,
                    help=f"seconds running requests get to finish on SIGINT/SIGTERM (default: {d.shutdown_grace_s:g})")
     g.add_argument("--config", default=None, metavar="FILE",
                    help="TOML file with [lanes], [scheduler], [brownout] and [tenants] (docs/serving.md)")
@@ -46,7 +46,7 @@ def add_parser(sub) -> None:
     durable.add_argument("--state-dir", default=d.state_dir, metavar="DIR",
                          help="keep a request journal under DIR/journal: accepted requests survive a crash or "
                               "restart and streams are resumable (GET /v1/streams/{id}); off without it")
-    durable.add_argument("--journal-retention", type=float, default=d.journal_retention_s, metavar="SECONDS",
+    durable.add_argument("--journal-retention", type=finite_float, default=d.journal_retention_s, metavar="SECONDS",
                          help="how long finished requests stay resumable and in the journal "
                               f"(default: {d.journal_retention_s:g})")
     add_engine_options(p)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from rtxcore.cli.common import output_file
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("sign", help="sign a model file or directory with an EC private key",
@@ -14,7 +16,8 @@ def add_parser(sub) -> None:
                                    "FILE.sig, or DIR/model.sig for a directory.")
     p.add_argument("model", help="model file or directory")
     p.add_argument("--key", required=True, metavar="PEM", help="EC private key (PEM)")
-    p.add_argument("--signature", default=None, metavar="FILE", help="where to write the signature")
+    p.add_argument("--signature", type=output_file, default=None, metavar="FILE",
+                   help="where to write the signature")
     p.set_defaults(run=run_sign)
 
     p = sub.add_parser("verify", help="verify a model's signature with an EC public key",

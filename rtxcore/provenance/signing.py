@@ -96,6 +96,8 @@ def sign_model(model_path: str | Path, private_key: str | Path, signature: str |
          .set_hashing_config(_hashing_config(hashing, path, sig)).sign(path, sig))
     except (ValueError, TypeError) as exc:  # a key that is not a PEM EC private key, or a wrong password
         raise ConfigError(f"cannot sign with {key}: {_first_line(exc)}") from None
+    except OSError as exc:  # the signature's place is not writable, or a model file went away
+        raise ConfigError(f"cannot sign {path} into {sig}: {exc.strerror or exc}") from None
     return sig
 
 

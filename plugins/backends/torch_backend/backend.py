@@ -49,7 +49,13 @@ class TorchBackend(ExecutionBackend):
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError("device 'cuda' asked for, but torch sees no CUDA device")
-        self._device = torch.device(device)
+        try:
+            self._device = torch.device(device)
+        except RuntimeError:  # not a device name torch knows
+            self._device = None
+        if self._device is None or self._device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"device {device!r} is not one the torch backend runs on; use cpu, cuda, cuda:N or "
+                              "auto")
         dtype = options.dtype
         if dtype == "auto":
             dtype = "bfloat16" if self._device.type == "cuda" else "float32"

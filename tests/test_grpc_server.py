@@ -178,11 +178,18 @@ def test_bad_prompts_are_invalid_argument(stub, req, message):
     assert message in info.value.details()
 
 
-def test_empty_embed_is_invalid_argument(stub):
+@pytest.mark.parametrize("req, message", [
+    (rtx_pb2.EmbedRequest(), "inputs must hold at least one input"),
+    # as over HTTP: one call is one job on the engine thread, which holds up every stream while it runs
+    (rtx_pb2.EmbedRequest(token_inputs=[rtx_pb2.TokenIds(ids=[5])] * 257), "at most 256 are accepted"),
+    (rtx_pb2.EmbedRequest(inputs=["hello"]), "no tokenizer"),
+    (rtx_pb2.EmbedRequest(token_inputs=[rtx_pb2.TokenIds(ids=[])]), "inputs is empty"),
+])
+def test_bad_embed_is_invalid_argument(stub, req, message):
     with pytest.raises(grpc.RpcError) as info:
-        stub.Embed(rtx_pb2.EmbedRequest())
+        stub.Embed(req)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "inputs" in info.value.details()
+    assert message in info.value.details()
 
 
 def test_unknown_model_is_not_found(stub, runtime):

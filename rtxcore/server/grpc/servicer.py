@@ -38,9 +38,10 @@ from rtxcore.server.http.common import Route
 from rtxcore.server.http.errors import APIError
 from rtxcore.server.http.formats import ResponseSpec
 from rtxcore.server.http.generation import Generation, tokenize
+from rtxcore.server.http.protocol import MAX_BATCH
 from rtxcore.server.http.responding import RTX_REQUEST_ID_HEADER, Started, begin
 from rtxcore.server.runtime import ServingRuntime
-from rtxcore.server.tenants import AuthError, NotEntitled, RateLimited, Tenant, cache_salt
+from rtxcore.server.tenants import AuthError, Lease, NotEntitled, RateLimited, Tenant, cache_salt
 
 ensure_generated()
 from rtxcore._generated import rtx_pb2, rtx_pb2_grpc  # noqa: E402
@@ -101,16 +102,7 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
             return
         tenant_name = tenant.name if tenant is not None else None
         num_prompt_tokens = len(prompt) if isinstance(prompt, list) else 0
-        try:
-            lease = self.runtime.tenants.acquire(tenant, 1, num_prompt_tokens + params.max_tokens)
-        except RateLimited as exc:
-            self.runtime.metrics.record_rejection(exc.code, lane=lane, tenant=tenant_name)
-            await _abort_retry_later(context, str(exc), exc.retry_after_s)
-        try:
-            await self._admit(context)
-        except BaseException:
-            self.runtime.tenants.release(lease, 0)
-            raise
+        lease = await self._lease_and_admit(context, tenant, num_prompt_tokens + params.max_tokens, lane)
         req_id = request.request_id or f"grpc-{secrets.token_hex(12)}"
         self.runtime.metrics.annotate(req_id, trace.traceparent, trace.tracestate, request_id=req_id, protocol="grpc",
                                       lane=lane, tenant=tenant_name or "")
@@ -235,20 +227,25 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
 
     async def Embed(self, request: rtx_pb2.EmbedRequest, context: grpc.aio.ServicerContext) -> rtx_pb2.EmbedResponse:
         engine = await self._engine(context, request.model)
-        await self._authenticate(context, dict(context.invocation_metadata() or ()))
+        tenant = await self._authenticate(context, dict(context.invocation_metadata() or ()))
         inputs = [*request.inputs, *(list(t.ids) for t in request.token_inputs)]
         if not inputs:
             await _abort_invalid(context, InvalidRequestError("inputs must hold at least one input", param="inputs"))
-
-        def embed(llm):
-            return llm.embed(inputs), sum(len(llm.encode(x)) for x in inputs)
-
-        await self._admit(context)
+        if len(inputs) > MAX_BATCH:  # one call runs as one job on the engine thread, holding up every stream
+            await _abort_invalid(context, InvalidRequestError(
+                f"inputs hold {len(inputs)} items; at most {MAX_BATCH} are accepted", param="inputs"))
+        try:
+            token_lists = await tokenize(engine.engine, inputs, "inputs")
+        except InvalidRequestError as exc:
+            await _abort_invalid(context, exc)
+        num_tokens = sum(len(t) for t in token_lists)
+        lease = await self._lease_and_admit(context, tenant, num_tokens)
         try:
             async with self._statuses_for_errors(context):
-                vectors, num_tokens = await engine.run_on_engine(embed)
+                vectors = await engine.embed(token_lists)
         finally:
             self.runtime.release()
+            self.runtime.tenants.release(lease, num_tokens)
         return rtx_pb2.EmbedResponse(embeddings=[rtx_pb2.Embedding(values=v) for v in vectors],
                                      model=self.runtime.model_name, prompt_tokens=num_tokens)
 
@@ -299,6 +296,23 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
         except AuthError as exc:
             self.runtime.metrics.record_rejection("unauthorized")
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+
+    async def _lease_and_admit(self, context: grpc.aio.ServicerContext, tenant: Tenant | None, num_tokens: int,
+                               lane: str | None = None) -> Lease:
+        """Take one request and ``num_tokens`` from the tenant's limits, then an admission slot; or abort with
+        RESOURCE_EXHAUSTED, holding neither."""
+        try:
+            lease = self.runtime.tenants.acquire(tenant, 1, num_tokens)
+        except RateLimited as exc:
+            self.runtime.metrics.record_rejection(exc.code, lane=lane,
+                                                  tenant=tenant.name if tenant is not None else None)
+            await _abort_retry_later(context, str(exc), exc.retry_after_s)
+        try:
+            await self._admit(context)
+        except BaseException:
+            self.runtime.tenants.release(lease, 0)
+            raise
+        return lease
 
     async def _admit(self, context: grpc.aio.ServicerContext) -> None:
         """Take an admission slot (give it back with ``runtime.release()``) or abort with RESOURCE_EXHAUSTED."""

@@ -348,6 +348,13 @@ def test_step_time_model_learns_a_line():
     assert base == pytest.approx(0.01, rel=0.02) and per_token == pytest.approx(0.0002, rel=0.02)
 
 
+def test_fcfs_warns_of_the_sla_lanes_options_it_ignores(caplog):
+    from rtx_plugins.schedulers.fcfs import FCFSScheduler
+
+    FCFSScheduler(SchedulerConfig(options={"brownout": {"enter_pressure": 2.0}}), make_manager(16))
+    assert "fcfs scheduler ignores the options brownout" in caplog.text
+
+
 def test_bad_options_are_config_errors():
     with pytest.raises(ConfigError, match="unknown sla-lanes option 'merge_window'"):
         make_sim(options={"merge_window": 1})

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 
 from rtxcore.contracts import Scheduler, SchedulerConfig, SchedulerOutput
 from rtxcore.contracts.scheduler import KVCacheAllocator
 from rtxcore.hookspecs import hookimpl
 from rtxcore.request import Request, RequestStatus
+
+log = logging.getLogger(__name__)
 
 
 class FCFSScheduler(Scheduler):
@@ -19,6 +22,11 @@ class FCFSScheduler(Scheduler):
 
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheAllocator):
         super().__init__(config, kv_cache)
+        if config.options:
+            # Warned, not refused: the Helm chart's config carries [brownout] for sla-lanes, and a deployment
+            # switched to fcfs must still start. Silence would make a brownout that never triggers look configured.
+            log.warning("the fcfs scheduler ignores the options %s (the config file's [scheduler] and [brownout] "
+                        "tables are read by --scheduler sla-lanes)", ", ".join(sorted(config.options)))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 

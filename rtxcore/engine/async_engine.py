@@ -43,6 +43,13 @@ class _Submission:
 
 
 @dataclass(slots=True)
+class _Abort:
+    # Aborts this submission's request only: a client may reuse a finished request's id (gRPC passes client ids
+    # through), and a late abort by id alone would stop the newer request.
+    sub: _Submission
+
+
+@dataclass(slots=True)
 class _Job:
     # Work that needs the engine between steps (embeddings, inspection); its result or exception goes to ``done``.
     fn: Callable[[LLMEngine], object]
@@ -120,9 +127,11 @@ class AsyncEngine:
         sub = _Submission(req_id, prompt, params, cache_salt, lane, tenant, sink, list(output_token_ids or ()))
         self._inbox.put(sub)
         self._wake.set()
-        await asyncio.wrap_future(sub.accepted)  # re-raises the engine's validation error
         finished = False
         try:
+            # Re-raises the engine's validation error. Cancelled here, the submission is either dropped before the
+            # engine takes it or, if already taken, aborted by the _Abort queued behind it.
+            await asyncio.wrap_future(sub.accepted)
             while True:
                 item = await outputs.get()
                 if isinstance(item, BaseException):
@@ -133,7 +142,8 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self.abort(req_id)
+                self._inbox.put(_Abort(sub))
+                self._wake.set()
 
     async def embed(self, inputs: list[Prompt]) -> list[list[float]]:
         return await self.run_on_engine(lambda engine: engine.embed(inputs))
@@ -146,6 +156,7 @@ class AsyncEngine:
         return await asyncio.wrap_future(job.done)
 
     def abort(self, req_id: str) -> None:
+        """Abort whichever request holds ``req_id`` when the engine thread gets to it."""
         self._inbox.put(req_id)
         self._wake.set()
 
@@ -191,8 +202,14 @@ class AsyncEngine:
             sink(item)
         except RuntimeError:
             # The stream's event loop is gone: nobody will read this request any more.
-            if self._sinks.pop(req_id, None) is not None:
-                self.abort(req_id)
+            if self._sinks.get(req_id) is sink and self.error is None:
+                del self._sinks[req_id]
+                self._abort_in_engine(req_id)
+
+    def _abort_in_engine(self, req_id: str) -> None:
+        out = self.engine.abort(req_id)
+        if out is not None:
+            self._observe("on_abort", self.engine, out)
 
     def _observe(self, hook: str, *args: object) -> None:
         # A broken metrics hook must cost a log line, not the engine loop and every stream on it.
@@ -211,17 +228,26 @@ class AsyncEngine:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
+            # A future its caller stopped waiting for is cancelled: set_result on it would raise here, on the engine
+            # thread, and stop the engine for every request. set_running_or_notify_cancel() settles the race.
             if isinstance(item, _Job):
+                if not item.done.set_running_or_notify_cancel():
+                    continue
                 try:
                     item.done.set_result(item.fn(self.engine))
                 except BaseException as exc:
                     item.done.set_exception(exc)
                 continue
+            if isinstance(item, _Abort):
+                if self._sinks.get(item.sub.req_id) is item.sub.sink:
+                    del self._sinks[item.sub.req_id]
+                    self._abort_in_engine(item.sub.req_id)
+                continue
             if isinstance(item, str):
                 if self._sinks.pop(item, None) is not None:
-                    out = self.engine.abort(item)
-                    if out is not None:
-                        self._observe("on_abort", self.engine, out)
+                    self._abort_in_engine(item)
+                continue
+            if not item.accepted.set_running_or_notify_cancel():
                 continue
             try:
                 self.engine.add_request(item.prompt, item.params, req_id=item.req_id, cache_salt=item.cache_salt,

@@ -212,9 +212,7 @@ class Generation:
                                                    output_token_ids=token_ids):
                 self._queue.put_nowait((index, out))
         except asyncio.CancelledError:
-            # Also covers a request cancelled before the engine took it: the abort is queued after the submission.
-            self._engine.abort(req_id)
-            raise
+            raise  # generate() aborts what it submitted, also when cancelled before the engine took it
         except BaseException as exc:
             self.runtime.metrics.forget(req_id)  # refused by the engine: no timeline will claim the annotation
             self._queue.put_nowait((index, exc))

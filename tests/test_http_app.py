@@ -4,6 +4,7 @@ request-id headers, the handler of unexpected errors, and SSE framing.
 
 from __future__ import annotations
 
+import pytest
 from server_helpers import assert_error
 
 
@@ -60,6 +61,30 @@ def test_an_unexpected_error_is_a_json_500_and_the_app_keeps_serving(caplog):
         assert "unhandled error in GET /metrics (request_id=r1)" in caplog.text
         assert c.get("/health").status_code == 200
         assert_error(c.post("/v1/completions", json={"prompt": "hi"}), 503)  # not loaded: nobody called load()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the engine thread's error
+def test_a_failed_engine_fails_the_liveness_probe():
+    from starlette.testclient import TestClient
+
+    from rtxcore.engine.config import EngineConfig
+    from rtxcore.server.http import build_app
+    from rtxcore.server.runtime import ServingRuntime
+
+    runtime = ServingRuntime(EngineConfig(model="dummy:tiny"))
+    runtime.load()
+    try:
+        engine = runtime.async_engine.engine
+        engine.sampler.sample = lambda *args: 1 / 0  # a sampler plugin that raises in the step
+        with TestClient(build_app(runtime), raise_server_exceptions=False) as c:
+            assert c.get("/health").status_code == 200
+            assert_error(c.post("/generate", json={"prompt": [5, 6], "max_tokens": 4, "stream": False}), 500)
+            health = c.get("/health")
+            assert health.status_code == 503 and health.json()["state"] == "failed"
+            assert "ZeroDivisionError" in health.json()["error"]
+            assert_error(c.get("/ready"), 503)
+    finally:
+        runtime.stop()
 
 
 def test_sse_events_stay_one_line_for_every_line_splitter():

@@ -68,8 +68,14 @@ class NativeRoutes:
         return JSONResponse(body)
 
     async def health(self, request: Request) -> Response:
-        """The process is alive and answering (liveness); says what it is doing."""
-        return JSONResponse({"status": "ok", "state": self._state()})
+        """The process is alive and answering (liveness); says what it is doing. 503 once the engine loop has
+        failed: nothing in this process will serve again, so a liveness probe should restart it (with
+        --state-dir, the unfinished requests resume after the restart)."""
+        state = self._state()
+        if state == "failed":
+            error = self.runtime.load_error or (self.runtime.async_engine and self.runtime.async_engine.error)
+            return JSONResponse({"status": "failed", "state": state, "error": repr(error)}, status_code=503)
+        return JSONResponse({"status": "ok", "state": state})
 
     async def ready(self, request: Request) -> Response:
         """200 once the model is loaded and the engine thread is stepping; 503 (with the reason) otherwise."""

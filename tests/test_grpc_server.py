@@ -137,6 +137,17 @@ def test_request_id_and_logprobs_come_back(stub):
     assert all(len(lp.top) == 2 and lp.top[0].token_id == lp.token_id for lp in logprobs)  # greedy: best is chosen
 
 
+def test_two_calls_may_use_the_same_request_id(stub):
+    """A client's id names its request in traces and responses only: ids are not shared between clients (or
+    tenants), so neither can learn of or block the other's."""
+    first = stub.Generate(request([5, 6, 7], max_tokens=1000, ignore_eos=True, request_id="same"))
+    started = next(first)  # running in the engine while the second call comes
+    second = list(stub.Generate(request([8, 9], max_tokens=5, ignore_eos=True, request_id="same")))
+    rest = [started, *first]
+    assert sum(len(r.token_ids) for r in rest) == 1000 and sum(len(r.token_ids) for r in second) == 5
+    assert {r.request_id for r in rest + second} == {"same"}
+
+
 def test_embed_matches_the_engine(runtime, stub, registry):
     inputs = [[5, 6, 7], [9, 9, 9, 9, 9]]
     response = stub.Embed(rtx_pb2.EmbedRequest(token_inputs=[rtx_pb2.TokenIds(ids=x) for x in inputs]))

@@ -103,9 +103,12 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
         tenant_name = tenant.name if tenant is not None else None
         num_prompt_tokens = len(prompt) if isinstance(prompt, list) else 0
         lease = await self._lease_and_admit(context, tenant, num_prompt_tokens + params.max_tokens, lane)
-        req_id = request.request_id or f"grpc-{secrets.token_hex(12)}"
-        self.runtime.metrics.annotate(req_id, trace.traceparent, trace.tracestate, request_id=req_id, protocol="grpc",
-                                      lane=lane, tenant=tenant_name or "")
+        # The engine's id is the server's own: a client's id, shared by every tenant's clients, would let one
+        # tenant find out or block another's ids (as HTTP, which makes its engine ids unique the same way).
+        req_id = f"grpc-{secrets.token_hex(12)}"
+        self.runtime.metrics.annotate(req_id, trace.traceparent, trace.tracestate,
+                                      request_id=request.request_id or req_id, protocol="grpc", lane=lane,
+                                      tenant=tenant_name or "")
         stream = engine.generate(prompt, params, req_id=req_id,
                                  cache_salt=cache_salt(tenant, metadata.get(CACHE_SALT_METADATA)), lane=lane,
                                  tenant=tenant_name)
@@ -118,7 +121,7 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
                         accepted = True
                         self.runtime.metrics.record_admission(lane, tenant_name)
                     used = out.num_prompt_tokens + out.num_output_tokens
-                    await context.write(_response(out))
+                    await context.write(_response(out, request.request_id or req_id))
         finally:
             # On cancellation or any error this leaves the stream early, which aborts the engine's request.
             await stream.aclose()
@@ -383,13 +386,13 @@ def _sampling_params(request: rtx_pb2.GenerateRequest) -> SamplingParams:
                           ignore_eos=request.ignore_eos, **fields)
 
 
-def _response(out: RequestOutput) -> rtx_pb2.GenerateResponse:
+def _response(out: RequestOutput, request_id: str) -> rtx_pb2.GenerateResponse:
     usage = rtx_pb2.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
                           cached_tokens=out.num_cached_tokens)
     logprobs = [rtx_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
                                      top=[rtx_pb2.TopLogprob(token_id=t, logprob=p) for t, p in lp.top])
                 for lp in out.logprobs or ()]
-    return rtx_pb2.GenerateResponse(request_id=out.req_id, text=out.new_text, token_ids=out.new_token_ids,
+    return rtx_pb2.GenerateResponse(request_id=request_id, text=out.new_text, token_ids=out.new_token_ids,
                                     finished=out.finished, finish_reason=out.finish_reason or "", usage=usage,
                                     logprobs=logprobs)
 

@@ -234,6 +234,25 @@ def test_a_tenant_resumes_only_its_own_requests(tmp_path):
         assert bobs.status_code == 200 and bobs.headers["x-rtx-request-id"] != req_id
 
 
+def test_a_resumed_request_counts_towards_its_tenants_concurrency(tmp_path):
+    def tenants():
+        return TenantRegistry.from_config({"alice": {"key_env": "ALICE_KEY", "max_concurrency": 1}},
+                                          environ={"ALICE_KEY": KEYS["alice"]})
+
+    alice = {"Authorization": f"Bearer {KEYS['alice']}"}
+    body = {"prompt": [3, 14, 15], "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with serving(make_runtime(tmp_path / "a", tenants())) as client:
+        req_id = client.post("/generate", json=body, headers=alice).headers["x-rtx-request-id"]
+    crashed = crash_copy(tmp_path / "a", tmp_path / "b",
+                         lambda r, i: r["id"] == req_id and r["t"] != "finish" and r.get("seq", 0) <= 4)
+    runtime = make_runtime(crashed, tenants())
+    with serving(runtime) as client:
+        (entry,) = [e for e in runtime.durable.entries() if not e.finished]  # resumed, 1,500 tokens to go
+        refused = client.post("/generate", json={**body, "max_tokens": 2}, headers=alice)
+        assert refused.status_code == 429 and "limit of 1 concurrent" in refused.text, refused.text
+        assert not entry.finished
+
+
 # -- durability --------------------------------------------------------------------------------------------------
 
 

@@ -214,6 +214,16 @@ class TenantRegistry:
             tenant._active += num_requests
         return Lease(tenant, num_requests, num_tokens)
 
+    def take(self, tenant: Tenant | None, num_requests: int, num_tokens: int) -> Lease:
+        """Like :meth:`acquire`, but never refused: for requests admitted before a restart, which go on whatever
+        the limits say now and count towards them, so that new requests wait while they run."""
+        if tenant is not None:
+            with self._lock:
+                tenant._active += num_requests
+                if tenant._tokens is not None:
+                    tenant._tokens.take(num_tokens)
+        return Lease(tenant, num_requests, num_tokens)
+
     def release(self, lease: Lease, used_tokens: int) -> None:
         """End a lease: the concurrency slots, and the reserved tokens the requests did not use."""
         if lease.released:

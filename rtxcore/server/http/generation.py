@@ -153,8 +153,9 @@ class Generation:
         :raises InvalidRequestError: the engine can no longer run it (another model or context).
         """
         runtime.force_admit(len(prompts))
-        gen = cls(runtime, req_id, prompts, params, trace, route, Lease(None, len(prompts), 0), choices, token_ids,
-                  protocol)
+        # Reserved as a new request would be: the whole of each prompt plus max_tokens (the buckets started anew).
+        lease = runtime.tenants.take(route.tenant, len(prompts), sum(len(p) + params.max_tokens for p in prompts))
+        gen = cls(runtime, req_id, prompts, params, trace, route, lease, choices, token_ids, protocol)
         try:
             await gen._wait_accepted()
         except BaseException:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -39,6 +40,28 @@ def test_hf_directory_errors_name_the_problem(tmp_path):
         resolve_model(str(tmp_path / "missing"))
     with pytest.raises(ModelLoadError, match="unknown dummy shape"):
         resolve_model("dummy:nope")
+
+
+@pytest.mark.parametrize("edit, message", [
+    # one part of a merged layer (q of q|k|v) missing: the others once marked the whole layer loaded
+    (lambda w: w.pop("model.layers.0.self_attn.q_proj.weight"), "lacks weights: model.layers.0.self_attn.q_proj"),
+    (lambda w: w.pop("model.layers.1.mlp.gate_proj.weight"), "lacks weights: model.layers.1.mlp.gate_proj"),
+    (lambda w: w.pop("model.embed_tokens.weight"), "lacks weights: model.embed_tokens.weight"),
+    # shapes copy_ would broadcast or fail on deep inside torch
+    (lambda w: w.update({"model.layers.0.mlp.up_proj.weight": w["model.layers.0.mlp.up_proj.weight"][:, :1]}),
+     "'model.layers.0.mlp.up_proj.weight' has shape [128, 1], expected [128, 64]"),
+    (lambda w: w.update({"model.norm.weight": torch.ones(3)}), "'model.norm.weight' has shape [3], expected [64]"),
+    (lambda w: w.update({"model.embed_tokens.weight": w["model.embed_tokens.weight"][:1]}), "expected [512, 64]"),
+    (lambda w: w.update({"model.layers.0.self_attn.o_proj.weight": torch.ones(64, 3)}), "expected [64, 64]"),
+])
+def test_a_checkpoint_with_a_missing_or_misshapen_tensor_is_refused(tmp_path, registry, edit, message):
+    source = DummySource("tiny")
+    (tmp_path / "config.json").write_text(json.dumps(source.config.to_hf()))
+    weights = {name: t.contiguous() for name, t in source.weights()}
+    edit(weights)
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=re.escape(message)):
+        make_engine(registry=registry, source=resolve_model(str(tmp_path)))
 
 
 def test_qwen2_style_attention_bias_and_llama3_rope_scaling(tmp_path, registry):

@@ -112,17 +112,20 @@ class TorchBackend(ExecutionBackend):
         for module in model.modules():
             if isinstance(module, RotaryEmbedding):
                 module.cos, module.sin = module.tables(self._device)
-        expected = {n for n, _ in model.named_parameters()}
         loaded: set[str] = set()
         for name, tensor in source.weights(progress=progress, device=self._device, dtype=self.dtype):
-            if isinstance(tensor, QuantizedTensor):
-                ok = model.load_weight(name, to_device(tensor, self._device), self._quantizer_for(tensor.method))
-            else:
-                ok = model.load_weight(name, tensor.to(self._device))
-            if not ok:
+            try:
+                if isinstance(tensor, QuantizedTensor):
+                    slot = model.load_weight(name, to_device(tensor, self._device), self._quantizer_for(tensor.method))
+                else:
+                    slot = model.load_weight(name, tensor.to(self._device))
+            except ValueError as exc:
+                raise ModelLoadError(f"{source.name}: weight {name!r} {exc}") from None
+            if slot is None:
                 raise ModelLoadError(f"{source.name}: unexpected weight {name!r} in checkpoint")
-            loaded.add(_param_name(model, name))
-        missing = expected - loaded
+            loaded.add(slot)
+        # Per part of a merged layer: a checkpoint with k_proj and v_proj but no q_proj fills qkv_proj only in part.
+        missing = {model.checkpoint_name(slot) for slot in model.weight_slots() - loaded}
         partial = [name for name, m in model.linear_layers().items() if m.waiting_for_shards]
         if missing or partial:
             raise ModelLoadError(f"{source.name}: checkpoint lacks weights: {', '.join(sorted(missing or partial)[:5])}")
@@ -216,12 +219,3 @@ class TorchBackend(ExecutionBackend):
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return to_device_async(t, self._device)
-
-
-def _param_name(model: LlamaForCausalLM, ckpt_name: str) -> str:
-    name = ckpt_name.removeprefix("model.")
-    if name == "lm_head.weight" and model.config.tie_word_embeddings:
-        return "embed_tokens.weight"
-    for ckpt, (merged, _) in model.packed_modules.items():
-        name = name.replace(f".{ckpt}.", f".{merged}.")
-    return name

@@ -35,6 +35,12 @@ class ParallelContext:
         return x
 
 
+def check_shape(full: torch.Tensor, expected: tuple[int, ...]) -> None:
+    # copy_ broadcasts: a [128, 1] tensor would fill a [128, 64] weight without a word.
+    if tuple(full.shape) != expected:
+        raise ValueError(f"has shape {list(full.shape)}, expected {list(expected)}")
+
+
 def _narrow(full: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
     return full.narrow(dim, rank * size, size)
 
@@ -56,6 +62,7 @@ class ColumnParallelLinear(QuantizableLinear):
 
     def load_shard(self, param: torch.Tensor, full: torch.Tensor, shard_index: int = 0) -> None:
         size = self.shard_sizes[shard_index]
+        check_shape(full, (size * self.ctx.tp_size, *param.shape[1:]))
         local = _narrow(full, 0, self.ctx.tp_rank, size)
         param.data.narrow(0, self.shard_offsets[shard_index], size).copy_(local)
 
@@ -79,7 +86,9 @@ class RowParallelLinear(QuantizableLinear):
 
     def load_shard(self, param: torch.Tensor, full: torch.Tensor, shard_index: int = 0) -> None:
         if param.dim() == 2:
+            check_shape(full, (param.shape[0], self.in_local * self.ctx.tp_size))
             full = _narrow(full, 1, self.ctx.tp_rank, self.in_local)
+        check_shape(full, tuple(param.shape))
         param.data.copy_(full)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,6 +109,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.vocab_local, hidden_size), requires_grad=False)
 
     def load_shard(self, param: torch.Tensor, full: torch.Tensor, shard_index: int = 0) -> None:
+        check_shape(full, (self.vocab_local * self.ctx.tp_size, *param.shape[1:]))
         param.data.copy_(_narrow(full, 0, self.ctx.tp_rank, self.vocab_local))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

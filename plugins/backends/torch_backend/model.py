@@ -16,6 +16,7 @@ from rtx_plugins.backends.torch_backend.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
+    check_shape,
 )
 from rtx_plugins.backends.torch_backend.ops import Ops, torch_ops
 from rtx_plugins.backends.torch_backend.quantized import QuantizableLinear
@@ -139,14 +140,36 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden)
 
-    def load_weight(self, name: str, tensor: torch.Tensor | QuantizedTensor, quantizer: Quantizer | None = None) -> bool:
-        """Copy one checkpoint tensor (Hugging Face name) into its place; False if the name is not a parameter.
+    def weight_slots(self) -> set[str]:
+        """Every place a checkpoint tensor must fill: ``param#shard``, a merged layer (q|k|v) having one per part."""
+        slots = set()
+        for name, _ in self.named_parameters():
+            module = self.get_submodule(name.rpartition(".")[0])
+            slots.update(f"{name}#{i}" for i in range(len(getattr(module, "shard_sizes", [None]))))
+        return slots
 
-        A quantized linear weight comes as a :class:`QuantizedTensor` with the ``quantizer`` that runs it."""
+    def checkpoint_name(self, slot: str) -> str:
+        """The Hugging Face name of the tensor that fills ``slot``."""
+        name, _, index = slot.partition("#")
+        for ckpt, (merged, i) in self.packed_modules.items():
+            if f".{merged}." in name and i == int(index):
+                name = name.replace(f".{merged}.", f".{ckpt}.")
+                break
+        return name if name.startswith("lm_head.") else f"model.{name}"
+
+    def load_weight(self, name: str, tensor: torch.Tensor | QuantizedTensor,
+                    quantizer: Quantizer | None = None) -> str | None:
+        """Copy one checkpoint tensor (Hugging Face name) into its place. :returns: the slot it filled (see
+        :meth:`weight_slots`), "" for a tied LM head (the embedding holds it), None if the name is no parameter.
+
+        A quantized linear weight comes as a :class:`QuantizedTensor` with the ``quantizer`` that runs it.
+
+        :raises ValueError: a tensor whose shape is not its parameter's.
+        """
         full_name = name
         name = name.removeprefix("model.")
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
-            return True  # tied: the embedding already holds it
+            return ""
         shard_index = 0
         for ckpt_name, (merged, index) in self.packed_modules.items():
             if f".{ckpt_name}." in name:
@@ -157,18 +180,20 @@ class LlamaForCausalLM(nn.Module):
             module = self.get_submodule(module_name)
             param = getattr(module, param_name)
         except AttributeError:
-            return False
+            return None
+        slot = f"{name}#{shard_index}"
         if isinstance(tensor, QuantizedTensor):
             if not isinstance(module, QuantizableLinear) or param_name != "weight" or quantizer is None:
-                return False
+                return None
             module.add_quantized_shard(tensor, quantizer, shard_index, full_name)
-            return True
+            return slot
         if not isinstance(param, torch.Tensor):
-            return False
+            return None
         loader = getattr(module, "load_shard", None)
         with torch.no_grad():
             if loader is not None:
                 loader(param, tensor.to(param.dtype), shard_index)
             else:
+                check_shape(tensor, tuple(param.shape))
                 param.copy_(tensor.to(param.dtype))
-        return True
+        return slot

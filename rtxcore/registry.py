@@ -16,7 +16,7 @@ import pluggy
 
 from rtxcore import hookspecs
 from rtxcore.contracts import EvictionPolicy, ExecutionBackend, Quantizer, Sampler, Scheduler
-from rtxcore.errors import PluginError
+from rtxcore.errors import PluginError, RtxError
 
 ENTRY_POINT_GROUP = "rtx"
 BUILTIN_DISTRIBUTION = "rtx-serve"
@@ -83,7 +83,14 @@ class PluginRegistry:
             raise PluginError(f"no {kind.replace('_', ' ')} named {name!r} is registered (available: {known})") from None
 
     def create(self, kind: str, name: str, *args: Any, **kwargs: Any) -> Any:
-        return self.get(kind, name).cls(*args, **kwargs)
+        record = self.get(kind, name)
+        try:
+            return record.cls(*args, **kwargs)
+        except RtxError:  # the plugin's own account of what is wrong (a setting, a missing device)
+            raise
+        except Exception as exc:  # a third-party plugin's bug: named, not a traceback from deep inside it
+            raise PluginError(f"{kind.replace('_', ' ')} plugin {name!r} ({record.package}) failed to start: "
+                              f"{type(exc).__name__}: {exc}") from exc
 
     def names(self, kind: str) -> list[str]:
         return sorted(n for (k, n) in self.components if k == kind)

@@ -124,6 +124,21 @@ def test_broken_plugins_are_reported_and_others_load(tmp_path):
     assert table.returncode == 0 and "boom at import" in table.stdout
 
 
+def test_a_plugin_that_raises_when_made_is_named_in_one_line(tmp_path):
+    _install_fake_distribution(
+        tmp_path, "rtx-licensed-plugins", {"licensed": "rtx_licensed"},
+        {"rtx_licensed": ("from rtxcore.hookspecs import hookimpl\n"
+                          "from rtx_plugins.quantizers.int8 import Int8Quantizer\n"
+                          "class Licensed(Int8Quantizer):\n"
+                          "    def __init__(self):\n"
+                          "        raise RuntimeError('license server unreachable')\n"
+                          "@hookimpl\ndef register_quantizers(register):\n    register('licensed', Licensed)\n")})
+    proc = rtx("generate", "hi", "--model", "dummy:tiny", "--quantization", "licensed",
+               env={"PYTHONPATH": str(tmp_path)})
+    assert_one_line_error(proc, "quantizer plugin 'licensed' (rtx-licensed-plugins) failed to start: "
+                                "RuntimeError: license server unreachable")
+
+
 def test_rtx_plugins_env_restricts_loading():
     data = json.loads(rtx("plugins", "list", "--json", env={"RTX_PLUGINS": "fcfs,lru"}).stdout)
     assert {p["name"] for p in data["plugins"]} == {"fcfs", "lru"}

@@ -83,9 +83,11 @@ class LLMEngine:
                                   f"{', '.join(caps.quantization_formats) or 'none'})")
         c = self.config
         quantizer = quantizers.get(c.quantization) if c.quantization else None
-        return record.cls(BackendOptions(c.device, c.dtype, quantizer, max_batch_size=c.scheduling.max_num_seqs,
-                                         max_model_len=c.max_model_len, enforce_eager=c.enforce_eager,
-                                         verify_artifact=c.verify_artifact, quantizers=quantizers))
+        return self.registry.create(
+            "backend", self.config.backend,
+            BackendOptions(c.device, c.dtype, quantizer, max_batch_size=c.scheduling.max_num_seqs,
+                           max_model_len=c.max_model_len, enforce_eager=c.enforce_eager,
+                           verify_artifact=c.verify_artifact, quantizers=quantizers))
 
     def _num_blocks_from_memory(self) -> int:
         budget = self.config.kv_cache_bytes or self.backend.available_kv_cache_bytes()

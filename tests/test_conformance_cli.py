@@ -73,6 +73,10 @@ def test_gates_show_figures_and_junit_parses(tmp_path):
     (["plugins", "test", "lru", "--kind", "sampler"], "no plugin of kind sampler named 'lru'"),
     (["plugins", "test", "--report", "html"], "invalid choice"),
     (["plugins", "test", "lru", "--gates", "--gates-file", "/no/such/gates.toml"], "gates file not found"),
+    (["plugins", "test", "lru", "--gates", "--gates-file", "/"], "cannot read gates file /"),
+    # checked before the suite runs, not after, when its results would be lost
+    (["plugins", "test", "lru", "--report", "json", "--report-file", "/no/such/dir/r.json"], "does not exist"),
+    (["plugins", "test", "lru", "--report-file", "r.json"], "--report-file needs --report"),
 ])
 def test_bad_input_one_line_exit_2(args, fragment):
     assert_one_line_error(rtx(*args), fragment)

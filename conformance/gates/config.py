@@ -86,6 +86,8 @@ def load_gates(path: Path | None = None) -> Gates:
         data = tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"gates file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as exc:  # a directory, unreadable, not text
+        raise ConfigError(f"cannot read gates file {path}: {getattr(exc, 'strerror', None) or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"gates file {path} is not valid TOML: {exc}") from None
     latency = dict(_section(data, "latency", path))

@@ -7,6 +7,7 @@ import importlib
 import sys
 from pathlib import Path
 
+from rtxcore.cli.common import output_file
 from rtxcore.errors import ConfigError
 from rtxcore.registry import KINDS, load_plugins
 
@@ -20,7 +21,7 @@ def add_test_parser(psub) -> None:
                    help="only components of this kind (repeatable)")
     t.add_argument("--gates", action="store_true", help="also run the latency, cache and quality gates")
     t.add_argument("--report", choices=list(REPORT_FILES), default=None, help="also write a JSON or JUnit report")
-    t.add_argument("--report-file", type=Path, default=None,
+    t.add_argument("--report-file", type=output_file, default=None,
                    help="where the report goes (default: rtx-conformance.json / .xml in the current directory)")
     t.add_argument("--gates-file", type=Path, default=None, help="gate thresholds (default: spec/gates.toml)")
     t.add_argument("--verbose", action="store_true", help="also print pytest's own output")
@@ -36,8 +37,10 @@ def run_test(args: argparse.Namespace) -> int:
     from rtx_conformance.report import render_table, summarize, to_json
     from rtx_conformance.runner import run_suite
 
+    if args.report_file is not None and args.report is None:
+        raise ConfigError("--report-file needs --report json or --report junit")
     registry = load_plugins()
-    report_file = args.report_file or (Path(REPORT_FILES[args.report]) if args.report else None)
+    report_file = Path(args.report_file) if args.report_file else (Path(REPORT_FILES[args.report]) if args.report else None)
     run = run_suite(registry, Selection(tuple(args.names), tuple(args.kind)), gates=args.gates,
                     gates_file=args.gates_file, junit_path=report_file if args.report == "junit" else None)
     if args.verbose or run.exit_code not in (0, 1):

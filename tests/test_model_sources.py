@@ -64,6 +64,21 @@ def test_a_checkpoint_with_a_missing_or_misshapen_tensor_is_refused(tmp_path, re
         make_engine(registry=registry, source=resolve_model(str(tmp_path)))
 
 
+@pytest.mark.parametrize("config", [
+    [1, 2],
+    {"hidden_size": "64"},
+    {"vocab_size": None},
+    {"rope_scaling": "linear"},
+])
+def test_a_malformed_config_is_a_model_load_error(tmp_path, config):
+    source = DummySource("tiny")
+    (tmp_path / "config.json").write_text(json.dumps(config if isinstance(config, list)
+                                                     else {**source.config.to_hf(), **config}))
+    save_file({name: t.contiguous() for name, t in source.weights()}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="malformed model config or metadata"):
+        resolve_model(str(tmp_path))
+
+
 def test_qwen2_style_attention_bias_and_llama3_rope_scaling(tmp_path, registry):
     source = DummySource("tiny")
     cfg = source.config.to_hf()

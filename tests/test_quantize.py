@@ -213,6 +213,19 @@ def test_checkpoint_missing_a_tensor_is_refused(int8_dir, tmp_path):
     assert_one_line_error(proc, "lacks its tensor")
 
 
+@pytest.mark.parametrize("edit, message", [
+    (lambda layer: layer.pop("method"), "malformed entry (no method)"),
+    (lambda layer: layer.update(meta=None), "meta None is not a table"),
+])
+def test_checkpoint_with_an_edited_layer_entry_is_refused(int8_dir, tmp_path, edit, message):
+    broken = _copy(int8_dir, tmp_path / "broken")
+    config = json.loads((broken / "config.json").read_text())
+    edit(next(iter(config["quantization_config"]["rtx"]["layers"].values())))
+    (broken / "config.json").write_text(json.dumps(config))
+    proc = rtx("generate", "hi", "--model", str(broken), "--max-tokens", "2")
+    assert_one_line_error(proc, message)
+
+
 def test_truncated_checkpoint_is_refused(int8_dir, tmp_path):
     truncated = _copy(int8_dir, tmp_path / "truncated")
     weights = truncated / "model.safetensors"

@@ -10,6 +10,7 @@ from typing import Iterator
 import torch
 
 from rtxcore.contracts.quantizer import QuantizedTensor
+from rtxcore.errors import ModelLoadError
 from rtxcore.models.hf_dir import HFDirSource
 from rtxcore.models.source import Progress
 from rtxcore.quant.checkpoint import read_weights, rtx_section
@@ -31,7 +32,13 @@ class QuantizedDirSource(HFDirSource):
 
     def quantization_methods(self) -> tuple[str, ...]:
         layers = self._section.get("layers") or {}
-        return tuple(sorted({info.get("method") for info in layers.values() if isinstance(info, dict)}))
+        methods = {}
+        for name, info in layers.items():
+            method = info.get("method") if isinstance(info, dict) else None
+            if not isinstance(method, str):
+                raise ModelLoadError(f"{self.path}/config.json: layer {name}: malformed entry (no method)")
+            methods[method] = None
+        return tuple(sorted(methods))
 
     def weights(self, progress: Progress | None = None, device: str | torch.device = "cpu",
                 dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
-from rtxcore.errors import ModelLoadError
+from rtxcore.errors import ModelLoadError, RtxError
 from rtxcore.models.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -87,10 +87,18 @@ def resolve_model(spec: str | None) -> ModelSource:
     path = Path(os.path.expanduser(spec))
     if not path.exists():
         raise ModelLoadError(f"model not found: {spec!r} is neither a known model name nor an existing path")
-    for source_cls in (GGUFSource, QuantizedDirSource, HFDirSource):
-        if source_cls.matches(path):
-            source = source_cls(path)
-            source.origin = str(path)
-            return source
+    try:
+        for source_cls in (GGUFSource, QuantizedDirSource, HFDirSource):
+            if source_cls.matches(path):
+                source = source_cls(path)
+                source.origin = str(path)
+                return source
+    except (TypeError, AttributeError, KeyError, IndexError, ValueError, ArithmeticError, OSError) as exc:
+        if isinstance(exc, RtxError):  # the source's own account of the problem
+            raise
+        # A config or metadata value of the wrong type or range (a list for the config, "64" for a size, a zero
+        # head count) fails wherever it is first used: named here, as the model's fault, not as a traceback.
+        raise ModelLoadError(f"cannot load {spec!r}: malformed model config or metadata "
+                             f"({type(exc).__name__}: {exc})") from None
     raise ModelLoadError(f"cannot load {spec!r}: expected a .gguf file or a directory with config.json and "
                          "*.safetensors (or a single .gguf file)")

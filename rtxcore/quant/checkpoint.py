@@ -143,7 +143,8 @@ def write_report(directory: Path, report: dict[str, Any]) -> None:
 
 
 def rtx_section(config: dict[str, Any]) -> dict[str, Any] | None:
-    section = (config.get("quantization_config") or {}).get("rtx")
+    quantization = config.get("quantization_config") if isinstance(config, dict) else None
+    section = quantization.get("rtx") if isinstance(quantization, dict) else None
     return section if isinstance(section, dict) else None
 
 
@@ -186,6 +187,8 @@ def _read_layer(f, keys: set[str], name: str, info: dict[str, Any], path: Path) 
     try:
         method, shape, meta, tensor_keys = info["method"], tuple(info["shape"]), info["meta"], info["tensors"]
         dtype = getattr(torch, info["dtype"])
+        if not isinstance(meta, dict):
+            raise TypeError(f"meta {meta!r} is not a table")
         if len(shape) != 2:
             raise TypeError(f"shape {list(shape)} is not [out_features, in_features]")
     except (KeyError, TypeError, AttributeError) as exc:

@@ -121,6 +121,9 @@ class TorchBackend(ExecutionBackend):
                     slot = model.load_weight(name, tensor.to(self._device))
             except ValueError as exc:
                 raise ModelLoadError(f"{source.name}: weight {name!r} {exc}") from None
+            except (TypeError, AttributeError, KeyError) as exc:  # e.g. a quantized layer's "meta" that is no table
+                raise ModelLoadError(f"{source.name}: weight {name!r} is malformed ({type(exc).__name__}: {exc})") \
+                    from None
             if slot is None:
                 raise ModelLoadError(f"{source.name}: unexpected weight {name!r} in checkpoint")
             loaded.add(slot)

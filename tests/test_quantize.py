@@ -4,12 +4,16 @@ fallback, and bad input refused without leaving anything half-written."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from test_cli import assert_one_line_error, rtx
+from test_cli import RTX, assert_one_line_error, rtx
 
 from rtxcore.contracts.backend import BackendOptions
 from rtxcore.models.source import resolve_model
@@ -159,6 +163,37 @@ def test_out_must_be_new(tmp_path):
     proc = rtx("quantize", "smollm2-135m", "--method", "int8", "--out", str(tmp_path / "taken"))
     assert_one_line_error(proc, "already exists")
     assert [p.name for p in (tmp_path / "taken").iterdir()] == ["keep.txt"]
+
+
+def test_out_must_not_be_a_link(tmp_path):
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    proc = rtx("quantize", "smollm2-135m", "--method", "int8", "--out", str(tmp_path / "link"))
+    assert_one_line_error(proc, "is a symbolic link")
+
+
+def test_checkpoint_files_are_readable_by_a_server_of_another_user(int8_dir):
+    umask = os.umask(0)
+    os.umask(umask)  # the test process's umask is the one rtx quantize ran with
+    modes = {path.name: path.stat().st_mode & 0o777 for path in int8_dir.iterdir() if path.is_file()}
+    assert modes and all(mode == 0o666 & ~umask for mode in modes.values()), modes
+
+
+def test_sigterm_midway_leaves_nothing(tmp_path):
+    """SIGTERM while the staged checkpoint is written and evaluated: it is removed, as on Ctrl-C."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen([RTX, "quantize", "smollm2-135m", "--method", "int8", "--out", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while not list(tmp_path.glob(".out.*.partial")) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert proc.poll() is None, "quantize ended before its checkpoint was staged"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 130
+    finally:
+        proc.kill()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_failure_midway_leaves_nothing(tmp_path):

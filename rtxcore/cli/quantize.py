@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -48,6 +49,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
     options = QuantizeOptions(args.method, args.out, args.max_layer_error, args.calibration_tokens, args.eval_tokens,
                               device=args.device, dtype=args.dtype)
+    # SIGTERM (timeout, kill, a pod stopped) would end the process without unwinding: the staged checkpoint beside
+    # --out would stay. As an exception it is removed on the way out, as on Ctrl-C.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     report = quantize_model(args.model, options, registry, log=lambda line: sys.stderr.write(f"rtx quantize: {line}\n"))
     if args.json:
         print(json.dumps(report, indent=1))
@@ -61,3 +65,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"weights: {b['source_files'] / 2**20:.1f} MiB of source files -> {b['quantized'] / 2**20:.1f} MiB; "
               f"written to {args.out}")
     return 0
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt

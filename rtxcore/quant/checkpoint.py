@@ -49,6 +49,8 @@ def sha256_file(path: Path) -> str:
 def check_output_dir(out: Path) -> None:
     """Refuse a ``--out`` that holds something, or whose parent cannot take a new directory: a checkpoint is written
     whole or not at all, never over another."""
+    if out.is_symlink():  # the staged directory would replace the link, not fill what it points to
+        raise ConfigError(f"--out {out} is a symbolic link: give the directory it points to")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out {out} already exists and is not an empty directory")
     if not out.parent.is_dir():
@@ -101,6 +103,8 @@ def staged_checkpoint(out: Path) -> Iterator[Path]:
     try:
         yield tmp
         for path in tmp.iterdir():
+            if path.is_file():
+                os.chmod(path, 0o666 & ~umask)  # safetensors writes 0600, hiding it the same way
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
         if out.exists():

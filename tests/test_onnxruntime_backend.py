@@ -168,3 +168,17 @@ def test_blocks_come_back_from_the_host_tier(graph_cache, registry, default_sour
     again = engine.generate([first], params)[0]
     assert engine.kv_cache.stats.num_reloaded_tokens >= 48 and again.num_cached_tokens >= 48
     assert again.token_ids == expected
+
+
+def test_a_damaged_cached_export_is_exported_again(tmp_path, monkeypatch, registry, caplog):
+    from rtxcore.models.source import resolve_model
+
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
+    source = resolve_model("dummy:tiny")
+    first = make_engine(None, registry=registry, source=source, backend="onnxruntime", num_kv_blocks=16)
+    path = first.backend.graph.path
+    expected = first.generate([[5, 6, 7]], GREEDY)[0].token_ids
+    path.write_bytes(path.read_bytes()[:1000])  # cut short, as by a full disk
+    again = make_engine(None, registry=registry, source=source, backend="onnxruntime", num_kv_blocks=16)
+    assert "does not open" in caplog.text and not again.backend.graph.cache_hit
+    assert again.generate([[5, 6, 7]], GREEDY)[0].token_ids == expected

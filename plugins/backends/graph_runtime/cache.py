@@ -78,6 +78,9 @@ class GraphCache:
                 return None
         return path
 
+    def discard(self, key: CacheKey) -> None:
+        shutil.rmtree(self.entry(key), ignore_errors=True)
+
     def store(self, key: CacheKey, filename: str, build: Callable[[Path], None]) -> Path:
         """Run ``build(path)`` to write ``filename`` into a fresh entry, record the key beside it, publish it."""
         final = self.entry(key)

@@ -3,6 +3,7 @@ step loop that feeds the dense graph from the engine's paged cache and writes th
 
 from __future__ import annotations
 
+import logging
 from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Callable
@@ -17,7 +18,7 @@ from rtxcore.contracts.backend import (
     ForwardBatch,
     default_kv_cache_bytes,
 )
-from rtxcore.errors import ConfigError
+from rtxcore.errors import ConfigError, RtxError
 from rtxcore.kv.block_io import read_blocks, write_blocks
 from rtxcore.models.config import ModelConfig
 from rtxcore.models.source import ModelSource
@@ -26,6 +27,8 @@ from rtx_plugins.backends.graph_runtime.dense_step import plan_calls
 from rtx_plugins.backends.graph_runtime.exporter import ExportedGraph, ExportSettings, exported_graph
 from rtx_plugins.backends.graph_runtime.fp8_qdq import graph_quantization
 from rtx_plugins.backends.torch_backend.cpu_tuning import tune_allocator
+
+log = logging.getLogger(__name__)
 
 # Precisions the exported graph's inputs and outputs (and so the KV cache) can have.
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
@@ -83,7 +86,17 @@ class DenseGraphBackend(ExecutionBackend):
         self._config = source.config
         settings = ExportSettings(self._dtype_name, quantization=graph_quantization(self.options))
         self.graph = exported_graph(source, settings, self.graph_cache, progress)
-        self._open(self.graph)
+        try:
+            self._open(self.graph)
+        except Exception as exc:
+            if not self.graph.cache_hit or isinstance(exc, RtxError):
+                raise
+            # A cached file cut short or damaged on disk (a full disk, a killed copy) would fail every start: a
+            # cache entry is only ever a copy of what the weights give, so it is built again.
+            log.warning("the cached graph %s does not open (%s); exporting it again", self.graph.path, exc)
+            self.graph_cache.discard(self.graph.key)
+            self.graph = exported_graph(source, settings, self.graph_cache, progress)
+            self._open(self.graph)
 
     def kv_cache_bytes_per_token(self) -> int:
         return self.model_config.kv_cache_bytes_per_token(self.dtype.itemsize)

@@ -152,9 +152,16 @@ class TenantRegistry:
                 tenants[name].key_hashes.append(hash_key(key))
             else:
                 tenants[name] = Tenant(name, [hash_key(key)])
+        owners: dict[bytes, str] = {}
         for tenant in tenants.values():
             if not tenant.key_hashes:
                 raise ConfigError(f"tenant {tenant.name!r} has no key (set key_sha256, key_env or {KEYS_ENV})")
+            for digest in tenant.key_hashes:
+                # One key for two tenants would make its requests, limits and cache those of whichever matched
+                # last. The message names the tenants, never the key.
+                other = owners.setdefault(digest, tenant.name)
+                if other != tenant.name:
+                    raise ConfigError(f"tenants {other!r} and {tenant.name!r} have the same key: give each its own")
         return cls(list(tenants.values()))
 
     def authenticate(self, presented: str | None) -> Tenant | None:

@@ -25,7 +25,6 @@ import secrets
 import grpc
 
 from rtxcore.engine.async_engine import AsyncEngine
-from rtxcore.engine.outputs import RequestOutput
 from rtxcore.errors import AdmissionRefused, InvalidRequestError, RtxError
 from rtxcore.lanes import DEFAULT_LANE, check_lane_name
 from rtxcore.metrics.timeline import TraceHeaders
@@ -33,6 +32,7 @@ from rtxcore.sampling_params import SamplingParams
 from rtxcore.server.durable.entry import DurableRequest
 from rtxcore.server.durable.journal import JournalClosed
 from rtxcore.server.grpc.codegen import ensure_generated
+from rtxcore.server.grpc.messages import prompt_from, response_from_event, response_from_output, sampling_params_from
 from rtxcore.server.http.auth import presented_key
 from rtxcore.server.http.common import Route
 from rtxcore.server.http.errors import APIError
@@ -66,11 +66,6 @@ _STATUS_FOR_ERROR_TYPE = {
     "timeout_error": grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
-# Optional GenerateRequest fields copied to SamplingParams when set (proto3 `optional` tracks presence).
-_OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
-                             "frequency_penalty", "repetition_penalty", "logprobs")
-
-
 class RtxServicer(rtx_pb2_grpc.RtxServicer):
     def __init__(self, runtime: ServingRuntime):
         self.runtime = runtime
@@ -80,8 +75,8 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
         metadata = dict(context.invocation_metadata() or ())
         tenant = await self._authenticate(context, metadata)
         try:
-            prompt = _prompt(request)
-            params = _sampling_params(request)
+            prompt = prompt_from(request)
+            params = sampling_params_from(request)
             lane = check_lane_name(metadata.get(LANE_METADATA) or (tenant.default_lane if tenant else DEFAULT_LANE),
                                    param=LANE_METADATA)
             if tenant is not None:
@@ -121,7 +116,7 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
                         accepted = True
                         self.runtime.metrics.record_admission(lane, tenant_name)
                     used = out.num_prompt_tokens + out.num_output_tokens
-                    await context.write(_response(out, request.request_id or req_id))
+                    await context.write(response_from_output(out, request.request_id or req_id))
         finally:
             # On cancellation or any error this leaves the stream early, which aborts the engine's request.
             await stream.aclose()
@@ -219,7 +214,7 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
                     error = event["error"]
                     await context.abort(_STATUS_FOR_ERROR_TYPE.get(error.get("type"), grpc.StatusCode.INTERNAL),
                                         error.get("message", "the request failed"))
-                await context.write(_response_from_event(entry.req_id, seq, event))
+                await context.write(response_from_event(entry.req_id, seq, event))
         finally:
             pumping.cancel()
         if not entry.finished:  # abandoned: the server is shutting down
@@ -345,15 +340,6 @@ def _count_resume(runtime: ServingRuntime) -> None:
     runtime.durable.stats.num_stream_resumes += 1
 
 
-def _response_from_event(req_id: str, seq: int, event: dict) -> rtx_pb2.GenerateResponse:
-    logprobs = [rtx_pb2.TokenLogprob(token_id=lp["token_id"], logprob=lp["logprob"],
-                                     top=[rtx_pb2.TopLogprob(token_id=t, logprob=p) for t, p in lp["top"]])
-                for lp in event["logprobs"]]
-    return rtx_pb2.GenerateResponse(request_id=req_id, text=event["text"], token_ids=event["token_ids"],
-                                    finished=event["finished"], finish_reason=event["finish_reason"],
-                                    usage=rtx_pb2.Usage(**event["usage"]), logprobs=logprobs, event_id=seq)
-
-
 async def _abort_shutting_down(context: grpc.aio.ServicerContext) -> None:
     await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down",
                         trailing_metadata=(("retry-after", str(RETRY_AFTER_S)),))
@@ -369,32 +355,6 @@ async def _abort_api_error(context: grpc.aio.ServicerContext, exc: APIError) -> 
         metadata.append(("rtx-param", exc.param))
     await context.abort(_STATUS_FOR_ERROR_TYPE.get(error["type"], grpc.StatusCode.INTERNAL), exc.message,
                         trailing_metadata=tuple(metadata))
-
-
-def _prompt(request: rtx_pb2.GenerateRequest) -> str | list[int]:
-    match request.WhichOneof("prompt"):
-        case "text":
-            return request.text
-        case "token_ids":
-            return list(request.token_ids.ids)
-    raise InvalidRequestError("prompt is required: set text or token_ids", param="prompt")
-
-
-def _sampling_params(request: rtx_pb2.GenerateRequest) -> SamplingParams:
-    fields = {name: getattr(request, name) for name in _OPTIONAL_SAMPLING_FIELDS if request.HasField(name)}
-    return SamplingParams(stop=list(request.stop), stop_token_ids=list(request.stop_token_ids),
-                          ignore_eos=request.ignore_eos, **fields)
-
-
-def _response(out: RequestOutput, request_id: str) -> rtx_pb2.GenerateResponse:
-    usage = rtx_pb2.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
-                          cached_tokens=out.num_cached_tokens)
-    logprobs = [rtx_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
-                                     top=[rtx_pb2.TopLogprob(token_id=t, logprob=p) for t, p in lp.top])
-                for lp in out.logprobs or ()]
-    return rtx_pb2.GenerateResponse(request_id=request_id, text=out.new_text, token_ids=out.new_token_ids,
-                                    finished=out.finished, finish_reason=out.finish_reason or "", usage=usage,
-                                    logprobs=logprobs)
 
 
 async def _abort_retry_later(context: grpc.aio.ServicerContext, message: str, retry_after_s: float) -> None:

@@ -1,0 +1,50 @@
+"""Conversions between the gRPC messages of ``spec/rtx.proto`` and the engine's requests and outputs."""
+
+from __future__ import annotations
+
+from rtxcore.engine.outputs import RequestOutput
+from rtxcore.errors import InvalidRequestError
+from rtxcore.sampling_params import SamplingParams
+from rtxcore.server.grpc.codegen import ensure_generated
+
+ensure_generated()
+from rtxcore._generated import rtx_pb2  # noqa: E402
+
+# Optional GenerateRequest fields copied to SamplingParams when set (proto3 `optional` tracks presence).
+OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                            "frequency_penalty", "repetition_penalty", "logprobs")
+
+
+def response_from_event(req_id: str, seq: int, event: dict) -> rtx_pb2.GenerateResponse:
+    logprobs = [rtx_pb2.TokenLogprob(token_id=lp["token_id"], logprob=lp["logprob"],
+                                     top=[rtx_pb2.TopLogprob(token_id=t, logprob=p) for t, p in lp["top"]])
+                for lp in event["logprobs"]]
+    return rtx_pb2.GenerateResponse(request_id=req_id, text=event["text"], token_ids=event["token_ids"],
+                                    finished=event["finished"], finish_reason=event["finish_reason"],
+                                    usage=rtx_pb2.Usage(**event["usage"]), logprobs=logprobs, event_id=seq)
+
+
+def prompt_from(request: rtx_pb2.GenerateRequest) -> str | list[int]:
+    match request.WhichOneof("prompt"):
+        case "text":
+            return request.text
+        case "token_ids":
+            return list(request.token_ids.ids)
+    raise InvalidRequestError("prompt is required: set text or token_ids", param="prompt")
+
+
+def sampling_params_from(request: rtx_pb2.GenerateRequest) -> SamplingParams:
+    fields = {name: getattr(request, name) for name in OPTIONAL_SAMPLING_FIELDS if request.HasField(name)}
+    return SamplingParams(stop=list(request.stop), stop_token_ids=list(request.stop_token_ids),
+                          ignore_eos=request.ignore_eos, **fields)
+
+
+def response_from_output(out: RequestOutput, request_id: str) -> rtx_pb2.GenerateResponse:
+    usage = rtx_pb2.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
+                          cached_tokens=out.num_cached_tokens)
+    logprobs = [rtx_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                                     top=[rtx_pb2.TopLogprob(token_id=t, logprob=p) for t, p in lp.top])
+                for lp in out.logprobs or ()]
+    return rtx_pb2.GenerateResponse(request_id=request_id, text=out.new_text, token_ids=out.new_token_ids,
+                                    finished=out.finished, finish_reason=out.finish_reason or "", usage=usage,
+                                    logprobs=logprobs)

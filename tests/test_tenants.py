@@ -4,7 +4,6 @@ and prefix-cache isolation between tenants, through a real server (HTTP and gRPC
 from __future__ import annotations
 
 import hashlib
-import math
 import random
 import threading
 
@@ -12,7 +11,7 @@ import grpc
 import httpx
 import pytest
 
-from rtxcore.errors import ConfigError
+from rtxcore.errors import ConfigError, InvalidRequestError
 from rtxcore.server.tenants import AuthError, NotEntitled, RateLimited, TenantRegistry, TokenBucket, cache_salt
 from tests.server_helpers import start_server
 
@@ -96,8 +95,9 @@ def test_token_bucket_refunds_what_was_not_generated():
     assert exc.value.code == "tokens_per_minute" and exc.value.retry_after_s > 0
     registry.release(lease, 20)  # it used 20 of the 80
     registry.release(registry.acquire(tenant, 1, 30), 30)
-    with pytest.raises(RateLimited, match="more than tenant 'a'"):
+    with pytest.raises(InvalidRequestError, match="more than tenant 'a'") as too_large:
         registry.acquire(tenant, 1, 101)
+    assert too_large.value.param == "max_tokens"
 
 
 def test_concurrency_cap():
@@ -113,15 +113,14 @@ def test_concurrency_cap():
     assert second is not None
 
 
-@pytest.mark.parametrize("limits, code", [({"max_concurrency": 2}, "concurrency"),
-                                           ({"requests_per_second": 1, "burst": 2}, "requests_per_second")])
-def test_more_prompts_than_a_limit_allows_is_refused_with_a_finite_retry(limits, code):
+@pytest.mark.parametrize("limits", [{"max_concurrency": 2}, {"requests_per_second": 1, "burst": 2}])
+def test_more_prompts_than_a_limit_allows_is_invalid_not_rate_limited(limits):
     registry = TenantRegistry.from_config({"a": {"key_sha256": sha(KEY_A), **limits}}, environ={})
     tenant = registry.authenticate(KEY_A)
-    with pytest.raises(RateLimited, match="request holds 3 prompts, more than tenant 'a'") as exc:
+    # No wait lets it through: a 429 would have clients retry it for ever (and an infinite Retry-After was a 500).
+    with pytest.raises(InvalidRequestError, match="request holds 3 prompts, more than tenant 'a'") as exc:
         registry.acquire(tenant, 3, 3)
-    # Retry-After is whole seconds: an infinite wait once made the HTTP error handler raise (a 500).
-    assert exc.value.code == code and math.isfinite(exc.value.retry_after_s)
+    assert exc.value.param == "prompt"
     registry.release(registry.acquire(tenant, 2, 2), 2)
 
 
@@ -160,6 +159,7 @@ key_sha256 = "{sha(KEY_LIMITED)}"
 requests_per_second = 0.2
 burst = 2
 max_concurrency = 4
+tokens_per_minute = 100000
 """)
     server = start_server("--model", "dummy:tiny", "--scheduler", "sla-lanes", "--config", str(config),
                           "--log-level", "debug", env={"BETA_KEY": KEY_B})
@@ -206,6 +206,19 @@ def test_rate_limit_is_429_with_retry_after(tenant_server):
     assert refused.json()["error"]["code"] == "rate_limited"
     assert "requests per second" in refused.json()["error"]["message"]
     assert 1 <= int(refused.headers["retry-after"]) <= 5  # 0.2 req/s: the next one is at most 5 s away
+
+
+def test_a_request_larger_than_a_limit_is_400_over_http_and_invalid_argument_over_grpc(tenant_server):
+    from rtxcore._generated import rtx_pb2, rtx_pb2_grpc
+
+    r = _complete(tenant_server, KEY_LIMITED, [[4, 5], [6, 7], [8, 9], [1, 2], [3, 4]])  # 5 prompts, 4 at most
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "retry-after" not in r.headers
+    with grpc.insecure_channel(tenant_server.grpc_target) as channel:
+        request = rtx_pb2.GenerateRequest(token_ids=rtx_pb2.TokenIds(ids=[1, 2, 3]), max_tokens=200_000)
+        with pytest.raises(grpc.RpcError) as exc:
+            list(rtx_pb2_grpc.RtxStub(channel).Generate(
+                request, metadata=(("authorization", f"Bearer {KEY_LIMITED}"),), timeout=30))
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tokens per minute" in exc.value.details()
 
 
 def test_tenants_never_share_prefix_cache_blocks(tenant_server):

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from rtxcore.errors import ConfigError, RtxError
+from rtxcore.errors import ConfigError, InvalidRequestError, RtxError
 from rtxcore.lanes import DEFAULT_LANE, LANE_NAMES
 
 # Environment variable with keys of tenants: "name=key,other=key2" (e.g. from a Kubernetes Secret).
@@ -187,31 +187,23 @@ class TenantRegistry:
         """Take ``num_requests`` requests and ``num_tokens`` tokens from ``tenant``'s limits, all or nothing.
 
         :raises RateLimited: a limit is reached; ``retry_after_s`` says when it will not be.
+        :raises InvalidRequestError: the request is larger than a limit allows, so no wait would let it through.
         """
         if tenant is None:
             return Lease(None, num_requests, num_tokens)
+        _check_fits(tenant, num_requests, num_tokens)
         now = time.monotonic()
         with self._lock:
-            if tenant.max_concurrency is not None and num_requests > tenant.max_concurrency:
-                raise RateLimited(f"request holds {num_requests} prompts, more than tenant {tenant.name!r}'s limit "
-                                  f"of {tenant.max_concurrency} concurrent requests", 60.0, "concurrency")
             if tenant.max_concurrency is not None and tenant._active + num_requests > tenant.max_concurrency:
                 raise RateLimited(f"tenant {tenant.name!r} is at its limit of {tenant.max_concurrency} concurrent "
                                   "requests", 1.0, "concurrency")
             if tenant._requests is not None:
                 wait = tenant._requests.wait_for(num_requests, now)
-                if wait == math.inf:
-                    raise RateLimited(f"request holds {num_requests} prompts, more than tenant {tenant.name!r}'s "
-                                      f"burst of {tenant._requests.capacity:g} requests", 60.0, "requests_per_second")
                 if wait > 0:
                     raise RateLimited(f"tenant {tenant.name!r} is over its limit of {tenant.requests_per_second:g} "
                                       "requests per second", wait, "requests_per_second")
             if tenant._tokens is not None:
                 wait = tenant._tokens.wait_for(num_tokens, now)
-                if wait == math.inf:
-                    raise RateLimited(f"request needs {num_tokens} tokens (prompt + max_tokens), more than tenant "
-                                      f"{tenant.name!r}'s limit of {tenant.tokens_per_minute} tokens per minute",
-                                      60.0, "tokens_per_minute")
                 if wait > 0:
                     raise RateLimited(f"tenant {tenant.name!r} is over its limit of {tenant.tokens_per_minute} "
                                       "tokens per minute", wait, "tokens_per_minute")
@@ -244,6 +236,21 @@ class TenantRegistry:
             unused = lease.reserved_tokens - used_tokens
             if tenant._tokens is not None and unused > 0:
                 tenant._tokens.give_back(unused, time.monotonic())
+
+
+def _check_fits(tenant: Tenant, num_requests: int, num_tokens: int) -> None:
+    """Refuse, as invalid (400), a request no wait would let through: a 429 would have clients retry it for ever.
+    Checked before any limit that is only full for now, whose 429 would hide this."""
+    if tenant.max_concurrency is not None and num_requests > tenant.max_concurrency:
+        raise InvalidRequestError(f"request holds {num_requests} prompts, more than tenant {tenant.name!r}'s limit of "
+                                  f"{tenant.max_concurrency} concurrent requests", param="prompt")
+    if tenant._requests is not None and num_requests > tenant._requests.capacity:
+        raise InvalidRequestError(f"request holds {num_requests} prompts, more than tenant {tenant.name!r}'s burst of "
+                                  f"{tenant._requests.capacity:g} requests", param="prompt")
+    if tenant._tokens is not None and num_tokens > tenant._tokens.capacity:
+        raise InvalidRequestError(f"request needs {num_tokens} tokens (prompt + max_tokens), more than tenant "
+                                  f"{tenant.name!r}'s limit of {tenant.tokens_per_minute} tokens per minute",
+                                  param="max_tokens")
 
 
 def cache_salt(tenant: Tenant | None, salt: str | None) -> str | None:

@@ -305,6 +305,8 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
             self.runtime.metrics.record_rejection(exc.code, lane=lane,
                                                   tenant=tenant.name if tenant is not None else None)
             await _abort_retry_later(context, str(exc), exc.retry_after_s)
+        except InvalidRequestError as exc:  # larger than the tenant's limits allow
+            await _abort_invalid(context, exc)
         try:
             await self._admit(context)
         except BaseException:

@@ -118,6 +118,8 @@ class Generation:
         except RateLimited as exc:
             metrics.record_rejection(exc.code, lane=route.lane, tenant=route.tenant_name)
             raise too_many_requests(str(exc), exc.retry_after_s, "rate_limited") from None
+        except InvalidRequestError as exc:  # larger than the tenant's limits allow
+            raise APIError.invalid(exc) from None
         if not runtime.try_admit(len(prompts)):
             runtime.tenants.release(lease, 0)
             metrics.record_rejection("overloaded", lane=route.lane, tenant=route.tenant_name)
@@ -159,6 +161,9 @@ class Generation:
         try:
             await gen._wait_accepted()
         except BaseException:
+            # Not run (the caller retries): all of its reservation goes back. close() would count the tokens made
+            # before the restart as used, and each retry would take them from the tenant again.
+            runtime.tenants.release(lease, 0)
             gen.close()
             raise
         return gen

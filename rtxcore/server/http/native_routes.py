@@ -69,8 +69,7 @@ class NativeRoutes:
 
     async def health(self, request: Request) -> Response:
         """The process is alive and answering (liveness); says what it is doing. 503 once the engine loop has
-        failed: nothing in this process will serve again, so a liveness probe should restart it (with
-        --state-dir, the unfinished requests resume after the restart)."""
+        failed: nothing in this process will serve again, so a liveness probe should restart it."""
         state = self._state()
         if state == "failed":
             error = self.runtime.load_error or (self.runtime.async_engine and self.runtime.async_engine.error)

@@ -175,6 +175,8 @@ def test_out_must_not_be_a_link(tmp_path):
 def test_checkpoint_files_are_readable_by_a_server_of_another_user(int8_dir):
     umask = os.umask(0)
     os.umask(umask)  # the test process's umask is the one rtx quantize ran with
+    if umask & 0o044:
+        pytest.skip(f"umask {umask:03o} hides files from other users anyway")
     modes = {path.name: path.stat().st_mode & 0o777 for path in int8_dir.iterdir() if path.is_file()}
     assert modes and all(mode == 0o666 & ~umask for mode in modes.values()), modes
 

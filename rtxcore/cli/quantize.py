@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import threading
 from pathlib import Path
 
 from rtxcore.cli.common import finite_float
@@ -51,8 +52,14 @@ def run(args: argparse.Namespace) -> int:
                               device=args.device, dtype=args.dtype)
     # SIGTERM (timeout, kill, a pod stopped) would end the process without unwinding: the staged checkpoint beside
     # --out would stay. As an exception it is removed on the way out, as on Ctrl-C.
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    report = quantize_model(args.model, options, registry, log=lambda line: sys.stderr.write(f"rtx quantize: {line}\n"))
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if on_main_thread else None
+    try:
+        report = quantize_model(args.model, options, registry,
+                                log=lambda line: sys.stderr.write(f"rtx quantize: {line}\n"))
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous)
     if args.json:
         print(json.dumps(report, indent=1))
     else:
@@ -68,4 +75,5 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _raise_interrupt(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second SIGTERM must not cut the clean-up short
     raise KeyboardInterrupt

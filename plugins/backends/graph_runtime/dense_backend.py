@@ -18,7 +18,7 @@ from rtxcore.contracts.backend import (
     ForwardBatch,
     default_kv_cache_bytes,
 )
-from rtxcore.errors import ConfigError, RtxError
+from rtxcore.errors import ConfigError
 from rtxcore.kv.block_io import read_blocks, write_blocks
 from rtxcore.models.config import ModelConfig
 from rtxcore.models.source import ModelSource
@@ -89,7 +89,7 @@ class DenseGraphBackend(ExecutionBackend):
         try:
             self._open(self.graph)
         except Exception as exc:
-            if not self.graph.cache_hit or isinstance(exc, RtxError):
+            if not self.graph.cache_hit or not self._damaged_graph(exc):
                 raise
             # A cached file cut short or damaged on disk (a full disk, a killed copy) would fail every start: a
             # cache entry is only ever a copy of what the weights give, so it is built again.
@@ -145,6 +145,11 @@ class DenseGraphBackend(ExecutionBackend):
         slots_per_layer = cache.shape[0] // layers
         rows = (slots[None, :] + torch.arange(layers, device=slots.device)[:, None] * slots_per_layer).reshape(-1)
         cache.view(cache.shape[0], -1).index_copy_(0, rows, new.reshape(-1, new.shape[-1]).to(cache.device, cache.dtype))
+
+    def _damaged_graph(self, exc: Exception) -> bool:
+        """Whether ``exc``, raised by :meth:`_open`, says the graph file itself is unreadable (and so worth exporting
+        again), rather than, say, a missing device or memory."""
+        return False
 
     @abstractmethod
     def _open(self, graph: ExportedGraph) -> None:

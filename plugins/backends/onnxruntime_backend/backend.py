@@ -55,5 +55,13 @@ class OnnxRuntimeBackend(DenseGraphBackend):
         log.info("onnxruntime backend: %s on %s, export %s (%.1fs), session ready in %.1fs", graph.path.name,
                  self._device.type, "cache hit" if graph.cache_hit else "new", graph.export_s, self.session_s)
 
+    def _damaged_graph(self, exc: Exception) -> bool:
+        from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
+
+        # What InferenceSession raises for a file cut short (InvalidProtobuf), emptied (InvalidArgument), gone or
+        # not a valid graph.
+        return isinstance(exc, (ort_errors.InvalidProtobuf, ort_errors.InvalidArgument, ort_errors.InvalidGraph,
+                                ort_errors.NoSuchFile))
+
     def _run(self, feeds: dict[str, np.ndarray], key_cache: torch.Tensor, value_cache: torch.Tensor) -> GraphOutputs:
         return self.session.run(feeds, key_cache, value_cache)

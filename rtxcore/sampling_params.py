@@ -37,11 +37,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        _check(_is_int(self.max_tokens), f"max_tokens must be an integer, got {self.max_tokens!r}", "max_tokens")
+        _check(is_int(self.max_tokens), f"max_tokens must be an integer, got {self.max_tokens!r}", "max_tokens")
         _check(self.max_tokens > 0, f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
         _check(_is_number(self.temperature) and self.temperature >= 0,
                f"temperature must be >= 0, got {self.temperature}", "temperature")
-        _check(_is_int(self.top_k) and self.top_k >= 0,
+        _check(is_int(self.top_k) and self.top_k >= 0,
                f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}", "top_k")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}", "min_p")
@@ -50,12 +50,12 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value}", name)
-        _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63),
+        _check(self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**63),
                f"seed must be a non-negative integer below 2**63, got {self.seed!r}", "seed")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings", "stop")
-        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+        _check(all(is_int(t) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be non-negative integers", "stop_token_ids")
-        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+        _check(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                f"logprobs must be an integer in [0, 20], got {self.logprobs!r}", "logprobs")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             value = getattr(self, name)
@@ -66,7 +66,7 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
     # bool is an int subclass: True would pass as 1 here and fail later, on the engine's thread.
     return isinstance(value, int) and not isinstance(value, bool)
 

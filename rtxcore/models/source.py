@@ -99,6 +99,6 @@ def resolve_model(spec: str | None) -> ModelSource:
         # A config or metadata value of the wrong type or range (a list for the config, "64" for a size, a zero
         # head count) fails wherever it is first used: named here, as the model's fault, not as a traceback.
         raise ModelLoadError(f"cannot load {spec!r}: malformed model config or metadata "
-                             f"({type(exc).__name__}: {exc})") from None
+                             f"({type(exc).__name__}: {exc})") from exc  # kept: it may be our bug, not the file's
     raise ModelLoadError(f"cannot load {spec!r}: expected a .gguf file or a directory with config.json and "
                          "*.safetensors (or a single .gguf file)")

@@ -123,7 +123,7 @@ class TorchBackend(ExecutionBackend):
                 raise ModelLoadError(f"{source.name}: weight {name!r} {exc}") from None
             except (TypeError, AttributeError, KeyError) as exc:  # e.g. a quantized layer's "meta" that is no table
                 raise ModelLoadError(f"{source.name}: weight {name!r} is malformed ({type(exc).__name__}: {exc})") \
-                    from None
+                    from exc
             if slot is None:
                 raise ModelLoadError(f"{source.name}: unexpected weight {name!r} in checkpoint")
             loaded.add(slot)

@@ -11,7 +11,7 @@ from typing import Any
 
 from rtxcore.errors import InvalidRequestError
 from rtxcore.lanes import check_lane_name
-from rtxcore.sampling_params import SamplingParams
+from rtxcore.sampling_params import SamplingParams, is_int
 
 # A prompt as the API takes it: text, or token ids.
 Prompt = str | list[int]
@@ -144,7 +144,7 @@ def parse_prompts(value: Any, param: str) -> list[Prompt]:
     if not isinstance(value, list) or not value:
         raise InvalidRequestError(f"{param} must be a string, a list of strings, a list of token ids or a list of "
                                   f"token-id lists, and not empty", param=param)
-    if all(_is_int(t) for t in value):
+    if all(is_int(t) for t in value):
         return [list(value)]
     if len(value) > MAX_BATCH:
         raise InvalidRequestError(f"{param} holds {len(value)} items; at most {MAX_BATCH} are accepted", param=param)
@@ -152,7 +152,7 @@ def parse_prompts(value: Any, param: str) -> list[Prompt]:
     for item in value:
         if isinstance(item, str):
             prompts.append(item)
-        elif isinstance(item, list) and item and all(_is_int(t) for t in item):
+        elif isinstance(item, list) and item and all(is_int(t) for t in item):
             prompts.append(list(item))
         else:
             raise InvalidRequestError(f"each item of {param} must be a string or a non-empty list of token ids",
@@ -237,7 +237,7 @@ def _check_lists(params: dict[str, Any]) -> None:
     if len(params.get("stop") or []) > 16:
         raise InvalidRequestError("at most 16 stop strings are accepted", param="stop")
     ids = params.get("stop_token_ids")
-    if ids is not None and not (isinstance(ids, list) and all(_is_int(t) for t in ids)):
+    if ids is not None and not (isinstance(ids, list) and all(is_int(t) for t in ids)):
         raise InvalidRequestError("stop_token_ids must be a list of integers", param="stop_token_ids")
     for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
         if name in params:
@@ -295,12 +295,8 @@ def _model(body: dict[str, Any]) -> str | None:
     return model
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _int(value: Any, param: str, low: int | None = None, high: int | None = None) -> int:
-    if not _is_int(value):
+    if not is_int(value):
         raise InvalidRequestError(f"{param} must be an integer, got {value!r}", param=param)
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f"at least {low}" if high is None else f"in [{low}, {high}]"

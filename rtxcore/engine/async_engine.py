@@ -155,11 +155,6 @@ class AsyncEngine:
         self._wake.set()
         return await asyncio.wrap_future(job.done)
 
-    def abort(self, req_id: str) -> None:
-        """Abort whichever request holds ``req_id`` when the engine thread gets to it."""
-        self._inbox.put(req_id)
-        self._wake.set()
-
     # -- the engine thread ----------------------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -202,11 +197,14 @@ class AsyncEngine:
             sink(item)
         except RuntimeError:
             # The stream's event loop is gone: nobody will read this request any more.
-            if self._sinks.get(req_id) is sink and self.error is None:
-                del self._sinks[req_id]
-                self._abort_in_engine(req_id)
+            if self.error is None:
+                self._abort_stream(req_id, sink)
 
-    def _abort_in_engine(self, req_id: str) -> None:
+    def _abort_stream(self, req_id: str, sink: Callable) -> None:
+        """Abort ``req_id`` if ``sink``'s stream still holds it (not a later request that reused the id)."""
+        if self._sinks.get(req_id) is not sink:
+            return
+        del self._sinks[req_id]
         out = self.engine.abort(req_id)
         if out is not None:
             self._observe("on_abort", self.engine, out)
@@ -239,13 +237,7 @@ class AsyncEngine:
                     item.done.set_exception(exc)
                 continue
             if isinstance(item, _Abort):
-                if self._sinks.get(item.sub.req_id) is item.sub.sink:
-                    del self._sinks[item.sub.req_id]
-                    self._abort_in_engine(item.sub.req_id)
-                continue
-            if isinstance(item, str):
-                if self._sinks.pop(item, None) is not None:
-                    self._abort_in_engine(item)
+                self._abort_stream(item.sub.req_id, item.sub.sink)
                 continue
             if not item.accepted.set_running_or_notify_cancel():
                 continue

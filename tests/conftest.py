@@ -16,11 +16,11 @@ import pytest  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from rtxcore.contracts.scheduler import SchedulerConfig  # noqa: E402
 from rtxcore.engine.config import EngineConfig  # noqa: E402
 from rtxcore.engine.llm_engine import LLMEngine  # noqa: E402
 from rtxcore.models.source import default_model_path, resolve_model  # noqa: E402
 from rtxcore.registry import load_plugins  # noqa: E402
+from tests.helpers.engines import make_engine  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -44,13 +44,6 @@ def default_engine(registry, default_source):
     engine = LLMEngine(EngineConfig(), registry=registry, source=default_source)
     yield engine
     assert not engine.has_unfinished_requests()
-
-
-def make_engine(model: str = "dummy:tiny", *, registry=None, source=None, **kwargs) -> LLMEngine:
-    scheduling = SchedulerConfig(**{k: kwargs.pop(k) for k in ("max_num_batched_tokens", "max_num_seqs")
-                                    if k in kwargs})
-    config = EngineConfig(model=model, scheduling=scheduling, **kwargs)
-    return LLMEngine(config, registry=registry, source=source)
 
 
 @pytest.fixture

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import inspect
-from pathlib import Path
 
 from rtx_conformance.rules import RULES
-from rtxcore import hookspecs
 
-DOC = (Path(__file__).resolve().parents[1] / "docs" / "plugins.md").read_text()
+from rtxcore import hookspecs
+from tests.helpers import REPO
+
+DOC = (REPO / "docs" / "plugins.md").read_text()
 
 
 def _hookspecs() -> list:

@@ -11,6 +11,7 @@ from rtxcore.contracts import EvictionPolicy
 from rtxcore.errors import PluginError
 from rtxcore.hookspecs import hookimpl
 from rtxcore.registry import KINDS, load_plugins
+from tests.helpers import REPO
 
 
 class FIFOPolicy(EvictionPolicy):
@@ -98,9 +99,8 @@ def test_every_kind_has_a_documented_typed_hook():
 
 
 def test_every_hookspec_is_documented_in_docs_plugins_md():
-    from pathlib import Path
 
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "plugins.md").read_text()
+    doc = (REPO / "docs" / "plugins.md").read_text()
     hooks = [name for name, obj in vars(hookspecs).items() if name.startswith("register_") and callable(obj)]
     assert sorted(hooks) == sorted(kind.hook for kind in KINDS.values())
     for hook in hooks:

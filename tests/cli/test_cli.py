@@ -1,0 +1,128 @@
+"""The ``rtx`` command as a user runs it: one clear line and exit code 2 on bad input, never a traceback."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.cli import assert_one_line_error, rtx
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["generate", ""], "prompt is empty"),
+    (["generate", "hi", "--max-tokens", "0"], "max_tokens must be at least 1"),
+    (["generate", "hi", "--max-tokens", "-5"], "max_tokens must be at least 1"),
+    (["generate", "hi", "--temperature", "-1"], "temperature must be >= 0"),
+    (["generate", "hi", "--top-p", "0"], "top_p must be in (0, 1]"),
+    (["generate", "hi", "--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["generate", "hi", "--model", "/no/such/model.gguf"], "model not found"),
+    (["generate", "hi", "--max-tokens", "many"], "invalid int value"),
+    (["bench", "--workload", "nope"], "invalid choice"),
+    (["generate", "hi", "--model", "dummy:tiny", "--device", "tpu"], "device 'tpu' is not one the torch backend"),
+    (["generate", "hi", "--model", "dummy:tiny", "--kv-host-bytes", "inf"], "not a finite size"),
+    (["serve", "--request-timeout", "nan"], "not a finite number"),
+    (["serve", "--shutdown-grace", "inf"], "not a finite number"),
+    # checked before the model loads and the run starts, not when its results are written
+    (["bench", "--json", "/no/such/dir/out.json"], "does not exist"),
+    (["loadgen", "--json", "/no/such/dir/out.json"], "does not exist"),
+    (["bench", "--num-requests", "-1"], "not at least 1"),
+    (["sign", "model.gguf", "--key", "k.pem", "--signature", "/no/such/dir/x.sig"], "does not exist"),
+])
+def test_bad_input_one_line_exit_2(args, fragment):
+    assert_one_line_error(rtx(*args), fragment)
+
+
+def test_truncated_gguf_is_refused(tmp_path, default_model_file):
+    broken = tmp_path / "broken.gguf"
+    with open(default_model_file, "rb") as src:
+        broken.write_bytes(src.read(5_000_000))
+    assert_one_line_error(rtx("generate", "hi", "--model", str(broken)), "broken.gguf")
+
+
+@pytest.mark.model
+def test_prompt_longer_than_context(tmp_path):
+    proc = rtx("generate", "word " * 200, "--max-model-len", "64")
+    assert_one_line_error(proc, "longer than the model's context")
+
+
+@pytest.mark.model
+def test_generate_streams_text():
+    proc = rtx("generate", "The capital of France is", "--max-tokens", "8")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+    assert "8 tokens" in proc.stderr
+
+
+def test_plugins_list_shows_builtins():
+    proc = rtx("plugins", "list")
+    assert proc.returncode == 0, proc.stderr
+    for name, kind in [("fcfs", "scheduler"), ("lru", "eviction_policy"), ("lfu", "eviction_policy"),
+                       ("default", "sampler"), ("torch", "backend")]:
+        line = next((ln for ln in proc.stdout.splitlines() if ln.split()[:2] == [name, kind]), None)
+        assert line is not None, proc.stdout
+        assert "rtx-serve" in line
+    data = json.loads(rtx("plugins", "list", "--json").stdout)
+    rows = {(p["name"], p["kind"]): p for p in data["plugins"]}
+    assert rows[("torch", "backend")]["available"] is True
+    assert rows[("torch", "backend")]["capabilities"]["paged_kv"] is True
+    assert rows[("fcfs", "scheduler")]["package"] == "rtx-serve"
+    assert data["failures"] == []
+
+
+def _install_fake_distribution(root: Path, dist: str, entry_points: dict[str, str], modules: dict[str, str]) -> None:
+    """A real (minimal) installed distribution: a .dist-info folder with entry points, found by importlib.metadata."""
+    info = root / f"{dist.replace('-', '_')}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
+    lines = "\n".join(f"{name} = {target}" for name, target in entry_points.items())
+    (info / "entry_points.txt").write_text(f"[rtx]\n{lines}\n")
+    for module, source in modules.items():
+        (root / f"{module}.py").write_text(source)
+
+
+def test_broken_plugins_are_reported_and_others_load(tmp_path):
+    _install_fake_distribution(
+        tmp_path, "rtx-broken-plugins",
+        {"explodes": "rtx_explodes", "badtype": "rtx_badtype", "dupe": "rtx_dupe"},
+        {
+            "rtx_explodes": "raise RuntimeError('boom at import')\n",
+            "rtx_badtype": ("from rtxcore.hookspecs import hookimpl\n"
+                            "@hookimpl\ndef register_samplers(register):\n    register('notasampler', dict)\n"),
+            "rtx_dupe": ("from rtxcore.hookspecs import hookimpl\nfrom rtx_plugins.eviction.lru import LRUPolicy\n"
+                         "@hookimpl\ndef register_eviction_policies(register):\n    register('lru', LRUPolicy)\n"),
+        })
+    env = {"PYTHONPATH": str(tmp_path)}
+    data = json.loads(rtx("plugins", "list", "--json", env=env).stdout)
+    failures = {f["plugin"]: f for f in data["failures"]}
+    assert "boom at import" in failures["explodes"]["error"]
+    assert failures["explodes"]["package"] == "rtx-broken-plugins"
+    assert "not a subclass" in failures["badtype"]["error"]
+    assert "already registered" in failures["dupe"]["error"]
+    names = {(p["name"], p["kind"]) for p in data["plugins"]}
+    assert {("fcfs", "scheduler"), ("lru", "eviction_policy"), ("torch", "backend")} <= names
+    lru = next(p for p in data["plugins"] if p["name"] == "lru")
+    assert lru["package"] == "rtx-serve"
+    table = rtx("plugins", "list", env=env)
+    assert table.returncode == 0 and "boom at import" in table.stdout
+
+
+def test_a_plugin_that_raises_when_made_is_named_in_one_line(tmp_path):
+    _install_fake_distribution(
+        tmp_path, "rtx-licensed-plugins", {"licensed": "rtx_licensed"},
+        {"rtx_licensed": ("from rtxcore.hookspecs import hookimpl\n"
+                          "from rtx_plugins.quantizers.int8 import Int8Quantizer\n"
+                          "class Licensed(Int8Quantizer):\n"
+                          "    def __init__(self):\n"
+                          "        raise RuntimeError('license server unreachable')\n"
+                          "@hookimpl\ndef register_quantizers(register):\n    register('licensed', Licensed)\n")})
+    proc = rtx("generate", "hi", "--model", "dummy:tiny", "--quantization", "licensed",
+               env={"PYTHONPATH": str(tmp_path)})
+    assert_one_line_error(proc, "quantizer plugin 'licensed' (rtx-licensed-plugins) failed to start: "
+                                "RuntimeError: license server unreachable")
+
+
+def test_rtx_plugins_env_restricts_loading():
+    data = json.loads(rtx("plugins", "list", "--json", env={"RTX_PLUGINS": "fcfs,lru"}).stdout)
+    assert {p["name"] for p in data["plugins"]} == {"fcfs", "lru"}

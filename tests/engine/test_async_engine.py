@@ -1,0 +1,140 @@
+"""The asyncio driver: concurrent streams, validation errors, aborts freeing blocks, embeddings between steps."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from rtxcore.engine.async_engine import AsyncEngine, StepObserver
+from rtxcore.errors import InvalidRequestError
+from rtxcore.sampling_params import SamplingParams
+from tests.helpers.engines import make_engine
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture
+def async_engine(registry):
+    engine = AsyncEngine(make_engine(registry=registry))
+    engine.start()
+    yield engine
+    engine.stop()
+
+
+async def collect(async_engine, prompt, params=GREEDY):
+    tokens = []
+    async for out in async_engine.generate(prompt, params):
+        tokens.extend(out.new_token_ids)
+    return tokens
+
+
+def test_concurrent_streams_match_offline(async_engine):
+    prompts = [[10 + i, 20 + i, 30 + i, 40 + i] * (i + 1) for i in range(8)]
+    offline = [r.token_ids for r in make_engine(registry=async_engine.engine.registry).generate(prompts, GREEDY)]
+
+    async def main():
+        return await asyncio.gather(*(collect(async_engine, p) for p in prompts))
+
+    assert asyncio.run(main()) == offline
+
+
+def test_validation_error_raises_before_streaming(async_engine):
+    async def main():
+        with pytest.raises(InvalidRequestError, match="empty"):
+            await collect(async_engine, [])
+        return await collect(async_engine, [5, 6, 7])
+
+    assert len(asyncio.run(main())) == GREEDY.max_tokens
+
+
+def test_leaving_a_stream_aborts_and_frees_blocks(async_engine):
+    kv = async_engine.engine.kv_cache
+    idle = kv.num_free_blocks
+
+    async def main():
+        stream = async_engine.generate(list(range(10, 90)), SamplingParams(max_tokens=500, ignore_eos=True))
+        async for _ in stream:
+            break
+        await stream.aclose()
+        for _ in range(100):
+            if not async_engine.engine.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    assert not async_engine.engine.has_unfinished_requests()
+    assert kv.num_free_blocks == idle
+
+
+def test_embeddings_are_normalized_and_deterministic(async_engine):
+    async def main():
+        return await async_engine.embed([[5, 6, 7], [5, 6, 7], [9, 9, 9, 9, 9]])
+
+    a, b, c = asyncio.run(main())
+    assert a == b and a != c
+    assert abs(sum(x * x for x in a) - 1.0) < 1e-5
+
+
+def test_cancelled_waits_leave_the_engine_running(async_engine):
+    """A job or submission whose caller stopped waiting (a client deadline, a disconnect) while the engine thread
+    was busy: the engine once called set_result on the cancelled future and died, failing every stream."""
+    started = asyncio.Event()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        busy = asyncio.ensure_future(async_engine.run_on_engine(
+            lambda engine: (loop.call_soon_threadsafe(started.set), time.sleep(0.3))))
+        await started.wait()  # the engine thread is inside the first job: what follows waits in its inbox
+        job = asyncio.ensure_future(async_engine.embed([[5, 6, 7]]))
+        stream = async_engine.generate([5, 6, 7], GREEDY)
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.05)
+        job.cancel()
+        first.cancel()
+        await busy
+        return await collect(async_engine, [8, 9, 10])
+
+    assert len(asyncio.run(asyncio.wait_for(main(), 30))) == GREEDY.max_tokens
+    assert async_engine.is_running
+    assert not async_engine.engine.has_unfinished_requests() and async_engine.num_active == 0
+
+
+def test_a_late_abort_does_not_stop_a_request_that_reused_the_id(async_engine):
+    async def main():
+        first = async_engine.generate([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True), req_id="x")
+        await first.__anext__()
+        for _ in range(200):  # the engine finishes "x"; its last outputs stay unread
+            if "x" not in async_engine.engine.requests:
+                break
+            await asyncio.sleep(0.01)
+        tokens = []
+        second = async_engine.generate([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True), req_id="x")
+        tokens.extend((await second.__anext__()).new_token_ids)
+        await first.aclose()  # the first client leaves: its abort must not reach the second request
+        async for out in second:
+            tokens.extend(out.new_token_ids)
+        return tokens
+
+    assert len(asyncio.run(asyncio.wait_for(main(), 30))) == 50
+
+
+def test_a_stream_whose_event_loop_closed_is_aborted(registry):
+    aborted = []
+    async_engine = AsyncEngine(make_engine(registry=registry), observers=[
+        StepObserver(on_step=lambda *_: None, on_abort=lambda engine, out: aborted.append(out.req_id))])
+    async_engine.start()
+    try:
+        loop = asyncio.new_event_loop()
+        stream = async_engine.generate([5, 6, 7], SamplingParams(max_tokens=1500, ignore_eos=True), req_id="r")
+        loop.run_until_complete(stream.__anext__())
+        loop.close()  # gone without closing its stream: the next output cannot be delivered
+        for _ in range(500):
+            if not async_engine.engine.has_unfinished_requests():
+                break
+            time.sleep(0.01)
+        # aborted, not run on to max_tokens with nobody reading
+        assert aborted == ["r"] and async_engine.num_active == 0
+    finally:
+        async_engine.stop()

@@ -1,0 +1,81 @@
+"""The real default model: token-for-token agreement with Hugging Face transformers, batch invariance, stops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rtxcore.sampling_params import SamplingParams
+from tests.helpers.prompts import PLAIN
+
+pytestmark = pytest.mark.model
+
+MAX_TOKENS = 32
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are a terse assistant."},
+     {"role": "user", "content": "Name three prime numbers."}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+]
+
+
+@pytest.fixture(scope="module")
+def hf_model(default_model_file):
+    transformers = pytest.importorskip("transformers")
+    # An independent load path: transformers' own GGUF reader and dequantizer, not ours.
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(default_model_file.parent), gguf_file=default_model_file.name, dtype=torch.float32)
+    # Like our ignore_eos: EOS is just another token, so both run the full length and every token is compared.
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def _prompts(engine) -> list[str]:
+    return [engine.apply_chat_template(c) for c in CHATS] + PLAIN
+
+
+@pytest.mark.hf
+def test_greedy_tokens_equal_hugging_face(default_engine, hf_model):
+    prompts = _prompts(default_engine)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    ours = default_engine.generate(prompts, params)
+    for prompt, result in zip(prompts, ours):
+        ids = torch.tensor([result.prompt_token_ids])
+        with torch.inference_mode():
+            ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                                    do_sample=False, pad_token_id=0)
+        assert result.token_ids == ref[0, ids.shape[1]:].tolist(), prompt
+    default_engine.kv_cache.reset_prefix_cache()
+
+
+def test_batch_of_16_equals_alone_and_cache_hits_match(default_engine):
+    prompts = _prompts(default_engine)
+    extra = [f"Question {i}: what is {i} times {i + 3}? Answer:" for i in range(10)]
+    batch = prompts + extra
+    assert len(batch) == 16
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    default_engine.kv_cache.reset_prefix_cache()
+    alone = [default_engine.generate([p], params)[0] for p in batch]
+    assert all(r.num_cached_tokens == 0 for r in alone[3:6])
+    # Same prompts again, all at once: most now hit the prefix cache.
+    together = default_engine.generate(batch, params)
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert sum(r.num_cached_tokens for r in together) > 0
+    default_engine.kv_cache.reset_prefix_cache()
+
+
+def test_stop_strings_and_eos(default_engine):
+    prompt = default_engine.apply_chat_template([{"role": "user", "content": "Count from 1 to 20, comma separated."}])
+    free = default_engine.generate([prompt], SamplingParams(max_tokens=60, temperature=0.0))[0]
+    assert "5" in free.text
+    stopped = default_engine.generate([prompt], SamplingParams(max_tokens=60, temperature=0.0, stop=["5"]))[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == free.text[: free.text.index("5")]
+    kept = default_engine.generate([prompt], SamplingParams(max_tokens=60, temperature=0.0, stop=["5"],
+                                                            include_stop_str_in_output=True))[0]
+    assert kept.text == free.text[: free.text.index("5") + 1]
+    # Greedy chat answers end with the model's EOS (<|im_end|>) well before 200 tokens.
+    short = default_engine.generate([default_engine.apply_chat_template(
+        [{"role": "user", "content": "Say hello."}])], SamplingParams(max_tokens=200, temperature=0.0))[0]
+    assert short.finish_reason == "stop" and len(short.token_ids) < 200
+    default_engine.kv_cache.reset_prefix_cache()

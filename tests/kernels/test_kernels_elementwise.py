@@ -1,0 +1,161 @@
+"""The fused elementwise Triton kernels (RMSNorm with residual, rotary embedding with the K/V store, SiLU-and-mul)
+equal the model's torch ops; they are checked in bfloat16 under the interpreter too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rtx_kernels.activation import silu_and_mul
+from rtx_kernels.reference import (
+    apply_rotary_ref,
+    rms_norm_ref,
+    silu_and_mul_ref,
+    write_kv_ref,
+)
+from rtx_kernels.rmsnorm import rms_norm
+from rtx_kernels.rotary import apply_rotary
+
+from tests.helpers.triton import ALL_DTYPES, DEVICE, ON_GPU, generator, randn
+
+HIDDEN = 4096 if ON_GPU else 48
+ROWS = 300 if ON_GPU else 5
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_rms_norm_matches_model(dtype, with_residual):
+    gen = generator(3)
+    x = randn(ROWS, HIDDEN, gen=gen, dtype=dtype)
+    residual = randn(ROWS, HIDDEN, gen=gen, dtype=dtype) if with_residual else None
+    weight = (1.0 + 0.1 * randn(HIDDEN, gen=gen)).to(dtype)
+
+    out, residual_out = rms_norm(x, weight, 1e-5, residual)
+
+    ref_out, ref_residual = rms_norm_ref(x, weight, 1e-5, residual)
+    if dtype == torch.bfloat16 and not ON_GPU:
+        # The interpreter truncates fp32 -> bf16 where the GPU (and torch) round to nearest even.
+        torch.testing.assert_close(residual_out, ref_residual, rtol=8e-3, atol=0)
+    else:
+        assert torch.equal(residual_out, ref_residual)
+    assert out.dtype == ref_out.dtype
+    # The row's sum of squares is reduced in a different order, which can move a rounding by one ulp.
+    ulp = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    torch.testing.assert_close(out, ref_out, rtol=ulp, atol=ulp)
+
+
+def test_rms_norm_promotes_like_torch():
+    gen = generator(4)
+    x = randn(3, HIDDEN, gen=gen, dtype=torch.bfloat16)
+    weight = 1.0 + 0.1 * randn(HIDDEN, gen=gen)
+
+    out, _ = rms_norm(x, weight, 1e-6)
+
+    ref, _ = rms_norm_ref(x, weight, 1e-6)
+    assert out.dtype == torch.float32
+    # The normalised row is rounded to bf16 before the weight multiplies it, so it may differ by one bf16 ulp.
+    torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1.6e-2)
+
+
+def _rope_tables(max_pos: int, head_size: int, base: float = 10000.0):
+    inv_freq = 1.0 / base ** (torch.arange(0, head_size, 2, dtype=torch.float32, device=DEVICE) / head_size)
+    angles = torch.arange(max_pos, dtype=torch.float32, device=DEVICE)[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+ROTARY_SHAPES = [(32, 8, 128), (9, 3, 64)] if ON_GPU else [(4, 2, 16), (9, 3, 64)]
+ROTARY_TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+def _packed_qkv(num_tokens: int, num_heads: int, num_kv_heads: int, head_size: int, dtype, gen):
+    """Strided q, k, v views of a random packed projection ``[T, (H + 2 * KVH) * D]``."""
+    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_size, gen=gen, dtype=dtype)
+    q_size, kv_size = num_heads * head_size, num_kv_heads * head_size
+    q = qkv[:, :q_size].view(num_tokens, num_heads, head_size)
+    k = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_size)
+    v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_size)
+    assert not q.is_contiguous() and not k.is_contiguous() and not v.is_contiguous()
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_size", ROTARY_SHAPES)
+def test_rotary_on_packed_qkv_views(dtype, num_heads, num_kv_heads, head_size):
+    gen = generator(5)
+    num_tokens, max_pos = (37, 4096) if ON_GPU else (6, 64)
+    q, k, v = _packed_qkv(num_tokens, num_heads, num_kv_heads, head_size, dtype, gen)
+    positions = torch.randint(0, max_pos, (num_tokens,), generator=gen, device=DEVICE)
+    cos, sin = _rope_tables(max_pos, head_size)
+    v_before = v.clone()
+    ref_q, ref_k = apply_rotary_ref(q.clone(), k.clone(), positions, cos, sin)
+
+    got_q, got_k = apply_rotary(q, k, positions, cos, sin)
+
+    assert got_q is q and got_k is k
+    tol = ROTARY_TOLERANCE[dtype]
+    torch.testing.assert_close(q, ref_q, rtol=tol, atol=tol)
+    torch.testing.assert_close(k, ref_k, rtol=tol, atol=tol)
+    assert torch.equal(v, v_before), "v must be left alone"
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_size", ROTARY_SHAPES)
+def test_rotary_writes_rotated_k_and_v_intopaged_cache(dtype, num_heads, num_kv_heads, head_size):
+    gen = generator(9)
+    num_tokens, max_pos, block_size = (37, 4096, 16) if ON_GPU else (6, 64, 4)
+    num_padding = 3  # CUDA-graph padding rows, all pointed at the null block's slot 0
+    q, k, v = _packed_qkv(num_tokens + num_padding, num_heads, num_kv_heads, head_size, dtype, gen)
+    positions = torch.randint(0, max_pos, (num_tokens + num_padding,), generator=gen, device=DEVICE)
+    cos, sin = _rope_tables(max_pos, head_size)
+    num_blocks = 1 + -(-num_tokens // block_size) + 2
+    # Distinct, shuffled slots anywhere past the null block, so most slots of every block stay unwritten.
+    slots = torch.randperm((num_blocks - 1) * block_size, generator=gen, device=DEVICE)[:num_tokens] + block_size
+    slot_mapping = torch.cat([slots, torch.zeros(num_padding, dtype=torch.int64, device=DEVICE)])
+    k_cache = randn(num_kv_heads, num_blocks, block_size, head_size, gen=gen, dtype=dtype)
+    v_cache = randn(num_kv_heads, num_blocks, block_size, head_size, gen=gen, dtype=dtype)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    v_before = v.clone()
+    ref_q, ref_k = apply_rotary_ref(q.clone(), k.clone(), positions, cos, sin)
+
+    got_q, got_k = apply_rotary(q, k, positions, cos, sin, v, k_cache, v_cache, slot_mapping)
+
+    assert got_q is q and got_k is k
+    tol = ROTARY_TOLERANCE[dtype]
+    torch.testing.assert_close(q, ref_q, rtol=tol, atol=tol)
+    torch.testing.assert_close(k, ref_k, rtol=tol, atol=tol)
+    assert torch.equal(v, v_before), "v must be left alone"
+    # The cache must hold bit for bit the k left in place (what attention over this chunk reads).
+    write_kv_ref(k[:num_tokens], v[:num_tokens], expected_k, expected_v, slots)
+    not_null = torch.arange(num_blocks * block_size, device=DEVICE) > 0
+    for name, cache, expected, src in (("k", k_cache, expected_k, k), ("v", v_cache, expected_v, v)):
+        flat = cache.view(num_kv_heads, -1, head_size)
+        assert torch.equal(flat[:, not_null], expected.view(num_kv_heads, -1, head_size)[:, not_null]), name
+        # The padding rows race for slot 0: each element is one of theirs.
+        padding = src[num_tokens:].transpose(0, 1)  # [KVH, P, D]
+        assert (flat[:, :1] == padding).any(dim=1).all(), name
+
+
+def test_rotary_cache_arguments_go_together():
+    gen = generator(10)
+    q, k, v = _packed_qkv(2, 4, 2, 16, torch.float32, gen)
+    cos, sin = _rope_tables(8, 16)
+    cache = torch.zeros(2, 2, 4, 16, device=DEVICE)
+    positions = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+
+    with pytest.raises(ValueError, match="go together"):
+        apply_rotary(q, k, positions, cos, sin, v=v, k_cache=cache, v_cache=cache)
+    with pytest.raises(ValueError, match="share a dtype"):
+        apply_rotary(q, k, positions, cos, sin, v, cache.half(), cache.half(), positions)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_silu_and_mul_on_strided_rows(dtype):
+    gen = generator(6)
+    num_tokens, ffn = (50, 14336) if ON_GPU else (4, 40)
+    wide = randn(num_tokens, 2 * ffn + 8, gen=gen, dtype=dtype)
+    x = wide[:, : 2 * ffn]
+
+    out = silu_and_mul(x)
+
+    tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    torch.testing.assert_close(out, silu_and_mul_ref(x), rtol=tol, atol=tol)
+    assert out.shape == (num_tokens, ffn) and out.is_contiguous()

@@ -1,0 +1,367 @@
+"""KV tiers: host memory and disk under the device's prefix cache, checked with real tensors and real files."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from rtxcore.kv.disk_tier import DiskTier
+from rtxcore.kv.manager import KVCacheManager
+from rtxcore.kv.offload import KVOffload
+from rtxcore.kv.tiers import HostTier, KVTier, TierReadError
+from tests.helpers.kv import POLICIES, make_request
+from tests.kv.test_kv_manager_properties import WorkloadMachine
+
+FINGERPRINT = bytes(20)
+BLOCK_BYTES = 32
+
+
+def key(n: int) -> bytes:
+    return n.to_bytes(16, "little")
+
+
+def payload(n: int) -> torch.Tensor:
+    """A block's bytes that name its key, so any mix-up between blocks shows."""
+    return torch.full((BLOCK_BYTES,), n % 251, dtype=torch.uint8)
+
+
+def tier_chain(tmp_path, host_slots: int, disk_slots: int, policy: str = "lru") -> tuple[HostTier, DiskTier]:
+    disk = DiskTier(tmp_path, disk_slots, BLOCK_BYTES, POLICIES[policy](disk_slots), FINGERPRINT)
+    host = HostTier(host_slots, BLOCK_BYTES, POLICIES[policy](host_slots), below=disk)
+    return host, disk
+
+
+def test_host_evictions_move_down_and_read_back_intact(tmp_path):
+    host, disk = tier_chain(tmp_path, 2, 4)
+    for n in range(5):
+        host.store([key(n)], payload(n).unsqueeze(0))
+    # Host keeps the two newest; the three older went to disk rather than being dropped.
+    assert set(host.keys()) == {key(3), key(4)}
+    assert set(disk.keys()) == {key(0), key(1), key(2)}
+    for n in range(5):
+        tier = host if key(n) in host else disk
+        assert tier.pin(key(n))
+        assert torch.equal(tier.load(key(n)), payload(n))
+        tier.unpin(key(n))
+    host.check_invariants(), disk.check_invariants()
+
+
+def test_storing_a_held_key_is_a_touch_not_a_copy(tmp_path):
+    host, _ = tier_chain(tmp_path, 2, 2)
+    host.store([key(1), key(2)], torch.stack([payload(1), payload(2)]))
+    host.store([key(1)], payload(1).unsqueeze(0))  # touched: now the most recent
+    host.store([key(3)], payload(3).unsqueeze(0))
+    assert host.stats.num_stored == 3 and set(host.keys()) == {key(1), key(3)}
+
+
+def test_a_damaged_block_file_is_dropped_never_loaded(tmp_path, caplog):
+    _, disk = tier_chain(tmp_path, 1, 2)
+    disk.store([key(7)], payload(7).unsqueeze(0))
+    path = disk.path(key(7))
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    assert disk.pin(key(7))
+    with pytest.raises(TierReadError, match="checksum"):
+        disk.load(key(7))
+    disk.unpin(key(7))  # a no-op now: the block left with its pin
+    assert key(7) not in disk and not path.exists() and disk.stats.num_corrupt == 1
+    disk.check_invariants()
+
+
+def test_a_block_file_of_another_cache_is_not_adopted(tmp_path):
+    _, disk = tier_chain(tmp_path, 1, 2)
+    disk.store([key(1)], payload(1).unsqueeze(0))
+    other = DiskTier(tmp_path, 2, BLOCK_BYTES, POLICIES["lru"](2), b"\x01" * 20)
+    assert not other.adopt(key(1)) and not disk.path(key(1)).exists()
+
+
+# ---- hypothesis: tiers alone --------------------------------------------------------------------------------------
+
+class TierMachine(RuleBasedStateMachine):
+    """Stores, pins, loads and unpins on a host tier over a disk tier with room for few blocks.
+
+    Properties: each key sits in at most one slot of a tier; a tier never holds more than its slots; a pinned key
+    never moves (same slot, still there) whatever is stored meanwhile; every key ever stored is still in a tier
+    unless the disk tier (the bottom) evicted or refused something; what comes back is what went in.
+    """
+
+    def __init__(self):
+        super().__init__()
+        import tempfile
+
+        self.dir = tempfile.TemporaryDirectory()
+        from pathlib import Path
+
+        self.host, self.disk = tier_chain(Path(self.dir.name), 3, 4, random.choice(list(POLICIES)))
+        self.stored: set[bytes] = set()
+        self.pinned: dict[bytes, tuple[KVTier, int]] = {}
+
+    @rule(ns=st.lists(st.integers(0, 15), min_size=1, max_size=4, unique=True))
+    def store(self, ns):
+        self.host.store([key(n) for n in ns], torch.stack([payload(n) for n in ns]))
+        self.stored.update(key(n) for n in ns)
+
+    @rule(n=st.integers(0, 15))
+    def pin(self, n):
+        k = key(n)
+        for tier in (self.host, self.disk):
+            if k not in self.pinned and tier.pin(k):
+                self.pinned[k] = (tier, tier._slot_of[k])
+                return
+
+    @precondition(lambda self: self.pinned)
+    @rule(pick=st.integers(0, 15), load=st.booleans())
+    def unpin(self, pick, load):
+        k = sorted(self.pinned)[pick % len(self.pinned)]
+        tier, _ = self.pinned.pop(k)
+        if load:
+            assert torch.equal(tier.load(k), payload(int.from_bytes(k, "little")))
+        tier.unpin(k)
+
+    @invariant()
+    def consistent(self):
+        for tier in (self.host, self.disk):
+            tier.check_invariants()
+            assert len(tier) <= tier.num_slots
+        for k, (tier, slot) in self.pinned.items():
+            assert tier._slot_of.get(k) == slot, "a pinned block moved"
+        held = set(self.host.keys()) | set(self.disk.keys())
+        drops = self.disk.stats.num_evicted + self.host.stats.num_rejected + self.disk.stats.num_rejected
+        assert len(self.stored - held) <= drops, "a block left every tier without the bottom tier dropping it"
+        if drops == 0:
+            assert self.stored <= held
+
+    def teardown(self):
+        self.dir.cleanup()
+
+
+TestTierMachine = TierMachine.TestCase
+TestTierMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+# ---- hypothesis: the KV-cache manager over the tiers --------------------------------------------------------------
+
+class TieredWorkloadMachine(WorkloadMachine):
+    """The manager's random workload (prefix hits checked against what was "computed" into each block) with a host
+    and a disk tier under a small device pool: blocks leave the device, come back, and must hold the same tokens.
+    The test plays the backend's KV copies too, encoding each block's recorded tokens and salt as its bytes."""
+
+    num_blocks = 8
+
+    def __init__(self):
+        super().__init__()
+        import tempfile
+        from pathlib import Path
+
+        self.dir = tempfile.TemporaryDirectory()
+        self.width = self.block_size + 1
+        nbytes = 4 * self.width
+        disk = DiskTier(Path(self.dir.name), 6, nbytes, POLICIES[self.policy_name](6), FINGERPRINT)
+        host = HostTier(3, nbytes, POLICIES[self.policy_name](3))
+        self.offload = KVOffload([host, disk], self._read_blocks, self._write_blocks)
+        kv = KVCacheManager(self.num_blocks, self.block_size, POLICIES[self.policy_name](self.num_blocks),
+                            offload=self.offload)
+        self.kv = kv
+        self.spilled: set[bytes] = set()
+        spill = self.offload.spill
+        kv.pool.on_evict = lambda victims: (self.spilled.update(k for _, k in victims), spill(victims))
+
+    def _read_blocks(self, block_ids):
+        rows = [[-1 if t is None else t for t in self.content[b]] + [1 if self.salt_of[b] == "s" else -1]
+                for b in block_ids]
+        return torch.tensor(rows, dtype=torch.int32).view(torch.uint8)
+
+    def _write_blocks(self, block_ids, data):
+        for block_id, row in zip(block_ids, data.view(torch.int32).reshape(len(block_ids), self.width).tolist()):
+            self.content[block_id] = [None if t == -1 else t for t in row[:-1]]
+            self.salt_of[block_id] = "s" if row[-1] == 1 else None
+
+    @invariant()
+    def tiers_consistent(self):
+        host, disk = self.offload.tiers
+        for tier in (host, disk):
+            tier.check_invariants()
+            assert len(tier) <= tier.num_slots
+        device = {k for _, k in self.kv.cached_blocks()}
+        held = device | set(host.keys()) | set(disk.keys())
+        drops = disk.stats.num_evicted + host.stats.num_rejected + disk.stats.num_rejected
+        assert len(self.spilled - held) <= drops, "an evicted block was lost without the bottom tier dropping it"
+
+    @rule()
+    def reset_prefix_cache(self):
+        super().reset_prefix_cache()
+        self.spilled.clear()
+        assert all(len(t) == 0 for t in self.offload.tiers)
+
+    def teardown(self):
+        super().teardown()
+        self.dir.cleanup()
+
+
+class ARCTieredWorkloadMachine(TieredWorkloadMachine):
+    policy_name = "arc"
+
+
+_settings = settings(max_examples=30, stateful_step_count=40, deadline=None)
+TestTieredWorkloadLRU = TieredWorkloadMachine.TestCase
+TestTieredWorkloadLRU.settings = _settings
+TestTieredWorkloadARC = ARCTieredWorkloadMachine.TestCase
+TestTieredWorkloadARC.settings = _settings
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_long_tiered_workload_reloads(seed):
+    """Sustained pressure: blocks must actually come back from the tiers, with the right tokens (checked on every
+    admission by the workload machine)."""
+    rng = random.Random(seed)
+    m = TieredWorkloadMachine()
+    for _ in range(300):
+        op = rng.choices(["add", "admit", "step", "abort"], [3, 4, 8, 1])[0]
+        if op == "add":
+            m.add_request(rng.randrange(3), [rng.randrange(4) for _ in range(rng.randrange(7))], None,
+                          rng.randint(1, 8))
+        elif op == "admit" and m.waiting:
+            m.admit(rng.randrange(8), rng.randint(1, 12))
+        elif op == "step" and m.running:
+            m.step(rng.randrange(8), rng.randint(1, 12))
+        elif op == "abort" and (m.running or m.waiting):
+            m.abort(rng.randrange(8))
+        m.consistent()
+        m.tiers_consistent()
+    assert m.kv.stats.num_reloaded_tokens > 0
+    m.teardown()
+
+
+def test_a_block_bouncing_between_device_and_host_is_copied_down_once(tmp_path):
+    """Inclusive tiers: the host keeps its copy when a block goes back to the device, so evicting it again is a
+    touch, not a second copy (no thrashing)."""
+    device = torch.zeros((4, BLOCK_BYTES), dtype=torch.uint8)
+    copies: list[list[int]] = []
+
+    def read_blocks(block_ids):
+        copies.append(block_ids)
+        return device[block_ids].clone()
+
+    def write_blocks(block_ids, data):
+        device[block_ids] = data
+
+    host = HostTier(8, BLOCK_BYTES, POLICIES["lru"](8))
+    offload = KVOffload([host], read_blocks, write_blocks)
+    kv = KVCacheManager(4, 4, POLICIES["lru"](4), offload=offload)
+    a, b = make_request([1, 2, 3, 4, 5, 6, 7, 8, 9]), make_request([11, 12, 13, 14, 15, 16, 17, 18, 19])
+    for _ in range(3):
+        for req in (a, b):  # each needs all 3 usable blocks: running one evicts the other's
+            req.num_computed_tokens = kv.lookup_prefix(req)
+            assert kv.allocate(req, req.num_tokens - req.num_computed_tokens)
+            req.num_computed_tokens = req.num_tokens
+            kv.free(req)
+            req.num_computed_tokens = 0
+    # Four full blocks (two per prompt) were copied down once each, then only touched on later evictions.
+    assert host.stats.num_stored == 4 and sum(len(c) for c in copies) == 4
+    assert offload.stats.num_spill_hits > 0 and offload.stats.num_reloaded > 0
+    kv.check_invariants(), host.check_invariants()
+
+
+def test_a_full_disk_costs_blocks_not_the_tier(tmp_path, monkeypatch):
+    import errno
+
+    import rtxcore.kv.disk_tier as disk_tier_module
+
+    host, disk = tier_chain(tmp_path, 1, 4)
+    host.store([key(1)], payload(1).unsqueeze(0))
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(disk_tier_module, "replace_atomically", no_space)
+    host.store([key(2)], payload(2).unsqueeze(0))  # evicts key 1 from host; the disk cannot take it
+    assert key(1) not in disk and disk.stats.num_rejected == 1 and len(disk) == 0
+    monkeypatch.undo()
+    host.store([key(3)], payload(3).unsqueeze(0))  # the disk has its slot back
+    assert key(2) in disk
+    host.check_invariants(), disk.check_invariants()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the check is that nothing waits for it")
+def test_spill_and_reload_on_a_gpu_never_wait_for_it():
+    """Offload runs on the engine's thread between steps: a copy that waits for the device (a blocking copy from
+    pageable memory, an index list turned into a device tensor) stalls the step in flight. CUDA's sync debug mode
+    raises on any such wait; the bytes must still arrive intact."""
+    from rtxcore.kv.block_io import read_blocks, write_blocks
+
+    caches = [torch.randn(2, 8, 4, 16, dtype=torch.bfloat16, device="cuda") for _ in range(4)]
+    expected = [c.clone() for c in caches]
+    block_bytes = sum(c[:, 0].numel() for c in caches) * 2
+    host = HostTier(8, block_bytes, POLICIES["lru"](8), pin_memory=True)
+    offload = KVOffload([host], lambda ids: read_blocks(caches, 1, ids),
+                        lambda ids, data: write_blocks(caches, 1, ids, data), device="cuda")
+    keys = [key(n) for n in range(3)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        offload.spill(list(zip([1, 3, 5], keys)))
+        for c in caches:
+            c[:, 1:6:2] = 0  # the device reuses the blocks
+        tiers = offload.pin_run(keys)
+        assert offload.reload(keys, tiers, [6, 7, 2]) == 3
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    for c, e in zip(caches, expected):
+        assert torch.equal(c[:, [6, 7, 2]], e[:, [1, 3, 5]])
+
+
+# About half a second of GPU time: long enough that a host that waited for it shows.
+_GPU_SLEEP_CYCLES = 10**9
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the check is that nothing waits for it")
+def test_reload_from_disk_on_a_gpu_never_waits_for_it(tmp_path):
+    """Blocks read back from disk are in pageable memory, and an asynchronous copy from pageable memory still waits
+    for the stream (which sync debug mode does not report): they are staged in pinned memory first. With a long
+    kernel queued, the stream must still be busy when reload returns. The blocks also go to the host tier above."""
+    from rtxcore.kv.block_io import read_blocks, write_blocks
+
+    caches = [torch.randn(2, 8, 4, 16, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    block_bytes = sum(c[:, 0].numel() for c in caches) * 2
+    disk = DiskTier(tmp_path, 8, block_bytes, POLICIES["lru"](8), FINGERPRINT)
+    host = HostTier(4, block_bytes, POLICIES["lru"](4), below=disk, pin_memory=True)
+    offload = KVOffload([host, disk], lambda ids: read_blocks(caches, 1, ids),
+                        lambda ids, data: write_blocks(caches, 1, ids, data), device="cuda")
+    keys = [key(n) for n in range(3)]
+    disk.store(keys, read_blocks(caches, 1, [1, 3, 5]))  # on disk only
+    for c in caches:
+        c[:, 1:6:2] = 0
+    torch.cuda.synchronize()
+    tiers = offload.pin_run(keys)
+    assert tiers == [disk, disk, disk]
+    torch.cuda._sleep(_GPU_SLEEP_CYCLES)
+    assert offload.reload(keys, tiers, [6, 7, 2]) == 3
+    assert not torch.cuda.current_stream().query(), "reload waited for the GPU"
+    torch.cuda.synchronize()
+    for c, e in zip(caches, expected):
+        assert torch.equal(c[:, [6, 7, 2]], e[:, [1, 3, 5]])
+    assert all(k in host for k in keys)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: copies to the host tier are asynchronous")
+def test_a_block_evicted_by_its_own_store_reaches_disk_intact(tmp_path):
+    """One store larger than the host tier evicts slots it wrote earlier in the same call: their copies from the
+    device must have landed before they are read for the disk tier."""
+    block_bytes = 1 << 16
+    disk = DiskTier(tmp_path, 8, block_bytes, POLICIES["lru"](8), FINGERPRINT)
+    host = HostTier(2, block_bytes, POLICIES["lru"](2), below=disk, pin_memory=True)
+    data = torch.stack([payload(n).repeat(block_bytes // BLOCK_BYTES) for n in range(1, 5)]).cuda()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(_GPU_SLEEP_CYCLES)  # the copies into the host buffer queue behind it
+    host.store([key(n) for n in range(1, 5)], data)
+    torch.cuda.synchronize()
+    for n in (1, 2):
+        assert torch.equal(disk.load(key(n)), data[n - 1].cpu()), f"block {n} reached disk before its bytes"

@@ -1,0 +1,103 @@
+"""The HTTP app's pieces in-process, without a server: the OpenAPI spec against the routes, the tracing and
+request-id headers, the handler of unexpected errors, and SSE framing.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import REPO
+from tests.helpers.server import assert_error
+
+
+def test_openapi_spec_lists_every_route():
+
+    import yaml
+
+    from rtxcore.engine.config import EngineConfig
+    from rtxcore.server.http import build_app
+    from rtxcore.server.runtime import ServingRuntime
+
+    spec = yaml.safe_load((REPO / "spec" / "openapi.yaml").read_text())
+    assert spec["openapi"].startswith("3.1")
+    documented = {(path, method.upper()) for path, ops in spec["paths"].items() for method in ops}
+    app = build_app(ServingRuntime(EngineConfig(model="dummy:tiny")))
+    served = {(route.path.replace("{model:path}", "{model}"), method)
+              for route in app.routes for method in route.methods if method != "HEAD"}
+    assert documented == served
+
+
+def test_traceparent_and_request_id_parsing():
+    from rtxcore.server.http.middleware import (
+        TraceContext,
+        parse_traceparent,
+        sanitize_request_id,
+    )
+
+    good = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    assert parse_traceparent(good) == ("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7", "01")
+    assert parse_traceparent(good.upper()) is not None
+    for bad in ("", "garbage", good + "-extra", "ff" + good[2:], good.replace("00f067aa0ba902b7", "0" * 16),
+                good.replace("4bf92f3577b34da6a3ce929d0e0e4736", "0" * 32), good[:-1]):
+        assert parse_traceparent(bad) is None, bad
+    assert parse_traceparent("01" + good[2:] + "-future") is not None  # later versions may append fields
+    ctx = TraceContext.from_headers(good)
+    assert ctx.traceparent.startswith("00-4bf92f3577b34da6a3ce929d0e0e4736-") and ctx.span_id != "00f067aa0ba902b7"
+    assert TraceContext.from_headers(None).parent_id is None
+    assert sanitize_request_id("abc-1.2:3_x") == "abc-1.2:3_x"
+    assert sanitize_request_id("a b\x00c<script>") == "abcscript"
+    assert len(sanitize_request_id("x" * 500)) == 64
+    assert len(sanitize_request_id("///")) == 24
+
+
+def test_an_unexpected_error_is_a_json_500_and_the_app_keeps_serving(caplog):
+    from starlette.testclient import TestClient
+
+    from rtxcore.engine.config import EngineConfig
+    from rtxcore.server.http import build_app
+    from rtxcore.server.runtime import ServingRuntime
+
+    runtime = ServingRuntime(EngineConfig(model="dummy:tiny"))
+    runtime.metrics.render = lambda: 1 / 0  # a bug in a route
+    with TestClient(build_app(runtime), raise_server_exceptions=False) as c:
+        resp = c.get("/metrics", headers={"x-request-id": "r1"})
+        error = assert_error(resp, 500)
+        assert resp.headers["x-request-id"] == "r1" and "ZeroDivisionError" not in error["message"]
+        assert "unhandled error in GET /metrics (request_id=r1)" in caplog.text
+        assert c.get("/health").status_code == 200
+        assert_error(c.post("/v1/completions", json={"prompt": "hi"}), 503)  # not loaded: nobody called load()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the engine thread's error
+def test_a_failed_engine_fails_the_liveness_probe():
+    from starlette.testclient import TestClient
+
+    from rtxcore.engine.config import EngineConfig
+    from rtxcore.server.http import build_app
+    from rtxcore.server.runtime import ServingRuntime
+
+    runtime = ServingRuntime(EngineConfig(model="dummy:tiny"))
+    runtime.load()
+    try:
+        engine = runtime.async_engine.engine
+        engine.sampler.sample = lambda *args: 1 / 0  # a sampler plugin that raises in the step
+        with TestClient(build_app(runtime), raise_server_exceptions=False) as c:
+            assert c.get("/health").status_code == 200
+            assert_error(c.post("/generate", json={"prompt": [5, 6], "max_tokens": 4, "stream": False}), 500)
+            health = c.get("/health")
+            assert health.status_code == 503 and health.json()["state"] == "failed"
+            assert "ZeroDivisionError" in health.json()["error"]
+            assert_error(c.get("/ready"), 503)
+    finally:
+        runtime.stop()
+
+
+def test_sse_events_stay_one_line_for_every_line_splitter():
+    import json
+
+    from rtxcore.server.http.sse import sse_data
+
+    text = "a\nb\rc\x0bd\x0ce\x1cf\x1dg\x1eh\x85i\u2028j\u2029k"
+    event = sse_data({"text": text}).decode()
+    assert event.endswith("\n\n") and len(event[:-2].splitlines()) == 1
+    assert json.loads(event[len("data: "):-2]) == {"text": text}

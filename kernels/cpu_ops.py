@@ -8,10 +8,11 @@ torch's extension cache afterwards.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from pathlib import Path
 from typing import Callable
+
+from rtxcore import envs
 
 log = logging.getLogger("rtx.kernels")
 
@@ -28,7 +29,7 @@ def paged_decode_kernel() -> Callable | None:
         if _tried:
             return _kernel
         _tried = True
-        if os.environ.get("RTX_CPU_KERNELS", "1") == "0":
+        if not envs.RTX_CPU_KERNELS.get():
             return None
         try:
             from torch.utils.cpp_extension import load

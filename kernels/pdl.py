@@ -26,10 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
+from rtxcore import envs
+
 
 @functools.cache
 def _supported(device_index: int) -> bool:
-    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("RTX_PDL", "1") == "0":
+    if os.environ.get("TRITON_INTERPRET") == "1" or not envs.RTX_PDL.get():
         return False
     try:
         from triton.backends.nvidia.compiler import CUDAOptions

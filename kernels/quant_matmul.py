@@ -21,13 +21,16 @@ autotuning key has been seen (the engine's warm-up run does that).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+
 from rtx_kernels import quant_fma_gemv, quant_mma_gemv
 from rtx_kernels.quant_dequantize import dequantize_int4_tile, dequantized_matmul
+from rtxcore import envs
 
 # From this many rows of x on (by bits), dequantize to scratch and use cuBLAS (see the module docstring). Measured
 # with benchmarks/quant_sweep.py on the H200 at Llama-3.1-8B's projections (M = 16, 64, 256): the int4 GEMM lost
@@ -35,10 +38,17 @@ from rtx_kernels.quant_dequantize import dequantize_int4_tile, dequantized_matmu
 # broke even at 256 (367 against 356 us over the four projections). 128 for int8 lies between, not measured.
 DEQUANTIZE_MIN_M = {4: 9, 8: 128}
 KERNELS = ("gemv", "mma", "gemm", "dequantize")
-# int4 decode products of 2 to 8 rows of 16-bit x, with groups of whole 128-column blocks, run on the tensor cores
-# (rtx_kernels.quant_mma_gemv); RTX_INT4_MMA=0 sends them to the FMA GEMV instead (A/B measurements).
-_INT4_MMA = os.environ.get("RTX_INT4_MMA", "1") != "0"
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def _int4_mma_enabled() -> bool:
+    """Whether int4 decode products of 2 to 8 rows of 16-bit x, with groups of whole 128-column blocks, run on the
+    tensor cores (rtx_kernels.quant_mma_gemv); RTX_INT4_MMA=0 sends them to the FMA GEMV instead (A/B measurements).
+
+    Read at the first product and kept: this runs for every projection of every step.
+    """
+    return envs.RTX_INT4_MMA.get()
 
 
 def _gemm_config(bm: int, bn: int, bk: int, num_warps: int, stages: int) -> triton.Config:
@@ -204,7 +214,7 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
     if k == 0:  # an empty sum; the kernels would read past the empty weight
         return out.copy_(bias.expand_as(out)) if bias is not None else out.zero_()
     # fits() only where it decides something: not for one-row decode steps or prefill chunks.
-    if (kernel is None and _INT4_MMA and quant_mma_gemv.MIN_M <= m <= quant_mma_gemv.MAX_M
+    if (kernel is None and _int4_mma_enabled() and quant_mma_gemv.MIN_M <= m <= quant_mma_gemv.MAX_M
             and quant_mma_gemv.fits(x, group_size)):
         kernel = "mma"
     elif kernel == "mma" and not quant_mma_gemv.fits(x, group_size):

@@ -8,13 +8,12 @@ entry-point names) restricts what loads.
 from __future__ import annotations
 
 import importlib.metadata
-import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import AbstractSet, Any, Iterable
 
 import pluggy
 
-from rtxcore import hookspecs
+from rtxcore import envs, hookspecs
 from rtxcore.contracts import EvictionPolicy, ExecutionBackend, Quantizer, Sampler, Scheduler
 from rtxcore.errors import PluginError, RtxError
 
@@ -105,17 +104,15 @@ def make_plugin_manager() -> pluggy.PluginManager:
     return pm
 
 
-def allowed_plugins_from_env() -> set[str] | None:
-    value = os.environ.get("RTX_PLUGINS")
-    if value is None:
-        return None
-    return {name.strip() for name in value.split(",") if name.strip()}
+def allowed_plugins_from_env() -> AbstractSet[str] | None:
+    """The entry-point names ``RTX_PLUGINS`` allows; None when it is unset (load all)."""
+    return envs.RTX_PLUGINS.get()
 
 
 def load_plugins(
     *,
     load_entrypoints: bool = True,
-    allow: set[str] | None = None,
+    allow: AbstractSet[str] | None = None,
     extra: Iterable[tuple[str, object]] = (),
 ) -> PluginRegistry:
     """Load plugins and collect what they register.

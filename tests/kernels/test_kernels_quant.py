@@ -340,7 +340,7 @@ def test_every_tensor_core_gemv_config(k, dtype):
 def test_tensor_core_gemv_choice_and_its_checks(monkeypatch):
     from rtx_kernels import quant_matmul, quant_mma_gemv
 
-    monkeypatch.setattr(quant_matmul, "_INT4_MMA", True)  # whatever RTX_INT4_MMA says
+    monkeypatch.setattr(quant_matmul, "_int4_mma_enabled", lambda: True)  # whatever RTX_INT4_MMA says
     gen = generator(13)
     packed, scale, zero = _int4_weights(20, 256, 128, gen)
     packed32, scale32, zero32 = _int4_weights(20, 256, 32, gen)

@@ -16,18 +16,22 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
+from rtxcore import envs
 from rtxcore.errors import RtxError
 from rtxcore.models.config import ModelConfig
 
 log = logging.getLogger("rtx.graph_cache")
 
-CACHE_DIR_ENV = "RTX_GRAPH_CACHE"
+# The variable naming the cache directory, for code that sets it for a child process or a test.
+CACHE_DIR_ENV = envs.RTX_GRAPH_CACHE.name
 
 
 def default_cache_dir() -> Path:
     """``$RTX_GRAPH_CACHE``, else ``$XDG_CACHE_HOME/rtx-serve/graphs`` (``~/.cache/rtx-serve/graphs``)."""
-    if os.environ.get(CACHE_DIR_ENV):
-        return Path(os.environ[CACHE_DIR_ENV]).expanduser()
+    configured = envs.RTX_GRAPH_CACHE.get()
+    if configured is not None:
+        return configured
+    # XDG_CACHE_HOME is the XDG base-directory variable, not one of ours: read as the specification says.
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "rtx-serve" / "graphs"
 

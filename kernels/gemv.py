@@ -25,6 +25,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+
 from rtx_kernels.pdl import gemv_launch_mode, launch_options, wait_for_previous
 
 # Rows of x per launch: one fp32 accumulator tile per row lives in registers.

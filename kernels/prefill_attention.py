@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from rtx_kernels.launch import launch
 
 _LOG2E = 1.4426950408889634

@@ -24,6 +24,7 @@ import os
 
 import triton
 import triton.language as tl
+
 from rtx_kernels.gemv import _num_sms, reduce_splits, split_count, split_target
 from rtx_kernels.pdl import gemv_launch_mode, launch_options, wait_for_previous
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from rtx_kernels.pdl import launch_options, pdl_enabled, wait_for_previous
 
 

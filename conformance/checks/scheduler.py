@@ -18,7 +18,6 @@ from rtxcore.kv.manager import KVCacheManager
 from rtxcore.request import Request, RequestStatus
 from rtxcore.sampling_params import SamplingParams
 
-
 # Longest a scheduler may hold waiting work in a row (merge windows) before that counts as a stall.
 MAX_HOLD_S = 1.0
 

@@ -9,8 +9,14 @@ import pytest
 
 from rtx_conformance.gates.cache import run_cache
 from rtx_conformance.gates.latency import device_name, run_latency, target_for
-from rtx_conformance.gates.quality import (calibrate_reference, evaluation_tokens, load_reference,
-                                           reference_perplexity, run_backend_quality, run_quantizer_quality)
+from rtx_conformance.gates.quality import (
+    calibrate_reference,
+    evaluation_tokens,
+    load_reference,
+    reference_perplexity,
+    run_backend_quality,
+    run_quantizer_quality,
+)
 from rtxcore.errors import ModelLoadError
 from rtxcore.models.source import resolve_model
 

@@ -8,8 +8,15 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rtx_conformance.checks.quantizer import (SHAPES, check_declared_bound, check_error_bound, check_fusable,
-                                              check_linear, check_round_trip, check_shape)
+from rtx_conformance.checks.quantizer import (
+    SHAPES,
+    check_declared_bound,
+    check_error_bound,
+    check_fusable,
+    check_linear,
+    check_round_trip,
+    check_shape,
+)
 from rtx_conformance.suite.budgets import SLOW
 
 pytestmark = pytest.mark.rtx_kind("quantizer")

@@ -13,8 +13,14 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rtx_conformance.checks.sampler import (DistributionCase, check_allowed_set, check_distribution, check_greedy,
-                                            check_logprobs, check_seeded)
+from rtx_conformance.checks.sampler import (
+    DistributionCase,
+    check_allowed_set,
+    check_distribution,
+    check_greedy,
+    check_logprobs,
+    check_seeded,
+)
 from rtx_conformance.suite.budgets import QUICK
 from rtxcore.sampling_params import SamplingParams
 

@@ -12,9 +12,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from rtx_kernels import quant_reference
 from rtxcore.contracts.quantizer import LayerStats, QuantizedTensor, Quantizer, require_tensor
 from rtxcore.hookspecs import hookimpl
-from rtx_kernels import quant_reference
 
 FP8 = torch.float8_e4m3fn
 _FP8_MAX = torch.finfo(FP8).max  # 448

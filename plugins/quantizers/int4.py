@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from rtxcore.contracts.quantizer import LayerStats, QuantizedTensor, Quantizer, require_tensor
-from rtxcore.hookspecs import hookimpl
 from rtx_kernels import quant_reference
 from rtx_plugins.quantizers.gptq_solver import gptq_quantize
+from rtxcore.contracts.quantizer import LayerStats, QuantizedTensor, Quantizer, require_tensor
+from rtxcore.hookspecs import hookimpl
 
 _MAXQ = 15
 GROUP_SIZE = 128

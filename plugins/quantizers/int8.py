@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from rtx_kernels import quant_reference
 from rtxcore.contracts.quantizer import LayerStats, QuantizedTensor, Quantizer, require_tensor
 from rtxcore.hookspecs import hookimpl
-from rtx_kernels import quant_reference
 
 _LEVELS = 127
 

@@ -32,10 +32,10 @@ import functools
 
 import torch
 
-from rtxcore.contracts.quantizer import LayerStats, QuantizedTensor, Quantizer, require_tensor
-from rtxcore.hookspecs import hookimpl
 from rtx_kernels import quant_reference
 from rtx_plugins.quantizers.int8 import Int8Quantizer
+from rtxcore.contracts.quantizer import LayerStats, QuantizedTensor, Quantizer, require_tensor
+from rtxcore.hookspecs import hookimpl
 
 ALPHA = 0.5
 _SMOOTHING_RANGE = (0.1, 10.0)

@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from rtx_plugins.samplers.filters import apply_min_p, apply_top_k_top_p
 from rtx_plugins.samplers.penalties import apply_penalties
-
 from rtxcore.contracts import Sampler, SamplerOutput, SamplingBatch
 from rtxcore.hookspecs import Register, hookimpl
 from rtxcore.transfer import to_device

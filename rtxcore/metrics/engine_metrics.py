@@ -18,9 +18,8 @@ from rtxcore.engine.llm_engine import LLMEngine
 from rtxcore.engine.outputs import RequestOutput
 from rtxcore.lanes import DEFAULT_LANE
 from rtxcore.metrics.prometheus import Families
-from rtxcore.request import Request
 from rtxcore.metrics.timeline import AttributeValue, RequestTimeline
-
+from rtxcore.request import Request
 
 # Distinct tenant label values; further tenants are labelled "other".
 MAX_TENANT_LABELS = 100

@@ -11,6 +11,11 @@ from typing import Callable
 import numpy as np
 import torch
 
+from rtx_plugins.backends.graph_runtime.cache import GraphCache
+from rtx_plugins.backends.graph_runtime.dense_step import plan_calls
+from rtx_plugins.backends.graph_runtime.exporter import ExportedGraph, ExportSettings, exported_graph
+from rtx_plugins.backends.graph_runtime.fp8_qdq import graph_quantization
+from rtx_plugins.backends.torch_backend.cpu_tuning import tune_allocator
 from rtxcore.contracts.backend import (
     BackendCapabilities,
     BackendOptions,
@@ -22,11 +27,6 @@ from rtxcore.errors import ConfigError
 from rtxcore.kv.block_io import read_blocks, write_blocks
 from rtxcore.models.config import ModelConfig
 from rtxcore.models.source import ModelSource
-from rtx_plugins.backends.graph_runtime.cache import GraphCache
-from rtx_plugins.backends.graph_runtime.dense_step import plan_calls
-from rtx_plugins.backends.graph_runtime.exporter import ExportedGraph, ExportSettings, exported_graph
-from rtx_plugins.backends.graph_runtime.fp8_qdq import graph_quantization
-from rtx_plugins.backends.torch_backend.cpu_tuning import tune_allocator
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rtxcore.contracts.backend import ForwardBatch
 from rtx_plugins.backends.graph_runtime.graph import MASKED
+from rtxcore.contracts.backend import ForwardBatch
 
 
 @dataclass(slots=True)

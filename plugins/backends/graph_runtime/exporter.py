@@ -16,13 +16,17 @@ from typing import Callable
 
 import torch
 
+from rtx_plugins.backends.graph_runtime.cache import CacheKey, GraphCache, model_fingerprint
+from rtx_plugins.backends.graph_runtime.fp8_qdq import (
+    CALIBRATION_CHUNKS,
+    CALIBRATION_LEN,
+    FP8_OPSET,
+    quantize_for_export,
+)
+from rtx_plugins.backends.graph_runtime.graph import INPUT_NAMES, OUTPUT_NAMES, DenseKVGraph
 from rtxcore.contracts.backend import BackendOptions
 from rtxcore.models.fingerprint import weights_fingerprint
 from rtxcore.models.source import ModelSource
-from rtx_plugins.backends.graph_runtime.cache import CacheKey, GraphCache, model_fingerprint
-from rtx_plugins.backends.graph_runtime.fp8_qdq import (CALIBRATION_CHUNKS, CALIBRATION_LEN, FP8_OPSET,
-                                                        quantize_for_export)
-from rtx_plugins.backends.graph_runtime.graph import INPUT_NAMES, OUTPUT_NAMES, DenseKVGraph
 
 log = logging.getLogger(__name__)
 

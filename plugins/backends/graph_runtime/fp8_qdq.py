@@ -12,14 +12,14 @@ import random
 
 import torch
 
+from rtx_plugins.backends.torch_backend.quantized import QuantizedWeight
+from rtx_plugins.quantizers.fp8 import FP8, FP8Quantizer
 from rtxcore.contracts.backend import BackendOptions
 from rtxcore.contracts.quantizer import QuantizedTensor
 from rtxcore.errors import ConfigError
 from rtxcore.models.source import ModelSource
 from rtxcore.quant import calibration
 from rtxcore.quant.evaluation import prefill_logits
-from rtx_plugins.backends.torch_backend.quantized import QuantizedWeight
-from rtx_plugins.quantizers.fp8 import FP8, FP8Quantizer
 
 # Opset 19 is the first whose QuantizeLinear and DequantizeLinear take float8.
 FP8_OPSET = 19

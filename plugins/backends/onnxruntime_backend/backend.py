@@ -10,9 +10,9 @@ import time
 import numpy as np
 import torch
 
-from rtxcore.contracts.backend import BackendCapabilities, BackendOptions
 from rtx_plugins.backends.graph_runtime.dense_backend import DenseGraphBackend, GraphOutputs, check_options
 from rtx_plugins.backends.graph_runtime.exporter import ExportedGraph
+from rtxcore.contracts.backend import BackendCapabilities, BackendOptions
 
 log = logging.getLogger(__name__)
 

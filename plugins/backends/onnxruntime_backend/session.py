@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rtxcore import envs
-from rtxcore.errors import ConfigError
 from rtx_plugins.backends.graph_runtime.dense_backend import NUMPY_DTYPES, GraphOutputs
 from rtx_plugins.backends.graph_runtime.graph import OUTPUT_NAMES
+from rtxcore import envs
+from rtxcore.errors import ConfigError
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 

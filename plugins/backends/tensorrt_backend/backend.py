@@ -13,13 +13,13 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from rtxcore.contracts.backend import BackendCapabilities, BackendOptions
-from rtxcore.errors import ConfigError
 from rtx_plugins.backends.graph_runtime.dense_backend import DenseGraphBackend, GraphOutputs, check_options
 from rtx_plugins.backends.graph_runtime.exporter import ExportedGraph
 from rtx_plugins.backends.graph_runtime.fp8_qdq import graph_quantization
 from rtx_plugins.backends.tensorrt_backend.builder import ENGINE_FILE, BuildSettings, build_engine, engine_key
 from rtx_plugins.backends.tensorrt_backend.profiles import compute_profiles
+from rtxcore.contracts.backend import BackendCapabilities, BackendOptions
+from rtxcore.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

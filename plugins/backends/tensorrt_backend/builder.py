@@ -11,9 +11,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rtxcore.errors import ConfigError, ModelLoadError
 from rtx_plugins.backends.graph_runtime.cache import CacheKey
 from rtx_plugins.backends.tensorrt_backend.profiles import Profile
+from rtxcore.errors import ConfigError, ModelLoadError
 
 log = logging.getLogger(__name__)
 

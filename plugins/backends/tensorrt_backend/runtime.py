@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rtxcore.errors import ModelLoadError
 from rtx_plugins.backends.graph_runtime.dense_backend import GraphOutputs
 from rtx_plugins.backends.graph_runtime.graph import OUTPUT_NAMES
 from rtx_plugins.backends.tensorrt_backend.profiles import Profile, pick_profile
+from rtxcore.errors import ModelLoadError
 
 
 class TrtGraphRunner:

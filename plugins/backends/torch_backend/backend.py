@@ -6,6 +6,13 @@ import importlib.util
 
 import torch
 
+from rtx_kernels.cpu_ops import paged_decode_kernel
+from rtx_plugins.backends.torch_backend.attention import AttentionMetadata, paged_attention
+from rtx_plugins.backends.torch_backend.cpu_tuning import tune_allocator
+from rtx_plugins.backends.torch_backend.layers import RotaryEmbedding
+from rtx_plugins.backends.torch_backend.model import LlamaForCausalLM
+from rtx_plugins.backends.torch_backend.ops import torch_ops, triton_ops
+from rtx_plugins.backends.torch_backend.quantized import to_device
 from rtxcore import envs
 from rtxcore.contracts.backend import (
     ANY_QUANTIZATION,
@@ -20,13 +27,6 @@ from rtxcore.errors import ConfigError, ModelLoadError
 from rtxcore.kv.block_io import read_blocks, write_blocks
 from rtxcore.models.config import ModelConfig
 from rtxcore.models.source import ModelSource
-from rtx_kernels.cpu_ops import paged_decode_kernel
-from rtx_plugins.backends.torch_backend.attention import AttentionMetadata, paged_attention
-from rtx_plugins.backends.torch_backend.cpu_tuning import tune_allocator
-from rtx_plugins.backends.torch_backend.layers import RotaryEmbedding
-from rtx_plugins.backends.torch_backend.model import LlamaForCausalLM
-from rtx_plugins.backends.torch_backend.ops import torch_ops, triton_ops
-from rtx_plugins.backends.torch_backend.quantized import to_device
 from rtxcore.transfer import to_device_async
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

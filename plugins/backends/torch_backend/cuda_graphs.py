@@ -14,9 +14,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from rtxcore.contracts.backend import ForwardBatch
 from rtx_kernels.decode_attention import choose_num_splits
 from rtx_plugins.backends.torch_backend.triton_attention import TritonAttentionMetadata
+from rtxcore.contracts.backend import ForwardBatch
 
 
 def batch_size_ladder(max_batch: int) -> list[int]:

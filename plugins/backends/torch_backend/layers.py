@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rtxcore.models.config import RopeScaling
 from rtx_plugins.backends.torch_backend.ops import Ops
 from rtx_plugins.backends.torch_backend.quantized import QuantizableLinear
+from rtxcore.models.config import RopeScaling
 
 
 @dataclass(frozen=True, slots=True)

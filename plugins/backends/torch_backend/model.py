@@ -7,8 +7,6 @@ from typing import Callable
 import torch
 from torch import nn
 
-from rtxcore.contracts.quantizer import QuantizedTensor, Quantizer
-from rtxcore.models.config import ModelConfig
 from rtx_plugins.backends.torch_backend.layers import (
     ColumnParallelLinear,
     ParallelContext,
@@ -20,6 +18,8 @@ from rtx_plugins.backends.torch_backend.layers import (
 )
 from rtx_plugins.backends.torch_backend.ops import Ops, torch_ops
 from rtx_plugins.backends.torch_backend.quantized import QuantizableLinear
+from rtxcore.contracts.quantizer import QuantizedTensor, Quantizer
+from rtxcore.models.config import ModelConfig
 
 AttentionFn = Callable[..., torch.Tensor]
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from rtxcore.contracts.backend import ForwardBatch
 from rtx_plugins.backends.torch_backend.model import LlamaForCausalLM
 from rtx_plugins.backends.torch_backend.triton_attention import TritonAttentionMetadata, attend, rotate_and_store
+from rtxcore.contracts.backend import ForwardBatch
 
 # Steps of up to this many tokens run from graphs; longer ones (rare: several long prompts at once) run eagerly,
 # where the launches weigh less against the kernels' own time.

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from rtxcore import envs
-from rtxcore.contracts.backend import ForwardBatch
 from rtx_kernels.decode_attention import DecodeWorkspace, choose_num_splits, decode_attention
 from rtx_kernels.prefill_attention import prefill_attention
 from rtx_kernels.rotary import apply_rotary
 from rtx_plugins.backends.torch_backend.layers import RotaryEmbedding
+from rtxcore import envs
+from rtxcore.contracts.backend import ForwardBatch
 from rtxcore.transfer import to_device_async
 
 

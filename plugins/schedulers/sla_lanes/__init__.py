@@ -1,7 +1,7 @@
 """The ``sla-lanes`` scheduler plugin: lanes with targets, admission control, aging, preemption and brownout."""
 
-from rtxcore.hookspecs import hookimpl
 from rtx_plugins.schedulers.sla_lanes.scheduler import SLALanesScheduler
+from rtxcore.hookspecs import hookimpl
 
 __all__ = ["SLALanesScheduler"]
 

@@ -22,13 +22,13 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+from rtx_plugins.schedulers.sla_lanes.brownout import STEPS, BrownoutConfig, BrownoutController
+from rtx_plugins.schedulers.sla_lanes.step_time import StepTimeModel
 from rtxcore.contracts import Scheduler, SchedulerConfig, SchedulerOutput
 from rtxcore.contracts.scheduler import KVCacheAllocator, SchedulerStatus
 from rtxcore.errors import AdmissionRefused, ConfigError
 from rtxcore.lanes import LANE_NAMES, LaneSpec
 from rtxcore.request import Request, RequestStatus
-from rtx_plugins.schedulers.sla_lanes.brownout import STEPS, BrownoutConfig, BrownoutController
-from rtx_plugins.schedulers.sla_lanes.step_time import StepTimeModel
 
 # Weight of the newest request in a lane's measured TTFT ratio.
 _TTFT_WEIGHT = 0.2

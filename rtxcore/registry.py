@@ -79,7 +79,8 @@ class PluginRegistry:
             return self.components[(kind, name)]
         except KeyError:
             known = ", ".join(self.names(kind)) or "none"
-            raise PluginError(f"no {kind.replace('_', ' ')} named {name!r} is registered (available: {known})") from None
+            raise PluginError(f"no {kind.replace('_', ' ')} named {name!r} is registered "
+                              f"(available: {known})") from None
 
     def create(self, kind: str, name: str, *args: Any, **kwargs: Any) -> Any:
         record = self.get(kind, name)

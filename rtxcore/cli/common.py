@@ -126,7 +126,8 @@ def engine_cli_args(args: argparse.Namespace) -> list[str]:
         out.append("--no-async-scheduling")
     out += ["--kv-host-bytes", str(args.kv_host_bytes), "--kv-disk-bytes", str(args.kv_disk_bytes),
             "--kv-snapshot-interval", str(args.kv_snapshot_interval)]
-    for flag, value in (("--kv-disk-dir", args.kv_disk_dir), ("--kv-host-eviction-policy", args.kv_host_eviction_policy),
+    for flag, value in (("--kv-disk-dir", args.kv_disk_dir),
+                        ("--kv-host-eviction-policy", args.kv_host_eviction_policy),
                         ("--kv-disk-eviction-policy", args.kv_disk_eviction_policy)):
         if value is not None:
             out += [flag, value]

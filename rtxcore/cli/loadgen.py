@@ -33,8 +33,10 @@ def add_parser(sub) -> None:
     g.add_argument("--pattern", choices=["poisson", "spiky"], default="poisson", help="arrival pattern")
     g.add_argument("--spike-factor", type=finite_float, default=None, help="rate multiplier inside spikes (default: 3)")
     g.add_argument("--spike-len", type=finite_float, default=None, help="seconds each spike lasts (default: 10)")
-    g.add_argument("--spike-period", type=finite_float, default=None, help="seconds from one spike to the next (default: 60)")
-    g.add_argument("--spike-start", type=finite_float, default=None, help="seconds before the first spike (default: 20)")
+    g.add_argument("--spike-period", type=finite_float, default=None,
+                   help="seconds from one spike to the next (default: 60)")
+    g.add_argument("--spike-start", type=finite_float, default=None,
+                   help="seconds before the first spike (default: 20)")
     g.add_argument("--seed", type=int, default=0, help="seed of arrival times, lanes, tenants and lengths")
     g = p.add_argument_group("requests")
     g.add_argument("--lane-mix", default="realtime=0.1,standard=0.6,bulk=0.3",
@@ -62,7 +64,8 @@ def add_parser(sub) -> None:
                         "(default: 60)")
     g.add_argument("--metrics-interval", type=finite_float, default=0.5,
                    help="seconds between polls of GET /metrics for rtx_brownout_level (default: 0.5)")
-    p.add_argument("--json", dest="json_path", type=output_file, default=None, help="also write the report as JSON to this file")
+    p.add_argument("--json", dest="json_path", type=output_file, default=None,
+                   help="also write the report as JSON to this file")
     p.set_defaults(run=run)
 
 

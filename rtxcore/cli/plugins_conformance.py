@@ -40,7 +40,8 @@ def run_test(args: argparse.Namespace) -> int:
     if args.report_file is not None and args.report is None:
         raise ConfigError("--report-file needs --report json or --report junit")
     registry = load_plugins()
-    report_file = Path(args.report_file) if args.report_file else (Path(REPORT_FILES[args.report]) if args.report else None)
+    report_file = (Path(args.report_file) if args.report_file else
+                   Path(REPORT_FILES[args.report]) if args.report else None)
     run = run_suite(registry, Selection(tuple(args.names), tuple(args.kind)), gates=args.gates,
                     gates_file=args.gates_file, junit_path=report_file if args.report == "junit" else None)
     if args.verbose or run.exit_code not in (0, 1):

@@ -45,7 +45,8 @@ class KVCacheAllocator(Protocol):
         """
 
     def allocate(self, req: Request, num_new_tokens: int) -> bool:
-        """Make room for ``num_new_tokens`` more tokens of ``req``; ``False`` (and nothing changed) if it does not fit."""
+        """Make room for ``num_new_tokens`` more tokens of ``req``; ``False`` (and nothing changed) if it does not
+        fit."""
 
     def free(self, req: Request) -> None:
         """Release every block the request holds; full blocks stay in the prefix cache as evictable."""

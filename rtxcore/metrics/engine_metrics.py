@@ -234,9 +234,12 @@ class EngineMetrics:
             f.kv_tier_usage.labels(model, name).set(tier.usage)
             f.kv_tier_pressure.labels(model, name).set(tier.pressure)
             st = tier.stats
-            for family, total in ((f.kv_offload_blocks, st.num_stored), (f.kv_offload_bytes, st.num_stored * block_bytes),
-                                  (f.kv_reload_blocks, st.num_loaded), (f.kv_reload_bytes, st.num_loaded * block_bytes),
-                                  (f.kv_tier_evictions, st.num_evicted), (f.kv_tier_corrupt_blocks, st.num_corrupt)):
+            for family, total in ((f.kv_offload_blocks, st.num_stored),
+                                  (f.kv_offload_bytes, st.num_stored * block_bytes),
+                                  (f.kv_reload_blocks, st.num_loaded),
+                                  (f.kv_reload_bytes, st.num_loaded * block_bytes),
+                                  (f.kv_tier_evictions, st.num_evicted),
+                                  (f.kv_tier_corrupt_blocks, st.num_corrupt)):
                 self._add_total(family, name, total)
         self._add_total(f.kv_snapshot_blocks, None, engine.kv_tiers.num_snapshot_blocks)
 

@@ -144,7 +144,8 @@ class DenseGraphBackend(ExecutionBackend):
         # One flat copy along dim 0: index_copy_ along the middle dim of [L, S, ...] is some 30x slower on the CPU.
         slots_per_layer = cache.shape[0] // layers
         rows = (slots[None, :] + torch.arange(layers, device=slots.device)[:, None] * slots_per_layer).reshape(-1)
-        cache.view(cache.shape[0], -1).index_copy_(0, rows, new.reshape(-1, new.shape[-1]).to(cache.device, cache.dtype))
+        entries = new.reshape(-1, new.shape[-1]).to(cache.device, cache.dtype)
+        cache.view(cache.shape[0], -1).index_copy_(0, rows, entries)
 
     def _damaged_graph(self, exc: Exception) -> bool:
         """Whether ``exc``, raised by :meth:`_open`, says the graph file itself is unreadable (and so worth exporting

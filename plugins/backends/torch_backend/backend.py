@@ -129,7 +129,8 @@ class TorchBackend(ExecutionBackend):
         missing = {model.checkpoint_name(slot) for slot in model.weight_slots() - loaded}
         partial = [name for name, m in model.linear_layers().items() if m.waiting_for_shards]
         if missing or partial:
-            raise ModelLoadError(f"{source.name}: checkpoint lacks weights: {', '.join(sorted(missing or partial)[:5])}")
+            raise ModelLoadError(f"{source.name}: checkpoint lacks weights: "
+                                 f"{', '.join(sorted(missing or partial)[:5])}")
         if self.options.quantizer is not None:
             # Quantized as it loads (--quantization): each layer's float weight is freed as its quantized form lands.
             for name, layer in model.linear_layers().items():

@@ -19,7 +19,8 @@ from typing import Generic, TypeVar
 
 from rtxcore.errors import ConfigError
 
-T = TypeVar("T")
+# Covariant: a Switch[bool] is a Switch[object] (SWITCHES below holds every kind); switches are frozen.
+T = TypeVar("T", covariant=True)
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")

@@ -11,6 +11,9 @@ from rtxcore.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
+    # Set on each member by __new__ from the second item of its value (an annotation, not a member).
+    finished: bool
+
     WAITING = "waiting", False
     RUNNING = "running", False
     PREEMPTED = "preempted", False

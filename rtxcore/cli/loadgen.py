@@ -73,7 +73,10 @@ def run(args: argparse.Namespace) -> int:
     from rtxcore.bench.loadgen import Outcome, run_loadgen_sync
 
     config = loadgen_config(args)
-    report = run_loadgen_sync(config, log=lambda line: sys.stderr.write(line + "\n"))
+    def log(line: str) -> None:
+        sys.stderr.write(line + "\n")
+
+    report = run_loadgen_sync(config, log=log)
     print(report.table())
     if args.json_path:
         command = "rtx " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["loadgen"] else "rtx loadgen"
@@ -142,8 +145,11 @@ def _lanes(args: argparse.Namespace):
                               f"--output-tokens {name}=LOW:HIGH")
         lanes.append(LaneProfile(
             name, weight,
-            _length_range(prompt[name], f"--prompt-tokens {name}") if name in prompt else default.prompt_tokens,
-            _length_range(output[name], f"--output-tokens {name}") if name in output else default.output_tokens))
+            # A lane without defaults has both ranges given (checked above).
+            (_length_range(prompt[name], f"--prompt-tokens {name}") if name in prompt or default is None
+             else default.prompt_tokens),
+            (_length_range(output[name], f"--output-tokens {name}") if name in output or default is None
+             else default.output_tokens)))
     return tuple(lanes)
 
 
@@ -185,7 +191,7 @@ def _assignments(values: list[str], flag: str, form: str, split_commas: bool = F
     :param form: how the option is spelled, for the error message.
     """
     items = [part for v in values for part in (v.split(",") if split_commas else [v])]
-    pairs = []
+    pairs: list[tuple[str, str]] = []
     for item in items:
         name, sep, value = item.strip().partition("=")
         if not sep or not name or not value:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn
 
 from rtxcore import __version__
 from rtxcore.errors import RtxError
@@ -12,7 +13,7 @@ EXIT_USAGE = 2
 
 
 class _ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse prints usage plus the error; we keep it to one line
+    def error(self, message: str) -> NoReturn:  # argparse prints usage plus the error; we keep it to one line
         sys.stderr.write(f"{self.prog}: error: {message}\n")
         sys.exit(EXIT_USAGE)
 

@@ -49,7 +49,7 @@ def run_test(args: argparse.Namespace) -> int:
     summaries = summarize(run.session)
     passed = run.passed and all(s.passed for s in summaries)
     sys.stdout.write(render_table(summaries))
-    if args.report == "json":
+    if report_file is not None and args.report == "json":
         report_file.write_text(to_json(run.session, summaries, passed) + "\n")
     if report_file is not None:
         sys.stdout.write(f"{args.report} report: {report_file}\n")

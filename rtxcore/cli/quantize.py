@@ -54,9 +54,12 @@ def run(args: argparse.Namespace) -> int:
     # --out would stay. As an exception it is removed on the way out, as on Ctrl-C.
     on_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_interrupt) if on_main_thread else None
+
+    def log(line: str) -> None:
+        sys.stderr.write(f"rtx quantize: {line}\n")
+
     try:
-        report = quantize_model(args.model, options, registry,
-                                log=lambda line: sys.stderr.write(f"rtx quantize: {line}\n"))
+        report = quantize_model(args.model, options, registry, log=log)
     finally:
         if on_main_thread:
             signal.signal(signal.SIGTERM, previous)

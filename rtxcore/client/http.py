@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncGenerator, Generator, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, AsyncIterator, Iterator, Sequence
+from typing import Any
 
 import httpx
 
@@ -22,6 +23,9 @@ DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 DEFAULT_TIMEOUT_S = 60.0
 Prompt = str | Sequence[int]
 Messages = Sequence[dict[str, Any]]
+# A stream of events as dicts: generators, so a caller that stops early can close them (and the response).
+Events = Generator[dict]
+AsyncEvents = AsyncGenerator[dict]
 
 
 class _Done:
@@ -55,11 +59,11 @@ class Client:
     def completions(self, prompt: Prompt, *, model: str | None = None, **params: Any) -> dict:
         return self._post("/v1/completions", _body(model, params, prompt=_prompt(prompt)))
 
-    def stream_completions(self, prompt: Prompt, *, model: str | None = None, **params: Any) -> Iterator[dict]:
+    def stream_completions(self, prompt: Prompt, *, model: str | None = None, **params: Any) -> Events:
         """OpenAI completion chunks as dicts; the text of each is ``chunk["choices"][0]["text"]``."""
         return self._stream("/v1/completions", _body(model, params, prompt=_prompt(prompt), stream=True))
 
-    def stream_text(self, prompt: Prompt, *, model: str | None = None, **params: Any) -> Iterator[str]:
+    def stream_text(self, prompt: Prompt, *, model: str | None = None, **params: Any) -> Generator[str]:
         """Only the text of :meth:`stream_completions`, chunk by chunk."""
         stream = self.stream_completions(prompt, model=model, **params)
         try:
@@ -72,7 +76,7 @@ class Client:
     def chat(self, messages: Messages, *, model: str | None = None, **params: Any) -> dict:
         return self._post("/v1/chat/completions", _body(model, params, messages=list(messages)))
 
-    def stream_chat(self, messages: Messages, *, model: str | None = None, **params: Any) -> Iterator[dict]:
+    def stream_chat(self, messages: Messages, *, model: str | None = None, **params: Any) -> Events:
         """Chat completion chunks as dicts; the text of each is ``chunk["choices"][0]["delta"].get("content")``."""
         return self._stream("/v1/chat/completions", _body(model, params, messages=list(messages), stream=True))
 
@@ -84,7 +88,7 @@ class Client:
 
     # -- native routes --------------------------------------------------------------------------------------------
 
-    def generate(self, prompt: Prompt, **params: Any) -> Iterator[dict]:
+    def generate(self, prompt: Prompt, **params: Any) -> Events:
         """The native streaming route: one dict per event, as the server sends them."""
         return self._stream("/generate", _body(None, params, prompt=_prompt(prompt), stream=True))
 
@@ -106,14 +110,14 @@ class Client:
             time.sleep(delay)
             attempt += 1
 
-    def _stream(self, path: str, body: dict) -> Iterator[dict]:
+    def _stream(self, path: str, body: dict) -> Events:
         attempt = 1
         while True:
             with _translate_transport_errors(), self._http.stream("POST", path, json=body) as response:
                 if response.is_success:
                     for line in response.iter_lines():
                         event = _parse_line(line)
-                        if event is _DONE:
+                        if isinstance(event, _Done):
                             return
                         if event is not None:
                             yield event
@@ -147,10 +151,10 @@ class AsyncClient:
     async def completions(self, prompt: Prompt, *, model: str | None = None, **params: Any) -> dict:
         return await self._request("POST", "/v1/completions", _body(model, params, prompt=_prompt(prompt)))
 
-    def stream_completions(self, prompt: Prompt, *, model: str | None = None, **params: Any) -> AsyncIterator[dict]:
+    def stream_completions(self, prompt: Prompt, *, model: str | None = None, **params: Any) -> AsyncEvents:
         return self._stream("/v1/completions", _body(model, params, prompt=_prompt(prompt), stream=True))
 
-    async def stream_text(self, prompt: Prompt, *, model: str | None = None, **params: Any) -> AsyncIterator[str]:
+    async def stream_text(self, prompt: Prompt, *, model: str | None = None, **params: Any) -> AsyncGenerator[str]:
         stream = self.stream_completions(prompt, model=model, **params)
         try:
             async for chunk in stream:
@@ -162,7 +166,7 @@ class AsyncClient:
     async def chat(self, messages: Messages, *, model: str | None = None, **params: Any) -> dict:
         return await self._request("POST", "/v1/chat/completions", _body(model, params, messages=list(messages)))
 
-    def stream_chat(self, messages: Messages, *, model: str | None = None, **params: Any) -> AsyncIterator[dict]:
+    def stream_chat(self, messages: Messages, *, model: str | None = None, **params: Any) -> AsyncEvents:
         return self._stream("/v1/chat/completions", _body(model, params, messages=list(messages), stream=True))
 
     async def embeddings(self, input: str | Sequence[Prompt], *, model: str | None = None, **params: Any) -> dict:
@@ -171,7 +175,7 @@ class AsyncClient:
     async def models(self) -> dict:
         return await self._request("GET", "/v1/models")
 
-    def generate(self, prompt: Prompt, **params: Any) -> AsyncIterator[dict]:
+    def generate(self, prompt: Prompt, **params: Any) -> AsyncEvents:
         return self._stream("/generate", _body(None, params, prompt=_prompt(prompt), stream=True))
 
     async def _request(self, method: str, path: str, body: dict | None = None) -> dict:
@@ -187,7 +191,7 @@ class AsyncClient:
             await asyncio.sleep(delay)
             attempt += 1
 
-    async def _stream(self, path: str, body: dict) -> AsyncIterator[dict]:
+    async def _stream(self, path: str, body: dict) -> AsyncEvents:
         attempt = 1
         while True:
             with _translate_transport_errors():
@@ -195,7 +199,7 @@ class AsyncClient:
                     if response.is_success:
                         async for line in response.aiter_lines():
                             event = _parse_line(line)
-                            if event is _DONE:
+                            if isinstance(event, _Done):
                                 return
                             if event is not None:
                                 yield event

@@ -181,7 +181,7 @@ class EngineMetrics:
             m.request_queue_time.observe(t.first_scheduled_time - enqueue_time)
         if reason != "abort":
             m.e2e_request_latency.observe(t.finish_time - enqueue_time)
-        self.timeline.record(out, enqueue_time)
+        self.timeline.record(out, t, enqueue_time)
 
     def _update_engine_state(self, engine: LLMEngine) -> None:
         m = self._m

@@ -65,16 +65,19 @@ class Families:
         self.all: list[Histogram | Counter | Gauge] = []
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...], extra: tuple[str, ...] = ()) -> Histogram:
-            self.all.append(Histogram(name, doc, labels + extra, buckets=buckets, registry=registry))
-            return self.all[-1]
+            family = Histogram(name, doc, labels + extra, buckets=buckets, registry=registry)
+            self.all.append(family)
+            return family
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            self.all.append(Counter(name, doc, labels + extra, registry=registry))
-            return self.all[-1]
+            family = Counter(name, doc, labels + extra, registry=registry)
+            self.all.append(family)
+            return family
 
         def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Gauge:
-            self.all.append(Gauge(name, doc, labels + extra, registry=registry))
-            return self.all[-1]
+            family = Gauge(name, doc, labels + extra, registry=registry)
+            self.all.append(family)
+            return family
 
         self.time_to_first_token = histogram(
             "rtx_time_to_first_token_seconds", "Seconds from a request's submission to its first generated token.",

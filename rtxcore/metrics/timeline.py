@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from rtxcore.engine.outputs import RequestOutput
+from rtxcore.engine.outputs import RequestOutput, RequestTimings
 
 log = logging.getLogger("rtx.requests")
 
@@ -108,14 +108,14 @@ class RequestTimeline:
         with self._lock:
             self._annotations.pop(req_id, None)
 
-    def record(self, out: RequestOutput, enqueue_time: float) -> None:
-        """Emit the timeline of a finished request (engine thread; ``out.timings`` set, times monotonic)."""
+    def record(self, out: RequestOutput, t: RequestTimings, enqueue_time: float) -> None:
+        """Emit the timeline of a finished request (engine thread; ``t`` is its final output's timings, times
+        monotonic)."""
         with self._lock:
             annotation = self._annotations.pop(out.req_id, None)
         tracer = self.tracer()
         if tracer is None and not log.isEnabledFor(logging.INFO):
             return
-        t = out.timings
         # Monotonic -> wall clock, once per request.
         offset = time.time() - time.monotonic()
         if log.isEnabledFor(logging.INFO):
@@ -145,7 +145,7 @@ class RequestTimeline:
                     record.setdefault(key, value)
             log.info(json.dumps(record, separators=(",", ":")), extra={"rtx_request": record})
         if tracer is not None:
-            _emit_spans(tracer, out, enqueue_time, offset, annotation, self.model_name)
+            _emit_spans(tracer, out, t, enqueue_time, offset, annotation, self.model_name)
 
     def tracer(self):
         """The tracer spans go to: from :attr:`tracer_provider`, else from the global provider once the application
@@ -171,12 +171,11 @@ def _span(start: float, end: float | None) -> float | None:
     return None if end is None else round(end - start, 6)
 
 
-def _emit_spans(tracer, out: RequestOutput, enqueue_time: float, offset: float, annotation: _Annotation | None,
-                model_name: str) -> None:
+def _emit_spans(tracer, out: RequestOutput, t: RequestTimings, enqueue_time: float, offset: float,
+                annotation: _Annotation | None, model_name: str) -> None:
     from opentelemetry import trace
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-    t = out.timings
     context = None
     if annotation is not None and annotation.traceparent:
         carrier = {"traceparent": annotation.traceparent}

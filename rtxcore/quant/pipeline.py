@@ -3,6 +3,7 @@ and measure the result by loading it back and scoring held-out text."""
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,7 +97,11 @@ def quantize_model(model: str | None, options: QuantizeOptions, registry: Plugin
         registry, source, options, any(quantizer_for(m).calibrated and quantizer_for(m).uses_hessian for m in chain),
         log)
 
-    weights = dict(source.weights())
+    weights: dict[str, torch.Tensor] = {}
+    for name, weight in source.weights():
+        if isinstance(weight, QuantizedTensor):  # not for a source without quantization methods (checked above)
+            raise ConfigError(f"{source.name} is already quantized ({name})")
+        weights[name] = weight
     choices: list[GroupChoice] = []
     for names in groups:
         try:
@@ -150,11 +155,12 @@ def _calibrate(registry: PluginRegistry, source: ModelSource, options: QuantizeO
         raise ConfigError(f"--calibration-tokens {options.calibration_tokens} gives no piece of {options.chunk_len}")
     log(f"calibrating on {len(chunks)} x {options.chunk_len} tokens of calibration text")
     # Only the layers' inputs matter: logits after the last token alone spare the LM head's work.
-    stats = calibration.collect_stats(modules, lambda ids: prefill_logits(backend, ids, _BLOCK, False), chunks,
+    run = functools.partial(prefill_logits, backend, block_size=_BLOCK, all_positions=False)
+    stats = calibration.collect_stats(modules, run, chunks,
                                       hessian=hessian)
     eval_ids = evaluation_tokens(source, options.eval_tokens) if options.eval_tokens else []
     ppl = backend_perplexity(backend, eval_ids, options.chunk_len, _BLOCK) if eval_ids else None
-    modules = inputs = backend = None  # release the float model (the lambda above holds it too)
+    del modules, inputs, run, backend  # release the float model (run holds it too)
     release_device_memory()
     return stats, list(fused.values()), ppl, eval_ids, len(chunks)
 

@@ -123,8 +123,9 @@ def _byte_level_bpe(metadata: Mapping[str, Any]) -> tokenizers.Tokenizer:
         token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8")): index
         for index, token in enumerate(tokens)
     }
-    bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], dropout=None,
-                     continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
+    pairs = [(left, right) for left, right in (m.split(" ", 1) for m in merges)]
+    bpe = models.BPE(vocab=vocab, merges=pairs, dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
+                     fuse_unk=False)
     backend = tokenizers.Tokenizer(bpe)
     split = GGUF_PRE_TOKENIZER_SPLITS.get(metadata.get("tokenizer.ggml.pre", ""))
     if split is None:
@@ -159,11 +160,12 @@ _BUILDERS: dict[str, Callable[[Mapping[str, Any]], tokenizers.Tokenizer]] = {"gp
 def set_post_processor(backend: tokenizers.Tokenizer, bos: str | None, eos: str | None,
                        add_bos: bool, add_eos: bool) -> None:
     """Make ``encode(..., add_special_tokens=True)`` add BOS / EOS exactly when the model asks for them."""
-    add_bos = add_bos and bos is not None and backend.token_to_id(bos) is not None
-    add_eos = add_eos and eos is not None and backend.token_to_id(eos) is not None
-    single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
-    pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
-    special = [(t, backend.token_to_id(t)) for t, on in ((bos, add_bos), (eos, add_eos)) if on]
+    # The tokens actually added: None where the model does not ask for one or the vocabulary lacks it.
+    bos = bos if add_bos and bos is not None and backend.token_to_id(bos) is not None else None
+    eos = eos if add_eos and eos is not None and backend.token_to_id(eos) is not None else None
+    single = f"{bos + ':0 ' if bos is not None else ''}$A:0{' ' + eos + ':0' if eos is not None else ''}"
+    pair = f"{single}{' ' + bos + ':1' if bos is not None else ''} $B:1{' ' + eos + ':1' if eos is not None else ''}"
+    special = [(t, backend.token_to_id(t)) for t in (bos, eos) if t is not None]
     backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
 
 

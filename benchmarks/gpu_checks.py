@@ -1,4 +1,4 @@
-"""Correctness and step-time checks of the torch backend on a CUDA GPU (run by benchmarks/gpu_bench.sh).
+"""Correctness and step-time checks of the torch backend on a CUDA GPU (benchmarks/gpu.py steps greedy, decode).
 
 1. Greedy tokens of the default model's shape with random weights (float32) on the GPU, with CUDA graphs and
    eagerly, equal the CPU path's for the first 32 tokens of each prompt: six prompts decoding together, and one
@@ -142,7 +142,7 @@ def main(out_path: str, only: str | None = None) -> None:
             json.dump({"greedy_equal_to_cpu_first32": greedy_equality()}, fh, indent=2)
         return
     if only == "decode":
-        # Greedy equality and decode step times only (benchmarks/gpu_bench.sh runs it with RTX_PDL=1 and 0).
+        # Greedy equality and decode step times only (benchmarks/gpu.py decode).
         results = {"rtx_pdl": os.environ.get("RTX_PDL", "1"), "greedy_equal_to_cpu_first32": greedy_equality(),
                    "decode_step": step_times(label=f", RTX_PDL={os.environ.get('RTX_PDL', '1')}")}
         with open(out_path, "w") as fh:

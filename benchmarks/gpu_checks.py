@@ -1,4 +1,4 @@
-"""Correctness and step-time checks of the torch backend on a CUDA GPU (run by benchmarks/gpu_bench.sh).
+"""Correctness and step-time checks of the torch backend on a CUDA GPU (benchmarks/gpu.py steps greedy, decode).
 
 1. Greedy tokens of the default model's shape with random weights (float32) on the GPU, with CUDA graphs and
    eagerly, equal the CPU path's for the first 32 tokens of each prompt: six prompts decoding together, and one
@@ -21,15 +21,14 @@ import time
 
 import torch
 
+from rtxcore.bench.engine import Engine, build_engine, drain, generate
 from rtxcore.contracts.scheduler import SchedulerConfig
-from rtxcore.engine.config import EngineConfig
-from rtxcore.engine.llm_engine import LLMEngine
 from rtxcore.sampling_params import SamplingParams
 
 
-def engine(model: str, device: str, dtype: str, eager: bool = False, **sched) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=model, device=device, dtype=dtype, enforce_eager=eager,
-                                  max_model_len=4096, scheduling=SchedulerConfig(**sched)))
+def engine(model: str, device: str, dtype: str, eager: bool = False, **sched) -> Engine:
+    return build_engine(model=model, device=device, dtype=dtype, enforce_eager=eager, max_model_len=4096,
+                        scheduling=SchedulerConfig(**sched))
 
 
 def greedy_equality() -> dict:
@@ -38,8 +37,8 @@ def greedy_equality() -> dict:
     runs = {}
     for label, device, eager in (("cpu", "cpu", True), ("cuda graphs", "cuda", False), ("cuda eager", "cuda", True)):
         e = engine("dummy:smollm2-135m", device, "float32", eager)
-        runs[label] = [r.token_ids for r in e.generate(prompts, params)]
-        runs[label] += [r.token_ids for r in e.generate(prompts[:1], params)]
+        runs[label] = [r.token_ids for r in generate(e, prompts, params)]
+        runs[label] += [r.token_ids for r in generate(e, prompts[:1], params)]
     out = {}
     for label, toks in runs.items():
         if label == "cpu":
@@ -97,9 +96,9 @@ def gemv_choices() -> dict:
 def mixed_steps(max_num_seqs: int = 32) -> dict:
     from rtxcore.bench.workloads import make_requests
 
-    e = LLMEngine(EngineConfig(model="dummy:llama-1b", device="cuda", dtype="bfloat16", max_model_len=4096,
-                               async_scheduling=False,
-                               scheduling=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=max_num_seqs)))
+    e = build_engine(model="dummy:llama-1b", device="cuda", dtype="bfloat16", max_model_len=4096,
+                     async_scheduling=False,
+                     scheduling=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=max_num_seqs))
     schedule, last = e.scheduler.schedule, {}
 
     def recording_schedule():
@@ -109,15 +108,16 @@ def mixed_steps(max_num_seqs: int = 32) -> dict:
     e.scheduler.schedule = recording_schedule
     # The first pass compiles every kernel specialization the workload reaches; only the second is counted.
     for _ in range(2):
-        for r in make_requests("W2", e.model_config.vocab_size, seed=0):
-            e.add_request(r.prompt_token_ids, SamplingParams(max_tokens=r.output_len, temperature=0.0,
-                                                             ignore_eos=True))
+        requests = [(r.prompt_token_ids, SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True))
+                    for r in make_requests("W2", e.model_config.vocab_size, seed=0)]
         kinds = {"decode": [0, 0.0], "mixed": [0, 0.0]}
         prefill_tokens = 0
-        while e.has_unfinished_requests():
+
+        def timed_step(step, kinds=kinds):
+            nonlocal prefill_tokens
             torch.cuda.synchronize()
             t = time.perf_counter()
-            e.step()
+            outputs = step()
             torch.cuda.synchronize()
             dt = time.perf_counter() - t
             sched = last["out"]
@@ -126,6 +126,9 @@ def mixed_steps(max_num_seqs: int = 32) -> dict:
             kinds[kind][0] += 1
             kinds[kind][1] += dt
             prefill_tokens += prefill
+            return outputs
+
+        drain(e, requests, timed_step)
     out = {k: {"steps": n, "total_s": round(t, 3), "ms_per_step": round(1000 * t / max(n, 1), 3)}
            for k, (n, t) in kinds.items()}
     out["prefill_tokens"] = prefill_tokens
@@ -139,7 +142,7 @@ def main(out_path: str, only: str | None = None) -> None:
             json.dump({"greedy_equal_to_cpu_first32": greedy_equality()}, fh, indent=2)
         return
     if only == "decode":
-        # Greedy equality and decode step times only (benchmarks/gpu_bench.sh runs it with RTX_PDL=1 and 0).
+        # Greedy equality and decode step times only (benchmarks/gpu.py decode).
         results = {"rtx_pdl": os.environ.get("RTX_PDL", "1"), "greedy_equal_to_cpu_first32": greedy_equality(),
                    "decode_step": step_times(label=f", RTX_PDL={os.environ.get('RTX_PDL', '1')}")}
         with open(out_path, "w") as fh:

@@ -6,6 +6,11 @@ in one run, and what the export costs on a first start and a second one.
 The first onnxruntime start exports into a fresh cache directory (unless --cache-dir names one that already holds
 the export); the second start must find it there. Both engines then run the workload, greedy, after an untimed
 warm-up; the ratio is onnxruntime / torch output tokens per second.
+
+    .venv/bin/python benchmarks/graph_backends_cpu.py --fp8-quality [--tokens 512]
+
+instead measures the onnxruntime backend's perplexity on the quality gate's evaluation text, float32 against the
+fp8 Q/DQ export (the graph the tensorrt backend builds in fp8), each exported into a fresh cache.
 """
 
 from __future__ import annotations
@@ -19,18 +24,37 @@ import sys
 import tempfile
 import time
 
+from rtx_plugins.backends.graph_runtime.cache import CACHE_DIR_ENV
+
+from rtxcore.bench.engine import Engine, build_engine
 from rtxcore.bench.offline import run_engine, warm_up
 from rtxcore.bench.workloads import WORKLOADS, make_requests
 from rtxcore.cli.bench import machine_description
-from rtxcore.engine.config import EngineConfig
-from rtxcore.engine.llm_engine import LLMEngine
-from rtx_plugins.backends.graph_runtime.cache import CACHE_DIR_ENV
 
 
-def _start(backend: str, model: str | None) -> tuple[LLMEngine, float]:
+def _start(backend: str, model: str | None) -> tuple[Engine, float]:
     start = time.perf_counter()
-    engine = LLMEngine(EngineConfig(model=model, backend=backend))
+    engine = build_engine(model=model, backend=backend)
     return engine, time.perf_counter() - start
+
+
+def fp8_quality(tokens: int) -> int:
+    from rtxcore.models.source import resolve_model
+    from rtxcore.quant.evaluation import backend_perplexity
+    from rtxcore.quant.pipeline import evaluation_tokens
+
+    source = resolve_model(None)
+    ids = evaluation_tokens(source, tokens)
+    for quantization in (None, "fp8"):
+        with tempfile.TemporaryDirectory(prefix="rtx-graphs-") as tmp:
+            os.environ[CACHE_DIR_ENV] = tmp
+            engine = build_engine(backend="onnxruntime", quantization=quantization, num_kv_blocks=64, source=source)
+            ppl = backend_perplexity(engine.backend, ids, tokens)
+            export_s = engine.backend.graph.export_s
+            print(f"{quantization or 'float32':8} perplexity {ppl:.3f}  export {export_s:.1f} s")
+            del engine
+            gc.collect()
+    return 0
 
 
 def main() -> int:
@@ -40,7 +64,12 @@ def main() -> int:
     p.add_argument("--model", default=None, help="as rtx --model (default: smollm2-135m)")
     p.add_argument("--cache-dir", default=None, help="graph cache to use (default: a fresh temporary directory)")
     p.add_argument("--json", dest="json_path", default=None)
+    p.add_argument("--fp8-quality", action="store_true",
+                   help="measure float32 against fp8 Q/DQ export perplexity instead of throughput")
+    p.add_argument("--tokens", type=int, default=512, help="evaluation tokens of --fp8-quality")
     args = p.parse_args()
+    if args.fp8_quality:
+        return fp8_quality(args.tokens)
 
     with tempfile.TemporaryDirectory(prefix="rtx-graphs-") as tmp:
         os.environ[CACHE_DIR_ENV] = args.cache_dir or tmp

@@ -22,12 +22,11 @@ import time
 
 import torch
 
+from rtxcore.bench.engine import build_engine
 from rtxcore.bench.offline import run_engine, warm_up
 from rtxcore.bench.workloads import BenchRequest, make_requests
 from rtxcore.cli.bench import H200_COPY_BYTES_PER_S, machine_description
 from rtxcore.contracts.scheduler import SchedulerConfig
-from rtxcore.engine.config import EngineConfig
-from rtxcore.engine.llm_engine import LLMEngine
 from rtxcore.models.source import ModelSource, resolve_model
 from rtxcore.transfer import release_device_memory
 
@@ -58,10 +57,9 @@ class HostCopy(ModelSource):
 
 
 def measure(source: ModelSource, method: str | None, model: str, workloads: list[str], repeats: int) -> dict:
-    config = EngineConfig(model=model, quantization=method, max_model_len=4096,
-                          scheduling=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256))
     started = time.perf_counter()
-    engine = LLMEngine(config, source=source)
+    engine = build_engine(source=source, model=model, quantization=method, max_model_len=4096,
+                          scheduling=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256))
     loaded_s = time.perf_counter() - started
     weight_bytes = engine.backend.weight_bytes()
     out = {"method": method or "bf16", "weight_bytes": weight_bytes, "load_s": round(loaded_s, 1)}

@@ -22,28 +22,26 @@ import random
 import sys
 import time
 
+from rtxcore.bench.engine import Engine, build_engine, generate, serving_engine
 from rtxcore.bench.loadgen.stats import percentile
 from rtxcore.cli.bench import machine_description
 from rtxcore.contracts.scheduler import SchedulerConfig
-from rtxcore.engine.async_engine import AsyncEngine
-from rtxcore.engine.config import EngineConfig
-from rtxcore.engine.llm_engine import LLMEngine
 from rtxcore.sampling_params import SamplingParams
 
 CONFIGS = ("roomy", "offload", "no-offload")
 
 
-def make_engine(args, config: str, all_blocks: int, block_bytes: int) -> LLMEngine:
+def make_engine(args, config: str, all_blocks: int, block_bytes: int) -> Engine:
     roomy = config == "roomy"
     blocks = int((args.roomy_factor if roomy else args.device_factor) * all_blocks) + 1
     host_bytes = int(args.host_factor * all_blocks) * block_bytes if config == "offload" else 0
-    return LLMEngine(EngineConfig(model=args.model, num_kv_blocks=blocks, kv_host_bytes=host_bytes,
-                                  max_model_len=args.max_model_len,
-                                  scheduling=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                                             max_num_batched_tokens=args.max_num_batched_tokens)))
+    return build_engine(model=args.model, num_kv_blocks=blocks, kv_host_bytes=host_bytes,
+                        max_model_len=args.max_model_len,
+                        scheduling=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                                   max_num_batched_tokens=args.max_num_batched_tokens))
 
 
-def turns(args, engine: LLMEngine) -> tuple[list[list[list[int]]], float, float]:
+def turns(args, engine: Engine) -> tuple[list[list[list[int]]], float, float]:
     """Run every turn; returns each turn's prompts (which hold the replies of the turns before: greedy, so equal
     prompts across configurations mean equal outputs), the hit rate over turns 2..N and the seconds taken."""
     rng = random.Random(args.seed)
@@ -51,12 +49,12 @@ def turns(args, engine: LLMEngine) -> tuple[list[list[list[int]]], float, float]
     params = SamplingParams(max_tokens=args.reply_tokens, temperature=0.0, ignore_eos=True)
     history: list[list[int]] = [[] for _ in range(args.conversations)]
     prompts_by_turn, prompt_tokens, cached_tokens = [], 0, 0
-    engine.generate([[rng.randrange(3, vocab) for _ in range(8)]], params)  # warm-up, untimed
+    generate(engine, [[rng.randrange(3, vocab) for _ in range(8)]], params)  # warm-up, untimed
     start = time.perf_counter()
     for turn in range(args.turns):
         prompts = [h + [rng.randrange(3, vocab) for _ in range(args.new_tokens)] for h in history]
         prompts_by_turn.append(prompts)
-        results = engine.generate(prompts, params)
+        results = generate(engine, prompts, params)
         if turn > 0:
             prompt_tokens += sum(len(p) for p in prompts)
             cached_tokens += sum(r.num_cached_tokens for r in results)
@@ -64,10 +62,10 @@ def turns(args, engine: LLMEngine) -> tuple[list[list[list[int]]], float, float]
     return prompts_by_turn, cached_tokens / max(prompt_tokens, 1), time.perf_counter() - start
 
 
-async def under_load(args, engine: LLMEngine, prompts_by_turn, rate: float) -> dict[str, float]:
+async def under_load(args, engine: Engine, prompts_by_turn, rate: float) -> dict[str, float]:
     """Open-loop Poisson arrivals of every turn's requests in turn order; per-request latencies."""
     before = engine.kv_cache.stats
-    served = AsyncEngine(engine)
+    served = serving_engine(engine)
     served.start()
     params = SamplingParams(max_tokens=args.reply_tokens, temperature=0.0, ignore_eos=True)
     rng = random.Random(args.seed + 1)
@@ -107,12 +105,12 @@ async def under_load(args, engine: LLMEngine, prompts_by_turn, rate: float) -> d
                for q, p in (("p50", 50), ("p99", 99))}}
 
 
-async def collect_warm_up(served: AsyncEngine, params: SamplingParams) -> None:
+async def collect_warm_up(served, params: SamplingParams) -> None:
     async for _ in served.generate([7] * 8, params):
         pass
 
 
-def profiled(args, config: str, engine: LLMEngine, load) -> dict[str, float]:
+def profiled(args, config: str, engine: Engine, load) -> dict[str, float]:
     """The ``load`` coroutine run with the engine's steps under cProfile (they run on the engine's thread): where the host's time
     went, waiting for the device included, printed (and saved beside ``--json``) as the top functions by own time
     and by cumulative time. The profiler inflates the figures; compare configurations profiled alike."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from rtxcore.bench.engine import Engine, drain, generate
 from rtxcore.bench.workloads import BenchRequest
-from rtxcore.engine.llm_engine import LLMEngine
 from rtxcore.sampling_params import SamplingParams
 
 
@@ -32,7 +32,7 @@ def _params(r: BenchRequest) -> SamplingParams:
     return SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
 
 
-def run_engine(engine: LLMEngine, requests: list[BenchRequest], label: str = "rtx engine",
+def run_engine(engine: Engine, requests: list[BenchRequest], label: str = "rtx engine",
                static_batching: bool = False) -> ThroughputResult:
     """:param static_batching: admit the next batch only when the whole previous one finished (the classic
     baseline), with batches as large as the engine's max_num_seqs."""
@@ -48,16 +48,11 @@ def run_engine(engine: LLMEngine, requests: list[BenchRequest], label: str = "rt
     return ThroughputResult(label, len(requests), produced, sum(len(r.prompt_token_ids) for r in requests), elapsed)
 
 
-def _drain(engine: LLMEngine, requests: list[BenchRequest]) -> int:
-    for r in requests:
-        engine.add_request(r.prompt_token_ids, _params(r))
-    produced = 0
-    while engine.has_unfinished_requests():
-        produced += sum(len(o.new_token_ids) for o in engine.step())
-    return produced
+def _drain(engine: Engine, requests: list[BenchRequest]) -> int:
+    return drain(engine, ((r.prompt_token_ids, _params(r)) for r in requests))
 
 
-def warm_up(engine: LLMEngine, requests: list[BenchRequest] | None = None) -> None:
+def warm_up(engine: Engine, requests: list[BenchRequest] | None = None) -> None:
     """Run work that is not timed, so one-time costs stay out of the figures.
 
     On an accelerator, kernels are compiled and autotuned per shape the first time each runs, and one short request
@@ -67,5 +62,5 @@ def warm_up(engine: LLMEngine, requests: list[BenchRequest] | None = None) -> No
     if requests and engine.backend.device.type != "cpu":
         run_engine(engine, requests)
     else:
-        engine.generate([[100 + i for i in range(16)]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        generate(engine, [[100 + i for i in range(16)]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     engine.kv_cache.reset_prefix_cache()

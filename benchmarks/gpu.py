@@ -1,0 +1,354 @@
+"""The whole GPU batch in one call: kernel tests, correctness checks and the published GPU figures.
+
+    python3 benchmarks/gpu.py [STEP ...]                          (default: tests greedy w3 w1 cb w8b)
+    python3 benchmarks/gpu.py --before DIR [--runs N] STEP ...    (A/B: DIR against this tree, alternately)
+
+Runs on a machine with a CUDA GPU and its own torch/triton/transformers (shared/ENVIRONMENT.md, "The GPU machine").
+It first installs what that machine lacks from wheels carried in .whl/ (pytest, gguf, grpcio-tools for the build)
+into /tmp/site, then rtx-serve itself without touching its torch: in editable mode from this tree, or, in A/B mode,
+each tree into its own site folder (`pip install --target`), run from a neutral folder, so that neither tree's
+source can shadow the other's install. Results go to $OUT (default ./gpu-out): one log per step, the JSON each
+benchmark writes and, in A/B mode, a table per step (ab_STEP.md and ab_STEP.json) with both trees' figures.
+
+Only the standard library is used here: this script runs before anything is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WHEEL_SITE = Path("/tmp/site")
+AB_SITES = Path("/tmp/rtx-ab")
+LLAMA_1B = ["--model", "dummy:llama-1b", "--max-num-batched-tokens", "8192", "--max-model-len", "4096"]
+LLAMA_8B = ["--model", "dummy:llama-8b", "--max-num-batched-tokens", "8192", "--max-model-len", "4096"]
+KERNEL_TESTS = ["tests/kernels/test_kernels_attention.py", "tests/kernels/test_kernels_elementwise.py",
+                "tests/kernels/test_kernels_gemv.py"]
+QUANT_TESTS = ["tests/kernels/test_kernels_quant.py", "tests/kernels/test_kernels_quant_rows.py",
+               "tests/plugins/quantizers/test_quantizer_int8_sq.py"]
+
+
+@dataclass(slots=True)
+class Tree:
+    """One source tree and how its commands run: its python, environment and working folder."""
+
+    label: str  # "after" for this tree, "before" for the --before tree; suffixes output files in A/B mode
+    root: Path  # the tree's source
+    cwd: Path  # where its commands run: the tree itself, or a neutral folder in A/B mode
+    env: dict[str, str] = field(default_factory=dict)
+
+    def rtx(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "rtxcore.cli.main", *args]
+
+    def script(self, name: str, *args: str) -> list[str]:
+        return [sys.executable, str(self.root / "benchmarks" / name), *args]
+
+    def pytest(self, *paths: str) -> list[str]:
+        return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths]
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    argv: list[str]
+    log: str  # file name under $OUT
+    json_path: Path | None = None  # the JSON the command writes, when it writes one
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    name: str
+    help: str
+    commands: Callable[[Tree, Path, str, bool], list[Command]]  # (tree, out, suffix, hf) -> commands
+    ab: bool = False  # can run in A/B mode: its commands are `rtx bench` runs whose JSON the A/B table reads
+
+
+def _bench(name: str, workload: str, model: list[str], baseline: str | None = None, *extra: str):
+    """An `rtx bench` step; ``baseline`` "hf" is dropped when the caller asks for no HF baseline."""
+    def commands(tree: Tree, out: Path, suffix: str, hf: bool) -> list[Command]:
+        base = [] if baseline is None or (baseline == "hf" and not hf) else ["--baseline", baseline]
+        path = out / f"{name}{suffix}.json"
+        argv = tree.rtx("bench", "--workload", workload, *base, *model, *extra, "--json", str(path))
+        return [Command(argv, f"{name}{suffix}.log", path)]
+    return commands
+
+
+def _cb(tree: Tree, out: Path, suffix: str, hf: bool) -> list[Command]:
+    return [c for seqs in (16, 32, 64) for c in _bench(f"W2_llama1b_cb_vs_static_{seqs}", "W2", LLAMA_1B, "static",
+                                                       "--max-num-seqs", str(seqs))(tree, out, suffix, hf)]
+
+
+def _w8b(tree: Tree, out: Path, suffix: str, hf: bool) -> list[Command]:
+    return _bench("W8B_llama8b", "W8B", LLAMA_8B, "hf")(tree, out, suffix, hf)
+
+
+def _quant(tree: Tree, out: Path, suffix: str, hf: bool) -> list[Command]:
+    path = out / "quant_speed.json"
+    return [Command(tree.pytest(*QUANT_TESTS), "quant_tests.log"),
+            Command(tree.script("quant_speed.py", "--methods", "int4,int8,int8-sq,fp8", "--workloads", "W3,W1",
+                                "--repeats", "3", "--json", str(path)), "quant_speed.log", path)]
+
+
+def _tiers(tree: Tree, out: Path, suffix: str, hf: bool) -> list[Command]:
+    path = out / "w4_tiers_llama1b.json"
+    return [Command(tree.pytest("tests/kv/test_kv_tiers.py"), "kv_tests.log"),
+            Command(tree.script("w4_tiers.py", "--model", "dummy:llama-1b", "--conversations", "32", "--turns", "8",
+                                "--new-tokens", "64", "--reply-tokens", "128", "--max-num-seqs", "16",
+                                "--max-num-batched-tokens", "2048", "--json", str(path)), "w4_tiers.log", path)]
+
+
+STEPS: dict[str, Step] = {s.name: s for s in (
+    Step("install", "nothing more than the install every call starts with (for commands run by hand afterwards)",
+         lambda tree, out, suffix, hf: []),
+    Step("tests", "the Triton kernel tests (attention, elementwise, GEMV) at real shapes on the GPU",
+         lambda tree, out, suffix, hf: [Command(tree.pytest(*KERNEL_TESTS), "kernel_tests.log")]),
+    Step("greedy", "greedy tokens on the GPU (CUDA graphs and eager) == the CPU's, default model's shape, fp32",
+         lambda tree, out, suffix, hf: [Command(tree.script("gpu_checks.py", str(out / "greedy.json"), "greedy"),
+                                                "greedy.log", out / "greedy.json")]),
+    Step("decode", "greedy == CPU, then a decode step's graph replay and engine step at batch 1 and 256 (llama-1b)",
+         lambda tree, out, suffix, hf: [Command(tree.script("gpu_checks.py", str(out / "decode.json"), "decode"),
+                                                "decode.log", out / "decode.json")]),
+    Step("w1", "W1 on llama-1b against HF eager (static batching)", _bench("W1_llama1b", "W1", LLAMA_1B, "hf"),
+         ab=True),
+    Step("w3", "W3 on llama-1b against HF eager, and the weight-read floor",
+         _bench("W3_llama1b", "W3", LLAMA_1B, "hf"), ab=True),
+    Step("cb", "W2 on llama-1b, continuous against static batching at 16, 32 and 64 running", _cb, ab=True),
+    Step("w8b", "W8B on llama-8b (bf16) against HF eager", _w8b, ab=True),
+    Step("quant", "quantized kernel tests, then W3 and W1 on llama-8b for bf16, int4, int8, int8-sq and fp8 "
+                  "(quant_speed.py, medians of three)", _quant),
+    Step("tiers", "the KV tier tests, then W4 with KV tiers on llama-1b (w4_tiers.py)", _tiers),
+)}
+DEFAULT_STEPS = ["tests", "greedy", "w3", "w1", "cb", "w8b"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    steps_help = "\n".join(f"  {s.name:8} {s.help}{' [A/B]' if s.ab else ''}" for s in STEPS.values())
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter,
+                                epilog=f"steps:\n{steps_help}\n(default: {' '.join(DEFAULT_STEPS)})")
+    p.add_argument("steps", nargs="*", metavar="STEP", help="steps to run, in order")
+    p.add_argument("--before", type=Path, default=None,
+                   help="A/B mode: a second source tree (e.g. made by `git worktree add DIR COMMIT` and carried as a "
+                        "plain folder); each step runs on it and on this tree alternately")
+    p.add_argument("--runs", type=int, default=2, help="A/B mode: runs of each step on each tree (default 2)")
+    p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline of w1, w3 and w8b")
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or ROOT / "gpu-out"),
+                   help="results folder (default: $OUT, else ./gpu-out)")
+    args = p.parse_args(argv)
+    args.steps = args.steps or list(DEFAULT_STEPS)
+    unknown = [s for s in args.steps if s not in STEPS]
+    if unknown:
+        p.error(f"unknown step(s): {', '.join(unknown)}; known: {', '.join(STEPS)}")
+    if args.runs < 1:
+        p.error(f"--runs must be at least 1, got {args.runs}")
+    if args.before is not None:
+        if not (args.before / "pyproject.toml").is_file():
+            p.error(f"--before {args.before}: not a source tree of rtx-serve (no pyproject.toml)")
+        if args.before.resolve() == ROOT:
+            p.error("--before names this very tree")
+        not_ab = [s for s in args.steps if not STEPS[s].ab and s != "install"]
+        if not_ab:
+            p.error(f"step(s) {', '.join(not_ab)} cannot run in A/B mode; A/B steps: "
+                    f"{', '.join(s.name for s in STEPS.values() if s.ab)}")
+    return args
+
+
+# ---- A/B tables (pure functions of the JSON `rtx bench --json` writes) ----
+
+def ab_rows(runs: list[tuple[str, int, dict]]) -> list[dict]:
+    """One row per (tree, run) from `rtx bench --json` payloads: the engine's figures and its baseline's."""
+    rows = []
+    for tree, run, payload in runs:
+        ours, *rest = payload["results"]
+        base = rest[0] if rest else None
+        rows.append({"tree": tree, "run": run, "date": payload.get("date"), "machine": payload.get("machine"),
+                     "tokens_per_s": ours["tokens_per_s"], "ms_per_token": ours["ms_per_token_per_request"],
+                     "baseline": base["label"] if base else None,
+                     "baseline_tokens_per_s": base["tokens_per_s"] if base else None,
+                     "baseline_ms_per_token": base["ms_per_token_per_request"] if base else None,
+                     "ratio_vs_baseline": payload.get("ratio_vs_baseline")})
+    return rows
+
+
+def ab_summary(rows: list[dict]) -> dict:
+    """Medians per tree and after / before of the medians (tokens/s: above 1 is faster; ms/token: below 1)."""
+    medians = {}
+    for tree in ("before", "after"):
+        mine = [r for r in rows if r["tree"] == tree]
+        if mine:
+            medians[tree] = {"runs": len(mine),
+                             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in mine),
+                             "ms_per_token": statistics.median(r["ms_per_token"] for r in mine)}
+    out = {"medians": medians}
+    if len(medians) == 2:
+        out["after_vs_before"] = {
+            "tokens_per_s": medians["after"]["tokens_per_s"] / medians["before"]["tokens_per_s"],
+            "ms_per_token": medians["after"]["ms_per_token"] / medians["before"]["ms_per_token"]}
+    return out
+
+
+def ab_markdown(title: str, command: str, rows: list[dict]) -> str:
+    """A small markdown table: every run of both trees, then the medians and their ratio."""
+    lines = [f"### {title}", "", f"Command (each tree): `{command}`", "",
+             "| tree | run | date | output tok/s | ms/token/stream | baseline tok/s | vs baseline |",
+             "|---|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        base = f"{r['baseline_tokens_per_s']:,.1f}" if r["baseline_tokens_per_s"] is not None else "-"
+        ratio = f"{r['ratio_vs_baseline']:.2f}x" if r["ratio_vs_baseline"] is not None else "-"
+        lines.append(f"| {r['tree']} | {r['run']} | {r['date'] or '-'} | {r['tokens_per_s']:,.1f} | "
+                     f"{r['ms_per_token']:.3f} | {base} | {ratio} |")
+    summary = ab_summary(rows)
+    lines.append("")
+    for tree, m in summary["medians"].items():
+        lines.append(f"- {tree}: median of {m['runs']}: {m['tokens_per_s']:,.1f} tok/s, "
+                     f"{m['ms_per_token']:.3f} ms/token/stream")
+    if "after_vs_before" in summary:
+        ratio = summary["after_vs_before"]
+        lines.append(f"- after / before: tokens/s {ratio['tokens_per_s']:.3f}x, "
+                     f"ms/token {ratio['ms_per_token']:.3f}x")
+    machines = sorted({r["machine"] for r in rows if r.get("machine")})
+    if machines:
+        lines.append(f"- machine: {'; '.join(machines)}")
+    return "\n".join(lines) + "\n"
+
+
+def run_order(runs: int) -> list[tuple[int, str]]:
+    """(run, tree) in the order they run: odd runs before then after, even runs after then before, so that a
+    drift of the machine over the call does not favour one tree."""
+    order = []
+    for run in range(1, runs + 1):
+        trees = ("before", "after") if run % 2 else ("after", "before")
+        order += [(run, tree) for tree in trees]
+    return order
+
+
+# ---- running ----
+
+def sh(argv: list[str], log: Path | None = None, cwd: Path = ROOT, env: dict[str, str] | None = None) -> int:
+    """Run argv, its output to the console and (appended) to log."""
+    print("+ " + " ".join(argv), flush=True)
+    if shutil.which(argv[0]) is None:
+        print(f"{argv[0]}: not found", flush=True)
+        return 127
+    with subprocess.Popen(argv, cwd=cwd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
+        fh = open(log, "a") if log else None
+        try:
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                if fh:
+                    fh.write(line)
+        finally:
+            if fh:
+                fh.close()
+    return proc.returncode
+
+
+def install_wheels(out: Path) -> None:
+    wheels = sorted((ROOT / ".whl").glob("*.whl"))
+    if wheels:
+        rc = sh([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                 "--no-cache-dir", "--upgrade", "--target", str(WHEEL_SITE), *map(str, wheels)], out / "install.log")
+        if rc:
+            sys.exit(f"installing the wheels of .whl/ failed (see {out / 'install.log'})")
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(WHEEL_SITE), os.environ.get("PYTHONPATH")]))
+
+
+def install_editable(out: Path) -> Tree:
+    if sh([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(ROOT)],
+          out / "install.log"):
+        sys.exit(f"installing rtx-serve failed (see {out / 'install.log'})")
+    return Tree("after", ROOT, ROOT)
+
+
+def install_into_site(label: str, root: Path, out: Path) -> Tree:
+    """Build ``root`` and install it into a folder of its own; its commands run from a neutral folder with that
+    folder first on PYTHONPATH, and the check below fails the call if anything else would be imported."""
+    home = AB_SITES / label
+    site = home / "site"
+    shutil.rmtree(home, ignore_errors=True)
+    shutil.rmtree(root / "build", ignore_errors=True)  # no stale modules from an earlier build of this tree
+    (home / "run").mkdir(parents=True)
+    log = out / f"install_{label}.log"
+    if sh([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-compile",
+           "--target", str(site), str(root)], log):
+        sys.exit(f"installing the {label} tree ({root}) failed (see {log})")
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
+           # Each tree builds its C++ extensions in its own folder (they are cached by name only).
+           "TORCH_EXTENSIONS_DIR": str(home / "torch_extensions")}
+    tree = Tree(label, root, home / "run", env)
+    check = subprocess.run([sys.executable, "-c", "import rtxcore, rtx_kernels, rtx_plugins; print(rtxcore.__file__)"],
+                           cwd=tree.cwd, env={**os.environ, **env}, capture_output=True, text=True)
+    if check.returncode or not check.stdout.strip().startswith(str(site)):
+        sys.exit(f"the {label} tree does not import from its own install {site}: {check.stdout}{check.stderr}")
+    print(f"{label}: {root} installed into {site}", flush=True)
+    return tree
+
+
+def run_step(step: Step, tree: Tree, out: Path, suffix: str, hf: bool) -> tuple[bool, list[Command]]:
+    ok = True
+    commands = step.commands(tree, out, suffix, hf)
+    for c in commands:
+        print(f"== {step.name} ({tree.label}{suffix}): {c.log}", flush=True)
+        ok &= sh(c.argv, out / c.log, cwd=tree.cwd, env=tree.env) == 0
+    return ok, commands
+
+
+def run_ab(step: Step, trees: dict[str, Tree], out: Path, runs: int, hf: bool) -> bool:
+    ok = True
+    by_command: dict[str, list[tuple[str, int, dict]]] = {}
+    commands_of: dict[str, str] = {}
+    for run, label in run_order(runs):
+        step_ok, commands = run_step(step, trees[label], out, f"_{label}_{run}", hf)
+        ok &= step_ok
+        for c in commands:
+            if c.json_path and c.json_path.is_file():
+                name = c.log.rsplit(f"_{label}_{run}", 1)[0]
+                payload = json.loads(c.json_path.read_text())
+                by_command.setdefault(name, []).append((label, run, payload))
+                commands_of[name] = payload.get("command", " ".join(c.argv))
+    tables = []
+    for name, results in by_command.items():
+        rows = ab_rows(results)
+        tables.append(ab_markdown(name, commands_of[name], rows))
+        (out / f"ab_{name}.json").write_text(json.dumps(
+            {"step": step.name, "trees": {k: str(t.root) for k, t in trees.items()}, "rows": rows,
+             **ab_summary(rows)}, indent=2))
+    if tables:
+        text = "\n".join(tables)
+        (out / f"ab_{step.name}.md").write_text(text)
+        print(text, flush=True)
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ["PYTHONUNBUFFERED"] = "1"
+    install_wheels(out)
+    if args.before is None:
+        trees = {"after": install_editable(out)}
+    else:
+        trees = {"before": install_into_site("before", args.before.resolve(), out),
+                 "after": install_into_site("after", ROOT, out)}
+    sh(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.sm", "--format=csv"], out / "gpu.txt")
+    ok = True
+    for name in args.steps:
+        step = STEPS[name]
+        if args.before is None:
+            ok &= run_step(step, trees["after"], out, "", not args.no_hf)[0]
+        else:
+            ok &= run_ab(step, trees, out, args.runs, not args.no_hf)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -52,7 +52,7 @@ def greedy_equality() -> dict:
 
 def step_times(batches=(1, 256), label: str = "") -> dict:
     e = engine("dummy:llama-1b", "cuda", "bfloat16", max_num_batched_tokens=8192, max_num_seqs=256)
-    graphs = e.backend._graphs
+    graphs = e.core.backend._graphs
     out = {}
     for batch in batches:
         params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
@@ -99,17 +99,17 @@ def mixed_steps(max_num_seqs: int = 32) -> dict:
     e = build_engine(model="dummy:llama-1b", device="cuda", dtype="bfloat16", max_model_len=4096,
                      async_scheduling=False,
                      scheduling=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=max_num_seqs))
-    schedule, last = e.scheduler.schedule, {}
+    schedule, last = e.core.scheduler.schedule, {}
 
     def recording_schedule():
         last["out"] = schedule()
         return last["out"]
 
-    e.scheduler.schedule = recording_schedule
+    e.core.scheduler.schedule = recording_schedule
     # The first pass compiles every kernel specialization the workload reaches; only the second is counted.
     for _ in range(2):
         requests = [(r.prompt_token_ids, SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True))
-                    for r in make_requests("W2", e.model_config.vocab_size, seed=0)]
+                    for r in make_requests("W2", e.core.model_config.vocab_size, seed=0)]
         kinds = {"decode": [0, 0.0], "mixed": [0, 0.0]}
         prefill_tokens = 0
 

@@ -49,8 +49,8 @@ def fp8_quality(tokens: int) -> int:
         with tempfile.TemporaryDirectory(prefix="rtx-graphs-") as tmp:
             os.environ[CACHE_DIR_ENV] = tmp
             engine = build_engine(backend="onnxruntime", quantization=quantization, num_kv_blocks=64, source=source)
-            ppl = backend_perplexity(engine.backend, ids, tokens)
-            export_s = engine.backend.graph.export_s
+            ppl = backend_perplexity(engine.core.backend, ids, tokens)
+            export_s = engine.core.backend.graph.export_s
             print(f"{quantization or 'float32':8} perplexity {ppl:.3f}  export {export_s:.1f} s")
             del engine
             gc.collect()

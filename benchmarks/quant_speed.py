@@ -61,16 +61,16 @@ def measure(source: ModelSource, method: str | None, model: str, workloads: list
     engine = build_engine(source=source, model=model, quantization=method, max_model_len=4096,
                           scheduling=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256))
     loaded_s = time.perf_counter() - started
-    weight_bytes = engine.backend.weight_bytes()
+    weight_bytes = engine.core.backend.weight_bytes()
     out = {"method": method or "bf16", "weight_bytes": weight_bytes, "load_s": round(loaded_s, 1)}
     for workload in workloads:
-        requests = make_requests(workload, engine.model_config.vocab_size, seed=0)
+        requests = make_requests(workload, engine.core.model_config.vocab_size, seed=0)
         # Every shape the workload launches (prefill chunks, decode at every batch size) in a sixteenth of the time:
         # kernels are compiled and autotuned per shape on first use.
         warm_up(engine, [BenchRequest(r.prompt_token_ids, min(r.output_len, 16)) for r in requests])
         runs = []
         for _ in range(repeats):
-            engine.kv_cache.reset_prefix_cache()
+            engine.core.kv_cache.reset_prefix_cache()
             result = run_engine(engine, requests)
             runs.append({"tokens_per_s": result.tokens_per_s, "ms_per_token": result.ms_per_token_per_request,
                          "elapsed_s": result.elapsed_s})

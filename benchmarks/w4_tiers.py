@@ -45,7 +45,7 @@ def turns(args, engine: Engine) -> tuple[list[list[list[int]]], float, float]:
     """Run every turn; returns each turn's prompts (which hold the replies of the turns before: greedy, so equal
     prompts across configurations mean equal outputs), the hit rate over turns 2..N and the seconds taken."""
     rng = random.Random(args.seed)
-    vocab = engine.model_config.vocab_size
+    vocab = engine.core.model_config.vocab_size
     params = SamplingParams(max_tokens=args.reply_tokens, temperature=0.0, ignore_eos=True)
     history: list[list[int]] = [[] for _ in range(args.conversations)]
     prompts_by_turn, prompt_tokens, cached_tokens = [], 0, 0
@@ -64,7 +64,7 @@ def turns(args, engine: Engine) -> tuple[list[list[list[int]]], float, float]:
 
 async def under_load(args, engine: Engine, prompts_by_turn, rate: float) -> dict[str, float]:
     """Open-loop Poisson arrivals of every turn's requests in turn order; per-request latencies."""
-    before = engine.kv_cache.stats
+    before = engine.core.kv_cache.stats
     served = serving_engine(engine)
     served.start()
     params = SamplingParams(max_tokens=args.reply_tokens, temperature=0.0, ignore_eos=True)
@@ -95,7 +95,7 @@ async def under_load(args, engine: Engine, prompts_by_turn, rate: float) -> dict
     await asyncio.gather(*tasks)
     elapsed = time.perf_counter() - start
     served.stop()
-    stats = engine.kv_cache.stats
+    stats = engine.core.kv_cache.stats
     queried = stats.num_prefix_query_tokens - before.num_prefix_query_tokens
     hit = stats.num_prefix_hit_tokens - before.num_prefix_hit_tokens
     return {"requests": len(tasks), "seconds": round(elapsed, 2), "hit_rate": round(hit / max(queried, 1), 4),
@@ -181,23 +181,23 @@ def main() -> int:
         engine = make_engine(args, config, all_blocks, block_bytes)
         prompts, rate, seconds = turns(args, engine)
         report["hit_rate"][config] = {"hit_rate_turns_2_on": round(rate, 4), "seconds": round(seconds, 2),
-                                      "device_blocks": engine.kv_cache.num_usable_blocks,
+                                      "device_blocks": engine.core.kv_cache.num_usable_blocks,
                                       "same_replies_as_roomy": prompts_by_turn is None or prompts == prompts_by_turn}
         print(f"hit rate {config:>10}: {rate:.3f} over turns 2..{args.turns} ({seconds:.1f}s, "
-              f"{engine.kv_cache.num_usable_blocks} device blocks, same replies as roomy: "
+              f"{engine.core.kv_cache.num_usable_blocks} device blocks, same replies as roomy: "
               f"{report['hit_rate'][config]['same_replies_as_roomy']})", flush=True)
         if config == "roomy":
             prompts_by_turn = prompts
             capacity = args.conversations * args.turns / seconds
-            block_bytes = engine.backend.kv_cache_bytes_per_token() * engine.config.block_size
+            block_bytes = engine.core.backend.kv_cache_bytes_per_token() * engine.core.config.block_size
             report["capacity_requests_per_s"] = round(capacity, 3)
             report["arrival_rate_per_s"] = round(args.load * capacity, 3)
-        engine.kv_cache.reset_prefix_cache()
+        engine.core.kv_cache.reset_prefix_cache()
         if config == "roomy":
             # Once untimed: the load's batch shapes differ from part 1's, and compiling kernels for them (Triton on
             # a GPU) must not land in the first configuration's figures.
             asyncio.run(under_load(args, engine, prompts_by_turn, args.load * capacity))
-            engine.kv_cache.reset_prefix_cache()
+            engine.core.kv_cache.reset_prefix_cache()
         load = under_load(args, engine, prompts_by_turn, args.load * capacity)
         result = profiled(args, config, engine, load) if config in args.profile else asyncio.run(load)
         report["load"][config] = result

@@ -17,8 +17,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from rtxcore.engine.config import EngineConfig  # noqa: E402
-from rtxcore.engine.llm_engine import LLMEngine  # noqa: E402
-from rtxcore.models.source import default_model_path, resolve_model  # noqa: E402
+from rtxcore.engine.llm import LLM  # noqa: E402
+from rtxcore.models.resolve import default_model_path, resolve_model  # noqa: E402
 from rtxcore.registry import load_plugins  # noqa: E402
 from tests.helpers.engines import make_engine  # noqa: E402
 
@@ -41,7 +41,7 @@ def default_model_file():
 @pytest.fixture(scope="session")
 def default_engine(registry, default_source):
     """One engine on the real model for the whole session; tests must leave it idle."""
-    engine = LLMEngine(EngineConfig(), registry=registry, source=default_source)
+    engine = LLM(EngineConfig(), registry=registry, source=default_source)
     yield engine
     assert not engine.has_unfinished_requests()
 

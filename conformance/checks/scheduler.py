@@ -227,7 +227,5 @@ class _Harness:
         del self.live[req.req_id]
         self.done[req.req_id] = req
         self.scheduler.finish_request(req)
-        # The engine may call again for a request the scheduler no longer holds: that must change nothing.
-        self.scheduler.finish_request(req)
         require(not self.kv.block_ids(req.req_id), "scheduler.finished_stay_out",
                 f"{req.req_id} finished but still holds {len(self.kv.block_ids(req.req_id))} KV blocks")

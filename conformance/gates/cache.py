@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from rtx_conformance.gates.config import CacheGate
 from rtx_conformance.gates.latency import engine_for
 from rtxcore.contracts.scheduler import SchedulerConfig
-from rtxcore.engine.llm_engine import LLMEngine
+from rtxcore.engine.llm import LLM
 from rtxcore.registry import ComponentRecord, PluginRegistry
 from rtxcore.sampling_params import SamplingParams
 
@@ -45,7 +45,7 @@ def run_cache(gate: CacheGate, record: ComponentRecord, registry: PluginRegistry
     blocks_per_conversation = -(-longest // gate.block_size)
     all_blocks = gate.num_conversations * blocks_per_conversation
 
-    def engine(num_blocks: int, max_num_seqs: int, **tiers) -> LLMEngine:
+    def engine(num_blocks: int, max_num_seqs: int, **tiers) -> LLM:
         return engine_for(record, registry, gate.model, block_size=gate.block_size, num_kv_blocks=num_blocks,
                           max_model_len=longest + gate.block_size,
                           scheduling=SchedulerConfig(max_num_seqs=max_num_seqs), **tiers)
@@ -53,7 +53,7 @@ def run_cache(gate: CacheGate, record: ComponentRecord, registry: PluginRegistry
     roomy_blocks = int(gate.kv_blocks_factor * all_blocks) + 1
     roomy = engine(roomy_blocks, gate.num_conversations)
     prompt_tokens, cached_tokens = run_turns(roomy, gate)
-    block_bytes = roomy.backend.kv_cache_bytes_per_token() * gate.block_size
+    block_bytes = roomy.core.backend.kv_cache_bytes_per_token() * gate.block_size
     small_blocks = int(gate.tiered_kv_blocks_factor * all_blocks) + 1
     host_bytes = int(gate.tiered_host_blocks_factor * all_blocks) * block_bytes
     tiered = run_turns(engine(small_blocks, gate.tiered_max_num_seqs, kv_host_bytes=host_bytes), gate)
@@ -62,10 +62,10 @@ def run_cache(gate: CacheGate, record: ComponentRecord, registry: PluginRegistry
                        roomy_blocks, _rate(tiered), small_blocks, _rate(no_offload))
 
 
-def run_turns(engine: LLMEngine, gate: CacheGate) -> tuple[int, int]:
+def run_turns(engine: LLM, gate: CacheGate) -> tuple[int, int]:
     """Run every turn of every conversation; returns (prompt tokens, of those cached) over turns 2..num_turns."""
     rng = random.Random(gate.seed)
-    vocab = engine.model_config.vocab_size
+    vocab = engine.core.model_config.vocab_size
     params = SamplingParams(max_tokens=gate.output_len, temperature=0.0, ignore_eos=True)
     history: list[list[int]] = [[] for _ in range(gate.num_conversations)]
     prompt_tokens = cached_tokens = 0

@@ -10,7 +10,7 @@ import torch
 from rtx_conformance.gates.config import LatencyGate, LatencyTarget
 from rtxcore.contracts.scheduler import SchedulerConfig
 from rtxcore.engine.config import EngineConfig
-from rtxcore.engine.llm_engine import LLMEngine
+from rtxcore.engine.llm import LLM
 from rtxcore.registry import ComponentRecord, PluginRegistry
 from rtxcore.sampling_params import SamplingParams
 
@@ -43,10 +43,10 @@ def target_for(gate: LatencyGate, device: str) -> LatencyTarget | None:
     return None
 
 
-def engine_for(record: ComponentRecord, registry: PluginRegistry, model: str, **config) -> LLMEngine:
+def engine_for(record: ComponentRecord, registry: PluginRegistry, model: str, **config) -> LLM:
     """An engine with ``record`` in its slot and the built-in defaults everywhere else."""
     slot = {_ENGINE_SLOT[record.kind]: record.name}
-    return LLMEngine(EngineConfig(model=model, **slot, **config), registry=registry)
+    return LLM(EngineConfig(model=model, **slot, **config), registry=registry)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -58,7 +58,7 @@ def run_latency(gate: LatencyGate, target: LatencyTarget, record: ComponentRecor
                 registry: PluginRegistry) -> LatencyResult:
     engine = engine_for(record, registry, gate.model, max_model_len=gate.prompt_len + gate.output_len + 16,
                         scheduling=SchedulerConfig(max_num_seqs=max(gate.num_requests, 1)))
-    vocab = engine.model_config.vocab_size
+    vocab = engine.core.model_config.vocab_size
     params = SamplingParams(max_tokens=gate.output_len, temperature=gate.temperature, top_p=gate.top_p,
                             ignore_eos=True, seed=1)
     generator = torch.Generator().manual_seed(0)

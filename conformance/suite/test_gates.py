@@ -18,7 +18,7 @@ from rtx_conformance.gates.quality import (
     run_quantizer_quality,
 )
 from rtxcore.errors import ModelLoadError
-from rtxcore.models.source import resolve_model
+from rtxcore.models.resolve import resolve_model
 
 
 def _require_available(component) -> None:

@@ -1,9 +1,8 @@
 """The benchmarks' one door into the engine.
 
 Everything under ``rtxcore/bench`` and ``benchmarks/`` builds engines and moves requests through them with these
-functions and nothing else, so that when the engine's classes change (an engine core, an input processor, an offline
-``LLM`` facade) only this file has to follow. Benchmarks still read ``engine.backend``, ``engine.kv_cache`` and
-``engine.model_config`` for what they report.
+functions and nothing else, so that when the engine's classes change only this file has to follow. Benchmarks read
+what they report from the engine core (``engine.core.backend``, ``engine.core.kv_cache``, ...).
 """
 
 from __future__ import annotations
@@ -13,10 +12,10 @@ from typing import Any
 
 from rtxcore.engine.async_engine import AsyncEngine
 from rtxcore.engine.config import EngineConfig
-from rtxcore.engine.llm_engine import LLMEngine
+from rtxcore.engine.llm import LLM
 from rtxcore.sampling_params import SamplingParams
 
-Engine = LLMEngine
+Engine = LLM
 """The type the benchmarks hold: an offline engine with ``generate`` and a step loop."""
 
 
@@ -27,12 +26,12 @@ def build_engine(config: EngineConfig | None = None, *, source: Any = None, **op
         config = EngineConfig(**options)
     elif options:
         raise TypeError("give either an EngineConfig or its options, not both")
-    return LLMEngine(config, source=source) if source is not None else LLMEngine(config)
+    return LLM(config, source=source) if source is not None else LLM(config)
 
 
 def serving_engine(engine: Engine) -> AsyncEngine:
     """The asyncio front of ``engine``, as ``rtx serve`` drives it (streams, arrivals while steps run)."""
-    return AsyncEngine(engine)
+    return AsyncEngine(engine.core)
 
 
 def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list:

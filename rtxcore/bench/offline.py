@@ -39,7 +39,7 @@ def run_engine(engine: Engine, requests: list[BenchRequest], label: str = "rtx e
     start = time.perf_counter()
     produced = 0
     if static_batching:
-        size = engine.config.scheduling.max_num_seqs
+        size = engine.core.config.scheduling.max_num_seqs
         for i in range(0, len(requests), size):
             produced += _drain(engine, requests[i:i + size])
     else:
@@ -59,8 +59,8 @@ def warm_up(engine: Engine, requests: list[BenchRequest] | None = None) -> None:
     reaches only a few of the shapes a workload needs: there the workload itself runs once. On the CPU nothing is
     compiled per shape and one short request will do.
     """
-    if requests and engine.backend.device.type != "cpu":
+    if requests and engine.core.backend.device.type != "cpu":
         run_engine(engine, requests)
     else:
         generate(engine, [[100 + i for i in range(16)]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    engine.kv_cache.reset_prefix_cache()
+    engine.core.kv_cache.reset_prefix_cache()

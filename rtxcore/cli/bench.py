@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     if args.baseline == "unquantized" and not config.quantization:
         raise ConfigError("--baseline unquantized compares against --quantization METHOD: give one")
     engine = load_engine(config)
-    requests = make_requests(workload, engine.model_config.vocab_size, seed=args.seed, num_requests=args.num_requests)
+    requests = make_requests(workload, engine.core.model_config.vocab_size, seed=args.seed, num_requests=args.num_requests)
     sys.stderr.write(f"workload {workload.name}: {workload.description} ({len(requests)} requests)\n")
     warm_up(engine, requests)
     results: list[ThroughputResult] = [run_engine(engine, requests)]
@@ -86,16 +86,16 @@ def run(args: argparse.Namespace) -> int:
         release_device_memory()
         baseline = load_engine(dataclasses.replace(config, quantization=None))
         warm_up(baseline, requests)
-        results.append(run_engine(baseline, requests, label=f"rtx engine ({baseline.backend.dtype}, unquantized)"))
+        results.append(run_engine(baseline, requests, label=f"rtx engine ({baseline.core.backend.dtype}, unquantized)"))
         results[0].label = f"rtx engine ({config.quantization})"
     elif args.baseline == "static":
-        engine.kv_cache.reset_prefix_cache()
+        engine.core.kv_cache.reset_prefix_cache()
         results.append(run_engine(engine, requests, label="rtx engine (static batching)", static_batching=True))
     elif args.baseline == "hf":
         from rtxcore.bench.hf_baseline import load_hf_model, run_hf_static
 
-        device, dtype = engine.backend.device, engine.backend.dtype
-        source = engine.source
+        device, dtype = engine.core.backend.device, engine.core.backend.dtype
+        source = engine.core.source
         del engine
         release_device_memory()  # the engine's KV cache and CUDA graphs, before the baseline allocates its own
         sys.stderr.write("loading the HF transformers baseline on the same weights...\n")
@@ -110,8 +110,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _weight_bytes(engine) -> int:
     """Bytes of weights one decode step reads (quantized layers at their stored size), for the W3 floor."""
-    measured = getattr(engine.backend, "weight_bytes", None)
-    return measured() if measured else engine.model_config.num_params * engine.backend.dtype.itemsize
+    measured = getattr(engine.core.backend, "weight_bytes", None)
+    return measured() if measured else engine.core.model_config.num_params * engine.core.backend.dtype.itemsize
 
 
 def _report(args: argparse.Namespace, workload: str, results: list[ThroughputResult]) -> None:

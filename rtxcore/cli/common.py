@@ -151,15 +151,15 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def load_engine(config: EngineConfig, quiet: bool = False):
-    from rtxcore.engine.llm_engine import LLMEngine
+    from rtxcore.engine.llm import LLM
 
     start = time.monotonic()
     name = config.model or "smollm2-135m"
     if not quiet:
         sys.stderr.write(f"loading {name} on backend {config.backend}...\n")
-    engine = LLMEngine(config, progress=None if quiet else Progress("weights"))
+    engine = LLM(config, progress=None if quiet else Progress("weights"))
     if not quiet:
-        sys.stderr.write(f"loaded {engine.source.name} ({engine.model_config.num_params / 1e6:.0f}M parameters) on "
-                         f"{engine.backend.device} in {time.monotonic() - start:.1f}s; KV cache: "
-                         f"{engine.kv_cache.num_blocks} blocks of {config.block_size} tokens\n")
+        sys.stderr.write(f"loaded {engine.core.source.name} ({engine.core.model_config.num_params / 1e6:.0f}M parameters) on "
+                         f"{engine.core.backend.device} in {time.monotonic() - start:.1f}s; KV cache: "
+                         f"{engine.core.kv_cache.num_blocks} blocks of {config.block_size} tokens\n")
     return engine

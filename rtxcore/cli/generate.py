@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     prompt = args.prompt
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
-        prompt = engine.apply_chat_template(messages + [{"role": "user", "content": prompt}])
+        prompt = engine.inputs.apply_chat_template(messages + [{"role": "user", "content": prompt}])
     for out in engine.stream(prompt, params):
         sys.stdout.write(out.new_text)
         sys.stdout.flush()

@@ -55,7 +55,7 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rtxcore.errors import ConfigError
-    from rtxcore.models.source import resolve_model
+    from rtxcore.models.resolve import resolve_model
     from rtxcore.server.launcher import serve
     from rtxcore.server.runtime import ServeSettings, ServingRuntime
     from rtxcore.server.serve_config import load_serve_config

@@ -103,9 +103,9 @@ class Scheduler(ABC):
     def finish_request(self, req: Request) -> None:
         """Forget a request that finished or was aborted (the engine has set its final status).
 
-        Must free its KV space through ``kv_cache.free``. With asynchronous scheduling the engine also calls it as
-        soon as a request's last token has been launched (its status is then still RUNNING), and again when that
-        token is processed: a call for a request the scheduler no longer holds must do nothing.
+        Must free its KV space through ``kv_cache.free``. Called exactly once per request. With asynchronous
+        scheduling the engine calls it as soon as the request's last token has been launched, before that token's
+        value is known: its status may then still be RUNNING.
         """
 
     @property

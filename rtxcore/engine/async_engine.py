@@ -1,7 +1,8 @@
-"""Drive an :class:`LLMEngine` from asyncio: one thread steps the engine, coroutines stream each request's outputs.
+"""Drive an :class:`EngineCore` from asyncio: one thread steps the engine, coroutines stream each request's outputs.
 
-The engine is not thread-safe, so every call into it (add, abort, step) happens on the engine thread. Submissions
-and aborts are queued and applied between steps: an abort frees the request's KV blocks before the next step runs.
+The core is not thread-safe, so every call into it (add, abort, step) happens on the engine thread. Requests are
+checked and encoded by the caller (:class:`InputProcessor`, thread-safe); submissions and aborts are queued and
+applied between steps: an abort frees the request's KV blocks before the next step runs.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
-from rtxcore.engine.llm_engine import LLMEngine, Prompt
+from rtxcore.engine.core import EngineCore
+from rtxcore.engine.input_processor import InputProcessor, Prompt
 from rtxcore.engine.outputs import RequestOutput
 from rtxcore.errors import RtxError
 from rtxcore.lanes import DEFAULT_LANE
@@ -28,15 +30,9 @@ log = logging.getLogger("rtx.engine")
 
 @dataclass(slots=True)
 class _Submission:
-    req_id: str
-    prompt: Prompt
-    params: SamplingParams
-    cache_salt: str | None
-    lane: str
-    tenant: str | None
+    # Checked by the input processor; the engine thread only queues it.
+    req: Request
     sink: Callable[[RequestOutput | BaseException], None]
-    # Tokens it already produced before a restart (LLMEngine.add_request's output_token_ids).
-    output_token_ids: list[int] = field(default_factory=list)
     accepted: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     # When generate() queued it (time.monotonic()); the wait until the engine thread adds it is the merge wait.
     submitted_at: float = field(default_factory=time.monotonic)
@@ -52,7 +48,7 @@ class _Abort:
 @dataclass(slots=True)
 class _Job:
     # Work that needs the engine between steps (embeddings, inspection); its result or exception goes to ``done``.
-    fn: Callable[[LLMEngine], object]
+    fn: Callable[[EngineCore], object]
     done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
@@ -61,14 +57,14 @@ class StepObserver:
     """Callbacks run on the engine thread (metrics hooks): keep them cheap, O(outputs) per call."""
 
     # After each step: (engine, the step's outputs, the step's duration in seconds).
-    on_step: Callable[[LLMEngine, list[RequestOutput], float], None]
+    on_step: Callable[[EngineCore, list[RequestOutput], float], None]
     # A submission entered the scheduler: (the request, when generate() queued it, when the engine thread added it),
     # both on the time.monotonic() clock.
     on_admit: Callable[[Request, float, float], None] | None = None
     # A request in the engine was aborted: (engine, its final output, whose finish_reason is "abort").
-    on_abort: Callable[[LLMEngine, RequestOutput], None] | None = None
+    on_abort: Callable[[EngineCore, RequestOutput], None] | None = None
     # The engine is idle (no request): called every IDLE_TICK_S, so gauges and time-driven state (brownout) move on.
-    on_idle: Callable[[LLMEngine], None] | None = None
+    on_idle: Callable[[EngineCore], None] | None = None
 
 
 # How often observers hear from an idle engine.
@@ -76,8 +72,10 @@ IDLE_TICK_S = 0.25
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, observers: list[StepObserver] | None = None):
-        self.engine = engine
+    def __init__(self, core: EngineCore, observers: list[StepObserver] | None = None):
+        self.core = core
+        # Checks and encodes requests on the caller's thread.
+        self.inputs: InputProcessor = core.input_processor()
         self.observers = observers or []
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
@@ -124,7 +122,9 @@ class AsyncEngine:
         def sink(item: RequestOutput | BaseException) -> None:
             loop.call_soon_threadsafe(outputs.put_nowait, item)
 
-        sub = _Submission(req_id, prompt, params, cache_salt, lane, tenant, sink, list(output_token_ids or ()))
+        req = self.inputs.make_request(prompt, params, req_id, cache_salt=cache_salt, lane=lane, tenant=tenant,
+                                       output_token_ids=output_token_ids or ())
+        sub = _Submission(req, sink)
         self._inbox.put(sub)
         self._wake.set()
         finished = False
@@ -146,10 +146,12 @@ class AsyncEngine:
                 self._wake.set()
 
     async def embed(self, inputs: list[Prompt]) -> list[list[float]]:
-        return await self.run_on_engine(lambda engine: engine.embed(inputs))
+        token_lists = [self.inputs.encode(x) for x in inputs]
+        self.inputs.check_embedding_inputs(token_lists)
+        return await self.run_on_engine(lambda core: core.embed(token_lists))
 
-    async def run_on_engine(self, fn: Callable[[LLMEngine], object]):
-        """Run ``fn(engine)`` on the engine thread between two steps and return its result."""
+    async def run_on_engine(self, fn: Callable[[EngineCore], object]):
+        """Run ``fn(core)`` on the engine thread between two steps and return its result."""
         job = _Job(fn)
         self._inbox.put(job)
         self._wake.set()
@@ -161,25 +163,25 @@ class AsyncEngine:
         try:
             while not self._stopping.is_set():
                 self._drain_inbox()
-                if not self.engine.has_unfinished_requests():
+                if not self.core.has_unfinished_requests():
                     self._wake.wait(0.05)
                     self._wake.clear()
                     if time.monotonic() - self._last_tick >= IDLE_TICK_S:
                         self._last_tick = time.monotonic()
-                        self.engine.maintain()
-                        self._observe("on_idle", self.engine)
+                        self.core.maintain()
+                        self._observe("on_idle", self.core)
                     continue
                 start = time.monotonic()
-                outputs = self.engine.step()
-                if self.engine.hold_s > 0 and not outputs:
+                outputs = self.core.step()
+                if self.core.hold_s > 0 and not outputs:
                     # The scheduler is merging arrivals: sleep until its window closes or a request comes in.
-                    self._wake.wait(self.engine.hold_s)
+                    self._wake.wait(self.core.hold_s)
                     self._wake.clear()
                     continue
                 self.num_steps += 1
                 self.last_step_time = time.monotonic()
                 # Observers first, so metrics already count a request when its stream sees the final output.
-                self._observe("on_step", self.engine, outputs, self.last_step_time - start)
+                self._observe("on_step", self.core, outputs, self.last_step_time - start)
                 for out in outputs:
                     sink = self._sinks.pop(out.req_id, None) if out.finished else self._sinks.get(out.req_id)
                     if sink is not None:
@@ -205,9 +207,9 @@ class AsyncEngine:
         if self._sinks.get(req_id) is not sink:
             return
         del self._sinks[req_id]
-        out = self.engine.abort(req_id)
+        out = self.core.abort(req_id)
         if out is not None:
-            self._observe("on_abort", self.engine, out)
+            self._observe("on_abort", self.core, out)
 
     def _observe(self, hook: str, *args: object) -> None:
         # A broken metrics hook must cost a log line, not the engine loop and every stream on it.
@@ -232,21 +234,20 @@ class AsyncEngine:
                 if not item.done.set_running_or_notify_cancel():
                     continue
                 try:
-                    item.done.set_result(item.fn(self.engine))
+                    item.done.set_result(item.fn(self.core))
                 except BaseException as exc:
                     item.done.set_exception(exc)
                 continue
             if isinstance(item, _Abort):
-                self._abort_stream(item.sub.req_id, item.sub.sink)
+                self._abort_stream(item.sub.req.req_id, item.sub.sink)
                 continue
             if not item.accepted.set_running_or_notify_cancel():
                 continue
             try:
-                self.engine.add_request(item.prompt, item.params, req_id=item.req_id, cache_salt=item.cache_salt,
-                                        lane=item.lane, tenant=item.tenant, output_token_ids=item.output_token_ids)
+                self.core.add_request(item.req)
             except BaseException as exc:
                 item.accepted.set_exception(exc)
                 continue
-            self._sinks[item.req_id] = item.sink
-            item.accepted.set_result(item.req_id)
-            self._observe("on_admit", self.engine.requests[item.req_id], item.submitted_at, time.monotonic())
+            self._sinks[item.req.req_id] = item.sink
+            item.accepted.set_result(item.req.req_id)
+            self._observe("on_admit", item.req, item.submitted_at, time.monotonic())

@@ -39,7 +39,7 @@ class EngineConfig:
     kv_host_eviction_policy: str | None = None
     kv_disk_eviction_policy: str | None = None
     # With kv_disk_dir: write the prefix cache (device and host blocks) and its index there this often, so a
-    # restart starts warm; 0 only on shutdown (LLMEngine.save_kv_snapshot).
+    # restart starts warm; 0 only on shutdown (EngineCore.save_kv_snapshot).
     kv_snapshot_interval_s: float = 60.0
     # Never capture CUDA graphs; every step runs eagerly.
     enforce_eager: bool = False

@@ -20,7 +20,7 @@ from rtxcore.errors import ConfigError
 from rtxcore.kv.block_pool import BlockPool, BlockPoolError
 from rtxcore.kv.block_table import BlockTable
 from rtxcore.kv.hashing import BlockHash, hash_blocks
-from rtxcore.kv.offload import KVOffload
+from rtxcore.kv.tiers.offload import KVOffload
 from rtxcore.request import Request
 
 

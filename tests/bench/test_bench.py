@@ -13,8 +13,8 @@ from tests.helpers.engines import make_engine
 
 def test_hf_baseline_model_matches_engine_on_dummy_weights(registry):
     engine = make_engine("dummy:tiny", registry=registry)
-    hf = load_hf_model(engine.source, "cpu", torch.float32)
-    requests = make_requests("cpu-small", engine.model_config.vocab_size, num_requests=4)
+    hf = load_hf_model(engine.core.source, "cpu", torch.float32)
+    requests = make_requests("cpu-small", engine.core.model_config.vocab_size, num_requests=4)
     for r in requests:
         ours = engine.generate([r.prompt_token_ids], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
         ids = torch.tensor([r.prompt_token_ids])
@@ -26,7 +26,7 @@ def test_hf_baseline_model_matches_engine_on_dummy_weights(registry):
 
 def test_engine_counts_every_requested_token(registry):
     engine = make_engine("dummy:tiny", registry=registry)
-    requests = make_requests("cpu-small", engine.model_config.vocab_size, seed=3)
+    requests = make_requests("cpu-small", engine.core.model_config.vocab_size, seed=3)
     result = run_engine(engine, requests)
     assert result.output_tokens == sum(r.output_len for r in requests)
     static = run_engine(engine, requests, static_batching=True)

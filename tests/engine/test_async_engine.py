@@ -17,7 +17,7 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture
 def async_engine(registry):
-    engine = AsyncEngine(make_engine(registry=registry))
+    engine = AsyncEngine(make_engine(registry=registry).core)
     engine.start()
     yield engine
     engine.stop()
@@ -32,7 +32,7 @@ async def collect(async_engine, prompt, params=GREEDY):
 
 def test_concurrent_streams_match_offline(async_engine):
     prompts = [[10 + i, 20 + i, 30 + i, 40 + i] * (i + 1) for i in range(8)]
-    offline = [r.token_ids for r in make_engine(registry=async_engine.engine.registry).generate(prompts, GREEDY)]
+    offline = [r.token_ids for r in make_engine(registry=async_engine.core.registry).generate(prompts, GREEDY)]
 
     async def main():
         return await asyncio.gather(*(collect(async_engine, p) for p in prompts))
@@ -50,7 +50,7 @@ def test_validation_error_raises_before_streaming(async_engine):
 
 
 def test_leaving_a_stream_aborts_and_frees_blocks(async_engine):
-    kv = async_engine.engine.kv_cache
+    kv = async_engine.core.kv_cache
     idle = kv.num_free_blocks
 
     async def main():
@@ -59,12 +59,12 @@ def test_leaving_a_stream_aborts_and_frees_blocks(async_engine):
             break
         await stream.aclose()
         for _ in range(100):
-            if not async_engine.engine.has_unfinished_requests():
+            if not async_engine.core.has_unfinished_requests():
                 break
             await asyncio.sleep(0.01)
 
     asyncio.run(main())
-    assert not async_engine.engine.has_unfinished_requests()
+    assert not async_engine.core.has_unfinished_requests()
     assert kv.num_free_blocks == idle
 
 
@@ -98,7 +98,7 @@ def test_cancelled_waits_leave_the_engine_running(async_engine):
 
     assert len(asyncio.run(asyncio.wait_for(main(), 30))) == GREEDY.max_tokens
     assert async_engine.is_running
-    assert not async_engine.engine.has_unfinished_requests() and async_engine.num_active == 0
+    assert not async_engine.core.has_unfinished_requests() and async_engine.num_active == 0
 
 
 def test_a_late_abort_does_not_stop_a_request_that_reused_the_id(async_engine):
@@ -106,7 +106,7 @@ def test_a_late_abort_does_not_stop_a_request_that_reused_the_id(async_engine):
         first = async_engine.generate([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True), req_id="x")
         await first.__anext__()
         for _ in range(200):  # the engine finishes "x"; its last outputs stay unread
-            if "x" not in async_engine.engine.requests:
+            if "x" not in async_engine.core.requests:
                 break
             await asyncio.sleep(0.01)
         tokens = []
@@ -122,7 +122,7 @@ def test_a_late_abort_does_not_stop_a_request_that_reused_the_id(async_engine):
 
 def test_a_stream_whose_event_loop_closed_is_aborted(registry):
     aborted = []
-    async_engine = AsyncEngine(make_engine(registry=registry), observers=[
+    async_engine = AsyncEngine(make_engine(registry=registry).core, observers=[
         StepObserver(on_step=lambda *_: None, on_abort=lambda engine, out: aborted.append(out.req_id))])
     async_engine.start()
     try:
@@ -131,7 +131,7 @@ def test_a_stream_whose_event_loop_closed_is_aborted(registry):
         loop.run_until_complete(stream.__anext__())
         loop.close()  # gone without closing its stream: the next output cannot be delivered
         for _ in range(500):
-            if not async_engine.engine.has_unfinished_requests():
+            if not async_engine.core.has_unfinished_requests():
                 break
             time.sleep(0.01)
         # aborted, not run on to max_tokens with nobody reading

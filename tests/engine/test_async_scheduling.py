@@ -36,9 +36,9 @@ def _mixed_params(n: int, seed: int) -> list[SamplingParams]:
 def _run(registry, async_scheduling: bool, prompts, params, **kwargs):
     engine = make_engine(registry=registry, async_scheduling=async_scheduling, **kwargs)
     results = engine.generate(prompts, params)
-    engine.kv_cache.check_invariants()
-    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_usable_blocks
-    assert not engine.requests and not engine.has_unfinished_requests()
+    engine.core.kv_cache.check_invariants()
+    assert engine.core.kv_cache.num_free_blocks == engine.core.kv_cache.num_usable_blocks
+    assert not engine.core.requests and not engine.has_unfinished_requests()
     return [(r.token_ids, r.finish_reason, r.logprobs) for r in results]
 
 
@@ -102,5 +102,5 @@ def test_outputs_come_one_step_later_and_abort_mid_flight_is_clean(registry):
         seen += engine.step()
     assert {o.req_id for o in seen} == {b}
     assert sum(len(o.new_token_ids) for o in seen) == 9
-    engine.kv_cache.check_invariants()
-    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_usable_blocks
+    engine.core.kv_cache.check_invariants()
+    assert engine.core.kv_cache.num_free_blocks == engine.core.kv_cache.num_usable_blocks

@@ -31,7 +31,7 @@ def hf_model(default_model_file):
 
 
 def _prompts(engine) -> list[str]:
-    return [engine.apply_chat_template(c) for c in CHATS] + PLAIN
+    return [engine.inputs.apply_chat_template(c) for c in CHATS] + PLAIN
 
 
 @pytest.mark.hf
@@ -45,7 +45,7 @@ def test_greedy_tokens_equal_hugging_face(default_engine, hf_model):
             ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
                                     do_sample=False, pad_token_id=0)
         assert result.token_ids == ref[0, ids.shape[1]:].tolist(), prompt
-    default_engine.kv_cache.reset_prefix_cache()
+    default_engine.core.kv_cache.reset_prefix_cache()
 
 
 def test_batch_of_16_equals_alone_and_cache_hits_match(default_engine):
@@ -54,18 +54,18 @@ def test_batch_of_16_equals_alone_and_cache_hits_match(default_engine):
     batch = prompts + extra
     assert len(batch) == 16
     params = SamplingParams(max_tokens=24, temperature=0.0)
-    default_engine.kv_cache.reset_prefix_cache()
+    default_engine.core.kv_cache.reset_prefix_cache()
     alone = [default_engine.generate([p], params)[0] for p in batch]
     assert all(r.num_cached_tokens == 0 for r in alone[3:6])
     # Same prompts again, all at once: most now hit the prefix cache.
     together = default_engine.generate(batch, params)
     assert [r.token_ids for r in together] == [r.token_ids for r in alone]
     assert sum(r.num_cached_tokens for r in together) > 0
-    default_engine.kv_cache.reset_prefix_cache()
+    default_engine.core.kv_cache.reset_prefix_cache()
 
 
 def test_stop_strings_and_eos(default_engine):
-    prompt = default_engine.apply_chat_template([{"role": "user", "content": "Count from 1 to 20, comma separated."}])
+    prompt = default_engine.inputs.apply_chat_template([{"role": "user", "content": "Count from 1 to 20, comma separated."}])
     free = default_engine.generate([prompt], SamplingParams(max_tokens=60, temperature=0.0))[0]
     assert "5" in free.text
     stopped = default_engine.generate([prompt], SamplingParams(max_tokens=60, temperature=0.0, stop=["5"]))[0]
@@ -75,7 +75,7 @@ def test_stop_strings_and_eos(default_engine):
                                                             include_stop_str_in_output=True))[0]
     assert kept.text == free.text[: free.text.index("5") + 1]
     # Greedy chat answers end with the model's EOS (<|im_end|>) well before 200 tokens.
-    short = default_engine.generate([default_engine.apply_chat_template(
+    short = default_engine.generate([default_engine.inputs.apply_chat_template(
         [{"role": "user", "content": "Say hello."}])], SamplingParams(max_tokens=200, temperature=0.0))[0]
     assert short.finish_reason == "stop" and len(short.token_ids) < 200
-    default_engine.kv_cache.reset_prefix_cache()
+    default_engine.core.kv_cache.reset_prefix_cache()

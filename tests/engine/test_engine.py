@@ -49,10 +49,10 @@ def test_chunked_prefill_matches_and_never_stalls_decodes(registry):
     engine.step()  # prefill of the short prompt; it decodes from now on
     engine.add_request(long, GREEDY, req_id="long")
     decoded_while_long_prefills = 0
-    while engine.requests["long"].num_computed_tokens < len(long):
+    while engine.core.requests["long"].num_computed_tokens < len(long):
         outs = engine.step()
         decoded_while_long_prefills += any(o.req_id == "short" for o in outs)
-        if "short" not in engine.requests:
+        if "short" not in engine.core.requests:
             break
     assert decoded_while_long_prefills >= 5
     while engine.has_unfinished_requests():
@@ -70,7 +70,7 @@ def test_preemption_recomputes_and_outputs_match(registry):
     tight = make_engine(registry=registry, num_kv_blocks=20, enable_prefix_caching=False)
     got = [r.token_ids for r in tight.generate(batch, params)]
     assert got == expected
-    assert tight.kv_cache.num_free_blocks == tight.kv_cache.num_usable_blocks
+    assert tight.core.kv_cache.num_free_blocks == tight.core.kv_cache.num_usable_blocks
 
 
 def test_preemption_counted(registry):
@@ -80,7 +80,7 @@ def test_preemption_counted(registry):
     preempted = set()
     while tight.has_unfinished_requests():
         tight.step()
-        preempted |= {r.req_id for r in tight.requests.values() if r.num_preemptions}
+        preempted |= {r.req_id for r in tight.core.requests.values() if r.num_preemptions}
     assert preempted, "a cache of 12 blocks must force preemption"
     assert len(ids) == 6
 
@@ -133,7 +133,7 @@ def test_bad_requests_do_not_disturb_running_ones(registry):
     engine = make_engine(registry=registry)
     good = prompts(3, seed=6)
     expected = [alone(engine, p) for p in good]
-    engine.kv_cache.reset_prefix_cache()
+    engine.core.kv_cache.reset_prefix_cache()
     ids = [engine.add_request(p, GREEDY) for p in good]
     results = {i: [] for i in ids}
     for step in range(200):
@@ -183,8 +183,8 @@ def test_max_tokens_stop_token_ids_and_logprobs(tiny_engine):
 def test_abort_frees_blocks(tiny_engine):
     req_id = tiny_engine.add_request(prompts(1, seed=11, low=80, high=80)[0], SamplingParams(max_tokens=50))
     tiny_engine.step()
-    assert tiny_engine.kv_cache.num_free_blocks < tiny_engine.kv_cache.num_usable_blocks
+    assert tiny_engine.core.kv_cache.num_free_blocks < tiny_engine.core.kv_cache.num_usable_blocks
     out = tiny_engine.abort(req_id)
     assert out.finished and out.finish_reason == "abort"
     assert not tiny_engine.has_unfinished_requests()
-    assert tiny_engine.kv_cache.num_free_blocks == tiny_engine.kv_cache.num_usable_blocks
+    assert tiny_engine.core.kv_cache.num_free_blocks == tiny_engine.core.kv_cache.num_usable_blocks

@@ -80,7 +80,7 @@ def test_the_detokenizer_is_caught_up_so_text_and_stop_strings_continue(default_
 def test_async_engine_generate_resumes(registry):
     engine = make_engine(registry=registry)
     full = engine.generate([PROMPT], GREEDY)[0].token_ids
-    async_engine = AsyncEngine(engine)
+    async_engine = AsyncEngine(engine.core)
     async_engine.start()
 
     async def collect() -> list[int]:

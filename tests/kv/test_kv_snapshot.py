@@ -11,16 +11,16 @@ import pytest
 
 from rtxcore.contracts.scheduler import SchedulerConfig
 from rtxcore.engine.config import EngineConfig
-from rtxcore.engine.llm_engine import LLMEngine
+from rtxcore.engine.llm import LLM
 from rtxcore.errors import ConfigError
-from rtxcore.kv.snapshot import INDEX_FILE
+from rtxcore.kv.tiers.snapshot import INDEX_FILE
 from rtxcore.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
-def engine(num_blocks=24, block_size=16, **tiers) -> LLMEngine:
-    return LLMEngine(EngineConfig(model="dummy:tiny", num_kv_blocks=num_blocks, block_size=block_size,
+def engine(num_blocks=24, block_size=16, **tiers) -> LLM:
+    return LLM(EngineConfig(model="dummy:tiny", num_kv_blocks=num_blocks, block_size=block_size,
                                   max_model_len=512, scheduling=SchedulerConfig(max_num_seqs=2), **tiers))
 
 
@@ -29,14 +29,14 @@ def conversations(n=5, length=70, seed=0) -> list[list[int]]:
     return [[rng.randrange(3, 200) for _ in range(length)] for _ in range(n)]
 
 
-def run(e: LLMEngine, prompts) -> tuple[list[list[int]], int, int]:
+def run(e: LLM, prompts) -> tuple[list[list[int]], int, int]:
     """Generate for each prompt; returns the tokens, prompt tokens and cached prompt tokens."""
     results = e.generate(prompts, GREEDY)
     return ([r.token_ids for r in results], sum(len(r.prompt_token_ids) for r in results),
             sum(r.num_cached_tokens for r in results))
 
 
-def two_rounds(e: LLMEngine, prompts) -> tuple[list[list[int]], float]:
+def two_rounds(e: LLM, prompts) -> tuple[list[list[int]], float]:
     """Every prompt, then every prompt extended by its reply: the second round's cached share."""
     first, _, _ = run(e, prompts)
     tokens, total, cached = run(e, [p + t + [5, 6, 7] for p, t in zip(prompts, first)])
@@ -52,9 +52,9 @@ def test_offload_keeps_tokens_and_recovers_hits(tmp_path):
     assert plain_tokens == host_tokens == disk_tokens
     # The device holds about one conversation; the tiers hold them all.
     assert plain_rate < 0.3 and host_rate > 0.8 and disk_rate > 0.8
-    assert e.kv_cache.stats.num_reloaded_tokens > 0 and len(e.kv_tiers.disk) > 0
-    e.kv_cache.check_invariants()
-    for tier in e.kv_tiers.tiers:
+    assert e.core.kv_cache.stats.num_reloaded_tokens > 0 and len(e.core.kv_tiers.disk) > 0
+    e.core.kv_cache.check_invariants()
+    for tier in e.core.kv_tiers.tiers:
         tier.check_invariants()
 
 
@@ -62,7 +62,7 @@ def test_a_restart_starts_warm_from_the_snapshot(tmp_path):
     prompts = conversations()
     first = engine(kv_disk_dir=str(tmp_path))
     tokens, _, _ = run(first, prompts)
-    assert first.save_kv_snapshot() > 0 and (tmp_path / INDEX_FILE).exists()
+    assert first.core.save_kv_snapshot() > 0 and (tmp_path / INDEX_FILE).exists()
     del first
     second = engine(kv_disk_dir=str(tmp_path))
     again, total, cached = run(second, prompts)
@@ -74,11 +74,11 @@ def test_a_restart_starts_warm_from_the_snapshot(tmp_path):
 def test_a_snapshot_for_another_block_size_is_ignored(tmp_path, caplog):
     first = engine(kv_disk_dir=str(tmp_path))
     run(first, conversations())
-    first.save_kv_snapshot()
+    first.core.save_kv_snapshot()
     with caplog.at_level(logging.WARNING, logger="rtx.kv"):
         other = engine(num_blocks=12, block_size=32, kv_disk_dir=str(tmp_path))
     assert "ignoring the KV cache snapshot" in caplog.text and "block_size" in caplog.text
-    assert len(other.kv_tiers.disk) == 0 and not any(tmp_path.glob("blocks/*/*.kvb"))
+    assert len(other.core.kv_tiers.disk) == 0 and not any(tmp_path.glob("blocks/*/*.kvb"))
     _, _, cached = run(other, conversations())
     assert cached == 0
 
@@ -86,18 +86,18 @@ def test_a_snapshot_for_another_block_size_is_ignored(tmp_path, caplog):
 def test_a_damaged_index_is_ignored(tmp_path, caplog):
     first = engine(kv_disk_dir=str(tmp_path))
     run(first, conversations())
-    first.save_kv_snapshot()
+    first.core.save_kv_snapshot()
     (tmp_path / INDEX_FILE).write_text(json.dumps({"format": 1, "fingerprint": "zz"}))
     with caplog.at_level(logging.WARNING, logger="rtx.kv"):
         again = engine(kv_disk_dir=str(tmp_path))
-    assert "index snapshot.json is damaged" in caplog.text and len(again.kv_tiers.disk) == 0
+    assert "index snapshot.json is damaged" in caplog.text and len(again.core.kv_tiers.disk) == 0
 
 
 def test_a_damaged_block_is_recomputed_not_loaded(tmp_path, caplog):
     prompts = conversations(n=1)
     first = engine(kv_disk_dir=str(tmp_path))
     tokens, _, _ = run(first, prompts)
-    first.save_kv_snapshot()
+    first.core.save_kv_snapshot()
     files = sorted(tmp_path.glob("blocks/*/*.kvb"))
     for path in files:  # flip one byte of every block's KV
         raw = bytearray(path.read_bytes())
@@ -107,7 +107,7 @@ def test_a_damaged_block_is_recomputed_not_loaded(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="rtx.kv"):
         again, _, cached = run(second, prompts)
     assert again == tokens and cached == 0
-    assert "damaged" in caplog.text and second.kv_tiers.disk.stats.num_corrupt == 1
+    assert "damaged" in caplog.text and second.core.kv_tiers.disk.stats.num_corrupt == 1
 
 
 def test_offload_settings_are_checked():

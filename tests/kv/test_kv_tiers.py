@@ -10,10 +10,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from rtxcore.kv.disk_tier import DiskTier
+from rtxcore.kv.tiers.disk import DiskTier
 from rtxcore.kv.manager import KVCacheManager
-from rtxcore.kv.offload import KVOffload
-from rtxcore.kv.tiers import HostTier, KVTier, TierReadError
+from rtxcore.kv.tiers.offload import KVOffload
+from rtxcore.kv.tiers.base import HostTier, KVTier, TierReadError
 from tests.helpers.kv import POLICIES, make_request
 from tests.kv.test_kv_manager_properties import WorkloadMachine
 
@@ -271,7 +271,7 @@ def test_a_block_bouncing_between_device_and_host_is_copied_down_once(tmp_path):
 def test_a_full_disk_costs_blocks_not_the_tier(tmp_path, monkeypatch):
     import errno
 
-    import rtxcore.kv.disk_tier as disk_tier_module
+    import rtxcore.kv.tiers.disk as disk_tier_module
 
     host, disk = tier_chain(tmp_path, 1, 4)
     host.store([key(1)], payload(1).unsqueeze(0))

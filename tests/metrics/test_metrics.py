@@ -62,7 +62,7 @@ async def leave_early(engine: AsyncEngine, prompt, max_tokens: int = 100) -> Non
 
 async def wait_idle(engine: AsyncEngine) -> None:
     for _ in range(500):
-        if not engine.engine.has_unfinished_requests() and engine.num_active == 0:
+        if not engine.core.has_unfinished_requests() and engine.num_active == 0:
             return
         await asyncio.sleep(0.01)
     raise AssertionError("engine did not go idle")
@@ -74,7 +74,7 @@ def served(registry, tmp_path):
     by fresh metrics."""
     metrics = EngineMetrics("tiny")
     engine = AsyncEngine(make_engine(registry=registry, num_kv_blocks=12, kv_host_bytes=1 << 16,
-                                     kv_disk_dir=str(tmp_path), kv_snapshot_interval_s=0.01),
+                                     kv_disk_dir=str(tmp_path), kv_snapshot_interval_s=0.01).core,
                          observers=[metrics.observer()])
     engine.start()
     yield engine, metrics
@@ -160,21 +160,21 @@ def test_metrics_parse_and_every_family_moves(served):
 
 
 def test_gauges_follow_the_engine_step_by_step(registry):
-    """The observer driven by hand over a plain LLMEngine: gauges are exact after each step."""
+    """The observer driven by hand over a plain LLM: gauges are exact after each step."""
     engine = make_engine(registry=registry)
     metrics = EngineMetrics("tiny")
     observer = metrics.observer()
     engine.add_request(list(range(3, 23)), SamplingParams(max_tokens=3, ignore_eos=True), req_id="r")
     engine.add_request([3, 4, 5], SamplingParams(max_tokens=3, ignore_eos=True), req_id="s")
-    observer.on_step(engine, engine.step(), 0.001)
+    observer.on_step(engine.core, engine.step(), 0.001)
     during = parse(metrics)
     assert value(during, "rtx_num_requests_running") == 2
-    assert value(during, "rtx_kv_cache_usage_ratio") == pytest.approx(3 / engine.kv_cache.num_usable_blocks)
+    assert value(during, "rtx_kv_cache_usage_ratio") == pytest.approx(3 / engine.core.kv_cache.num_usable_blocks)
     # 20 and 3 tokens in 2 + 1 blocks of 16 slots: 25 of 48 slots empty.
     assert value(during, "rtx_kv_cache_fragmentation_ratio") == pytest.approx(25 / 48)
     assert value(during, "rtx_batch_size", "rtx_batch_size_sum") == 2
     while engine.has_unfinished_requests():
-        observer.on_step(engine, engine.step(), 0.001)
+        observer.on_step(engine.core, engine.step(), 0.001)
     after = parse(metrics)
     assert value(after, "rtx_kv_cache_usage_ratio") == value(after, "rtx_kv_cache_fragmentation_ratio") == 0
     assert value(after, "rtx_num_requests_running") == 0

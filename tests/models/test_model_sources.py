@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from rtxcore.errors import ModelLoadError
 from rtxcore.models.dummy import DummySource
-from rtxcore.models.source import resolve_model
+from rtxcore.models.resolve import resolve_model
 from rtxcore.sampling_params import SamplingParams
 from tests.helpers.engines import make_engine
 

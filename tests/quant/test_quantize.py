@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rtxcore.contracts.backend import BackendOptions
-from rtxcore.models.source import resolve_model
+from rtxcore.models.resolve import resolve_model
 from rtxcore.quant.evaluation import prefill_logits
 from rtxcore.quant.pipeline import evaluation_tokens
 from rtxcore.registry import load_plugins
@@ -80,7 +80,7 @@ def test_int8_checkpoint_runs_from_its_stored_form(int8_dir):
 
 def test_serve_loads_the_quantized_checkpoint(int8_dir):
     import httpx
-    from server_helpers import start_server
+    from tests.helpers.server import start_server
 
     with start_server("--model", str(int8_dir), "--no-grpc") as server:
         models = httpx.get(f"{server.base_url}/v1/models").json()

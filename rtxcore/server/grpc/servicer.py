@@ -86,7 +86,7 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
         except NotEntitled as exc:
             self.runtime.metrics.record_rejection("not_entitled", lane=lane, tenant=tenant.name)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
-        tokenizer = engine.engine.tokenizer
+        tokenizer = engine.core.tokenizer
         if isinstance(prompt, str) and prompt and tokenizer is not None:
             # Off the event loop and off the engine thread: a long prompt takes a while to encode.
             prompt = await asyncio.to_thread(tokenizer.encode, prompt)
@@ -153,7 +153,7 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
                                   trace: TraceHeaders) -> None:
         main = await self._journal_loop(context)
         try:
-            prompts = await tokenize(self.runtime.async_engine.engine, [prompt])
+            prompts = await tokenize(self.runtime.async_engine.inputs, [prompt])
         except InvalidRequestError as exc:
             await _abort_invalid(context, exc)
         req_id = client_req_id or f"grpc-{secrets.token_hex(12)}"
@@ -233,7 +233,7 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
             await _abort_invalid(context, InvalidRequestError(
                 f"inputs hold {len(inputs)} items; at most {MAX_BATCH} are accepted", param="inputs"))
         try:
-            token_lists = await tokenize(engine.engine, inputs, "inputs")
+            token_lists = await tokenize(engine.inputs, inputs, "inputs")
         except InvalidRequestError as exc:
             await _abort_invalid(context, exc)
         num_tokens = sum(len(t) for t in token_lists)

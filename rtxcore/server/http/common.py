@@ -9,7 +9,6 @@ from typing import Any
 
 from starlette.requests import Request
 
-from rtxcore.engine.llm_engine import LLMEngine
 from rtxcore.engine.outputs import TokenLogprob
 from rtxcore.errors import InvalidRequestError
 from rtxcore.lanes import DEFAULT_LANE, check_lane_name
@@ -18,6 +17,7 @@ from rtxcore.server.http.errors import APIError
 from rtxcore.server.http.protocol import RoutingFields
 from rtxcore.server.runtime import ServingRuntime
 from rtxcore.server.tenants import NotEntitled, Tenant, cache_salt
+from rtxcore.tokenizer import Tokenizer
 
 # Names a request's lane, as the body's "lane" field does.
 LANE_HEADER = "x-rtx-lane"
@@ -93,11 +93,11 @@ def trace_headers(request: Request) -> TraceHeaders:
     return TraceHeaders(trace.traceparent, trace.tracestate)
 
 
-def token_text(engine: LLMEngine, token_id: int) -> str:
+def token_text(tokenizer: Tokenizer | None, token_id: int) -> str:
     """How a token reads in logprobs; ``token_id:N`` for models without a tokenizer (as vLLM spells it)."""
-    if engine.tokenizer is None:
+    if tokenizer is None:
         return f"token_id:{token_id}"
-    return engine.tokenizer.decode([token_id], skip_special_tokens=False)
+    return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 def native_logprobs(logprobs: list[TokenLogprob]) -> list[dict[str, Any]]:

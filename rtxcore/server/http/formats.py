@@ -10,10 +10,10 @@ from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from rtxcore.engine.llm_engine import LLMEngine
 from rtxcore.engine.outputs import RequestOutput, TokenLogprob
 from rtxcore.server.http.common import native_logprobs, token_text
 from rtxcore.server.http.generation import Choice, Generation
+from rtxcore.tokenizer import Tokenizer
 
 
 @dataclass(slots=True)
@@ -41,9 +41,9 @@ class ResponseFormat(ABC):
     # Whether a stream ends with ``data: [DONE]`` after its events.
     ends_with_done = True
 
-    def __init__(self, spec: ResponseSpec, engine: LLMEngine):
+    def __init__(self, spec: ResponseSpec, tokenizer: Tokenizer | None):
         self.spec = spec
-        self.engine = engine
+        self.tokenizer = tokenizer
 
     def opening(self) -> list[dict[str, Any]]:
         """Events sent before any output."""
@@ -85,13 +85,13 @@ class CompletionFormat(ResponseFormat):
     def _logprobs(self, lps: list[TokenLogprob], offset: int) -> dict[str, Any] | None:
         if not self.spec.logprobs:
             return None
-        tokens = [token_text(self.engine, lp.token_id) for lp in lps]
+        tokens = [token_text(self.tokenizer, lp.token_id) for lp in lps]
         offsets = []
         for token in tokens:
             offsets.append(offset)
             offset += len(token)
         return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{token_text(self.engine, t): p for t, p in lp.top} for lp in lps],
+                "top_logprobs": [{token_text(self.tokenizer, t): p for t, p in lp.top} for lp in lps],
                 "text_offset": offsets}
 
 
@@ -120,7 +120,7 @@ class ChatFormat(CompletionFormat):
             return None
 
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
-            token = token_text(self.engine, token_id)
+            token = token_text(self.tokenizer, token_id)
             return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
         return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, p) for t, p in lp.top]}
@@ -171,5 +171,5 @@ FORMATS: dict[str, type[ResponseFormat]] = {"completion": CompletionFormat, "cha
                                             "native": NativeFormat, "grpc": GrpcFormat}
 
 
-def make_format(spec: ResponseSpec, engine: LLMEngine) -> ResponseFormat:
-    return FORMATS[spec.kind](spec, engine)
+def make_format(spec: ResponseSpec, tokenizer: Tokenizer | None) -> ResponseFormat:
+    return FORMATS[spec.kind](spec, tokenizer)

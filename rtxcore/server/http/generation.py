@@ -16,7 +16,7 @@ from typing import AsyncIterator, Awaitable, Callable, TypeVar
 from starlette.requests import Request
 
 from rtxcore.engine.async_engine import AsyncEngine
-from rtxcore.engine.llm_engine import LLMEngine
+from rtxcore.engine.input_processor import InputProcessor
 from rtxcore.engine.outputs import RequestOutput, TokenLogprob
 from rtxcore.errors import AdmissionRefused, InvalidRequestError
 from rtxcore.metrics.timeline import TraceHeaders
@@ -60,16 +60,11 @@ class Choice:
             self.finish_reason = out.finish_reason
 
 
-async def tokenize(engine: LLMEngine, prompts: list[Prompt], param: str = "prompt") -> list[list[int]]:
+async def tokenize(inputs: InputProcessor, prompts: list[Prompt], param: str = "prompt") -> list[list[int]]:
     """Token ids of every prompt, text encoded off the event loop (a long prompt takes a while)."""
-    texts = [p for p in prompts if isinstance(p, str)]
-    if any(not t for t in texts) or any(not p for p in prompts):
-        raise InvalidRequestError(f"{param} is empty", param=param)
-    if texts and engine.tokenizer is None:
-        raise InvalidRequestError(f"model {engine.source.name} has no tokenizer: give the {param} as token ids",
-                                  param=param)
-    encoded = iter(await asyncio.to_thread(engine.tokenizer.encode_batch, texts) if texts else [])
-    return [next(encoded) if isinstance(p, str) else p for p in prompts]
+    if not any(isinstance(p, str) for p in prompts):
+        return inputs.encode_batch(prompts, param)
+    return await asyncio.to_thread(inputs.encode_batch, prompts, param)
 
 
 class Generation:

@@ -39,7 +39,7 @@ class NativeRoutes:
     async def _start_generate(self, request: Request, body: dict[str, Any]) -> Started:
         req = parse_generate(body)
         where = route(self.runtime, request, req.routing)
-        prompts = await tokenize(self.runtime.async_engine.engine, [req.prompt])
+        prompts = await tokenize(self.runtime.async_engine.inputs, [req.prompt])
         params = make_sampling_params(req.params)
         gen = await Generation.start(self.runtime, request_id(request), prompts, params, trace_headers(request), where)
         spec = ResponseSpec("native", req.stream, {"id": gen.req_id, "model": self.runtime.model_name},
@@ -48,7 +48,7 @@ class NativeRoutes:
 
     async def embed(self, request: Request) -> Response:
         async_engine = ensure_engine(self.runtime)
-        token_lists = await tokenize(async_engine.engine, parse_embed(await read_json(request)), "inputs")
+        token_lists = await tokenize(async_engine.inputs, parse_embed(await read_json(request)), "inputs")
         vectors = await embed(self.runtime, request, token_lists)
         return JSONResponse({"model": self.runtime.model_name, "embeddings": vectors,
                              "num_tokens": [len(t) for t in token_lists]})
@@ -56,7 +56,7 @@ class NativeRoutes:
     async def lanes(self, request: Request) -> Response:
         """The SLA lanes and their targets, and the scheduler's live state of them (queues, brownout)."""
         async_engine = ensure_engine(self.runtime)
-        status = await async_engine.run_on_engine(lambda engine: engine.scheduler.status())
+        status = await async_engine.run_on_engine(lambda core: core.scheduler.status())
         config = self.runtime.engine_config.scheduling
         lanes = [{**spec.to_json(), **({"queued": status.queued.get(name, 0), "running": status.running.get(name, 0)}
                                        if status is not None else {})}

@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from rtxcore.engine.llm_engine import LLMEngine
+from rtxcore.engine.input_processor import InputProcessor
 from rtxcore.server.http.common import check_model, read_json, request_id, route, trace_headers
 from rtxcore.server.http.formats import ResponseSpec
 from rtxcore.server.http.generation import Generation, embed, ensure_engine, tokenize
@@ -41,11 +41,11 @@ class OpenAIRoutes:
         return await serve_generation(self.runtime, request, self._start_completion)
 
     async def _start_completion(self, request: Request, body: dict[str, Any]) -> Started:
-        engine = self.runtime.async_engine.engine
+        inputs = self.runtime.async_engine.inputs
         req = parse_completion(body)
         check_model(self.runtime, req.model)
         where = route(self.runtime, request, req.routing)
-        prompts = await tokenize(engine, req.prompts)
+        prompts = await tokenize(inputs, req.prompts)
         params = make_sampling_params(req.params)
         gen = await Generation.start(self.runtime, request_id(request), prompts, params, trace_headers(request), where)
         header = {"id": f"cmpl-{gen.req_id}", "object": "text_completion", "created": int(time.time()),
@@ -59,15 +59,15 @@ class OpenAIRoutes:
         return await serve_generation(self.runtime, request, self._start_chat)
 
     async def _start_chat(self, request: Request, body: dict[str, Any]) -> Started:
-        engine = self.runtime.async_engine.engine
+        inputs = self.runtime.async_engine.inputs
         req = parse_chat(body)
         check_model(self.runtime, req.model)
         where = route(self.runtime, request, req.routing)
         # Reading the tokenizer is thread-safe; the template can be slow, so it runs off the event loop.
-        text = await asyncio.to_thread(engine.apply_chat_template, req.messages)
-        prompts = await tokenize(engine, [text], "messages")
+        text = await asyncio.to_thread(inputs.apply_chat_template, req.messages)
+        prompts = await tokenize(inputs, [text], "messages")
         params = dict(req.params)
-        params["max_tokens"] = req.max_tokens if req.max_tokens is not None else _room_left(engine, len(prompts[0]))
+        params["max_tokens"] = req.max_tokens if req.max_tokens is not None else _room_left(inputs, len(prompts[0]))
         sampling = make_sampling_params(params)
         gen = await Generation.start(self.runtime, request_id(request), prompts, sampling, trace_headers(request),
                                      where)
@@ -82,7 +82,7 @@ class OpenAIRoutes:
         async_engine = ensure_engine(self.runtime)
         req = parse_embedding(await read_json(request))
         check_model(self.runtime, req.model)
-        token_lists = await tokenize(async_engine.engine, req.inputs, "input")
+        token_lists = await tokenize(async_engine.inputs, req.inputs, "input")
         vectors = await embed(self.runtime, request, token_lists)
         data = [{"object": "embedding", "index": i, "embedding": _encode_vector(v, req.encoding_format)}
                 for i, v in enumerate(vectors)]
@@ -102,15 +102,14 @@ class OpenAIRoutes:
         return JSONResponse(self._model_card())
 
     def _model_card(self) -> dict[str, Any]:
-        engine = self.runtime.async_engine.engine
+        core = self.runtime.async_engine.core
         return {"id": self.runtime.model_name, "object": "model", "created": self.runtime.started_at,
-                "owned_by": "rtx-serve", "root": engine.source.name, "max_model_len": engine.max_model_len}
+                "owned_by": "rtx-serve", "root": core.source.name, "max_model_len": core.max_model_len}
 
 
-def _room_left(engine: LLMEngine, num_prompt_tokens: int) -> int:
+def _room_left(inputs: InputProcessor, num_prompt_tokens: int) -> int:
     """Chat's default max_tokens: what the context and the KV cache leave after the prompt, capped."""
-    cache_tokens = engine.kv_cache.num_usable_blocks * engine.config.block_size
-    room = min(engine.max_model_len, cache_tokens) - num_prompt_tokens
+    room = inputs.room_left(num_prompt_tokens)
     return max(1, min(room, DEFAULT_CHAT_MAX_TOKENS))  # a prompt with no room left is refused by the engine
 
 

@@ -110,7 +110,7 @@ async def _resume(runtime: ServingRuntime, entry: DurableRequest, journaled: Jou
             _end_with_error(entry, journal, spec.stream, APIError(500, str(exc)))
             return
     # A crash between the accept and the first event leaves no opening event (a chat stream's role chunk) yet.
-    await produce(entry, gen, make_format(spec, runtime.async_engine.engine), journal,
+    await produce(entry, gen, make_format(spec, runtime.async_engine.core.tokenizer), journal,
                   opening=not journaled.events)
 
 

@@ -98,7 +98,7 @@ async def begin(runtime: ServingRuntime, started: Started, claim: IdempotencyCla
                                 "void": True})
             raise
         durable.add(entry)
-    fmt = make_format(spec, runtime.async_engine.engine)
+    fmt = make_format(spec, runtime.async_engine.core.tokenizer)
     entry.producer = start_producer(produce(entry, gen, fmt, journal, opening=True), gen)
     return entry
 

@@ -10,7 +10,7 @@ import torch
 
 from rtxcore.contracts.backend import BackendOptions
 from rtxcore.engine.config import EngineConfig
-from rtxcore.engine.llm_engine import LLMEngine
+from rtxcore.engine.llm import LLM
 from rtxcore.errors import ConfigError
 from rtxcore.models.dummy import SHAPES, DummySource
 from rtxcore.quant.evaluation import prefill_logits
@@ -57,9 +57,9 @@ def test_export_has_float8_qdq_around_every_linear_layer(tmp_path):
 
 def test_onnxruntime_runs_the_fp8_graph_as_torch_rounds_it(tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
-    engine = LLMEngine(EngineConfig(model="dummy:tiny", backend="onnxruntime", quantization="fp8", num_kv_blocks=16))
-    assert engine.backend.graph.path.parent.joinpath("key.json").read_text().count('"fp8"') == 1
-    got = prefill_logits(engine.backend, IDS)
+    engine = LLM(EngineConfig(model="dummy:tiny", backend="onnxruntime", quantization="fp8", num_kv_blocks=16))
+    assert engine.core.backend.graph.path.parent.joinpath("key.json").read_text().count('"fp8"') == 1
+    got = prefill_logits(engine.core.backend, IDS)
     same_rounding, exact = _torch_logits(True), _torch_logits(False)
     assert ((got - same_rounding).norm() / same_rounding.norm()).item() < 1e-4
     # fp8 rounding is visible, and bounded (e4m3 keeps 3 mantissa bits).
@@ -72,7 +72,7 @@ def test_onnxruntime_runs_the_fp8_graph_as_torch_rounds_it(tmp_path, monkeypatch
 def test_graph_backends_refuse_other_quantizers(tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
     with pytest.raises(Exception, match="cannot run 'int4' weights.*accepts: fp8"):
-        LLMEngine(EngineConfig(model="dummy:tiny", backend="onnxruntime", quantization="int4"))
+        LLM(EngineConfig(model="dummy:tiny", backend="onnxruntime", quantization="int4"))
 
 
 def test_tensorrt_fp8_build_settings(tmp_path):

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from rtxcore.engine.config import EngineConfig
-from rtxcore.engine.llm_engine import LLMEngine
+from rtxcore.engine.llm import LLM
 from rtxcore.errors import ConfigError
 from rtxcore.sampling_params import SamplingParams
 from tests.helpers.engines import make_engine
@@ -49,21 +49,21 @@ def graph_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ort_engine(graph_cache, registry, default_source):
-    engine = LLMEngine(EngineConfig(backend="onnxruntime", num_kv_blocks=512), registry=registry,
+    engine = LLM(EngineConfig(backend="onnxruntime", num_kv_blocks=512), registry=registry,
                        source=default_source)
     yield engine
     assert not engine.has_unfinished_requests()
 
 
 def _tokens(engine, prompts, params=GREEDY, together=True):
-    engine.kv_cache.reset_prefix_cache()
+    engine.core.kv_cache.reset_prefix_cache()
     if together:
         return [r.token_ids for r in engine.generate(prompts, params)]
     return [engine.generate([p], params)[0].token_ids for p in prompts]
 
 
 def test_first_start_exports_into_the_cache(ort_engine, graph_cache):
-    graph = ort_engine.backend.graph
+    graph = ort_engine.core.backend.graph
     assert not graph.cache_hit and graph.export_s > 0
     assert graph.path.is_file() and graph.path.parent.parent == graph_cache
     assert (graph.path.parent / "key.json").is_file()
@@ -85,7 +85,7 @@ def test_chunked_prefill_and_prefix_hits_equal_torch(graph_cache, registry, defa
     # later pieces read their past from the paged cache; the second run hits the prefix cache.
     engine = make_engine(None, registry=registry, source=default_source, backend="onnxruntime",
                          max_num_batched_tokens=32, num_kv_blocks=64)
-    assert engine.backend.graph.cache_hit and engine.backend.graph.export_s == 0
+    assert engine.core.backend.graph.cache_hit and engine.core.backend.graph.export_s == 0
     prompt = " ".join(PROMPTS)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     expected = _tokens(default_engine, [prompt], params)[0]
@@ -98,9 +98,9 @@ def test_chunked_prefill_and_prefix_hits_equal_torch(graph_cache, registry, defa
 
 def test_incompatible_settings_are_refused(graph_cache, registry, default_source):
     with pytest.raises(ConfigError, match="cannot run dtype 'bfloat16'.*accepts: float32"):
-        LLMEngine(EngineConfig(backend="onnxruntime", dtype="bfloat16"), registry=registry, source=default_source)
+        LLM(EngineConfig(backend="onnxruntime", dtype="bfloat16"), registry=registry, source=default_source)
     with pytest.raises(ConfigError, match="device 'tpu'"):
-        LLMEngine(EngineConfig(backend="onnxruntime", device="tpu"), registry=registry, source=default_source)
+        LLM(EngineConfig(backend="onnxruntime", device="tpu"), registry=registry, source=default_source)
 
 
 def test_cli_refuses_an_unsupported_dtype_in_one_line():
@@ -163,22 +163,22 @@ def test_blocks_come_back_from_the_host_tier(graph_cache, registry, default_sour
     first, second = " ".join(PROMPTS[:4] * 4), " ".join(PROMPTS[4:] * 4)
     expected = _tokens(default_engine, [first], params)[0]
     assert engine.generate([first], params)[0].token_ids == expected
-    assert len(engine.encode(first)) > 96 and len(engine.encode(second)) > 96
+    assert len(engine.inputs.encode(first)) > 96 and len(engine.inputs.encode(second)) > 96
     engine.generate([second], params)
     again = engine.generate([first], params)[0]
-    assert engine.kv_cache.stats.num_reloaded_tokens >= 48 and again.num_cached_tokens >= 48
+    assert engine.core.kv_cache.stats.num_reloaded_tokens >= 48 and again.num_cached_tokens >= 48
     assert again.token_ids == expected
 
 
 def test_a_damaged_cached_export_is_exported_again(tmp_path, monkeypatch, registry, caplog):
-    from rtxcore.models.source import resolve_model
+    from rtxcore.models.resolve import resolve_model
 
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
     source = resolve_model("dummy:tiny")
     first = make_engine(None, registry=registry, source=source, backend="onnxruntime", num_kv_blocks=16)
-    path = first.backend.graph.path
+    path = first.core.backend.graph.path
     expected = first.generate([[5, 6, 7]], GREEDY)[0].token_ids
     path.write_bytes(path.read_bytes()[:1000])  # cut short, as by a full disk
     again = make_engine(None, registry=registry, source=source, backend="onnxruntime", num_kv_blocks=16)
-    assert "does not open" in caplog.text and not again.backend.graph.cache_hit
+    assert "does not open" in caplog.text and not again.core.backend.graph.cache_hit
     assert again.generate([[5, 6, 7]], GREEDY)[0].token_ids == expected

@@ -24,7 +24,7 @@ from rtx_plugins.backends.tensorrt_backend.profiles import (
 
 from rtxcore.contracts.backend import ForwardBatch
 from rtxcore.engine.config import EngineConfig
-from rtxcore.engine.llm_engine import LLMEngine
+from rtxcore.engine.llm import LLM
 from rtxcore.errors import ConfigError, PluginError
 from rtxcore.models.dummy import SHAPES, DummySource
 
@@ -58,7 +58,7 @@ def test_serve_with_tensorrt_exits_2_with_the_reason_in_one_line():
 @without_tensorrt
 def test_engine_refuses_tensorrt_before_loading(registry):
     with pytest.raises(PluginError, match="backend 'tensorrt' is unavailable: cannot import tensorrt"):
-        LLMEngine(EngineConfig(model="dummy:tiny", backend="tensorrt"), registry=registry)
+        LLM(EngineConfig(model="dummy:tiny", backend="tensorrt"), registry=registry)
 
 
 def _step(block_size: int = 4) -> ForwardBatch:

@@ -42,7 +42,7 @@ def test_piecewise_segments_match_torch_path(monkeypatch):
     expected = _tokens(monkeypatch, "torch", max_num_batched_tokens=32)
     monkeypatch.setenv("RTX_TORCH_KERNELS", "triton")
     engine = make_engine(device="cpu", dtype="float32", block_size=8, max_num_batched_tokens=32)
-    backend = engine.backend
+    backend = engine.core.backend
     backend._mixed = PiecewiseGraphs(backend.model, backend.kv_caches, backend.device, sizes=[4, 16, 40])
     calls = []
     hidden_states = backend._mixed.hidden_states

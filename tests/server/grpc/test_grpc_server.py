@@ -69,7 +69,7 @@ def engine_state(runtime) -> tuple[bool, int, int]:
     async_engine = runtime.async_engine
 
     def inspect(engine):
-        return engine.has_unfinished_requests(), engine.kv_cache.num_free_blocks, runtime.num_active
+        return engine.has_unfinished_requests(), engine.core.kv_cache.num_free_blocks, runtime.num_active
 
     return asyncio.run(async_engine.run_on_engine(inspect))
 

@@ -79,7 +79,7 @@ def test_a_failed_engine_fails_the_liveness_probe():
     runtime = ServingRuntime(EngineConfig(model="dummy:tiny"))
     runtime.load()
     try:
-        engine = runtime.async_engine.engine
+        engine = runtime.async_engine.core
         engine.sampler.sample = lambda *args: 1 / 0  # a sampler plugin that raises in the step
         with TestClient(build_app(runtime), raise_server_exceptions=False) as c:
             assert c.get("/health").status_code == 200

@@ -63,7 +63,7 @@ def http(server):
 def offline_greedy(default_engine):
     """The engine's own output for PROMPT and for CHAT, greedy, 16 tokens."""
     params = SamplingParams(max_tokens=16, temperature=0.0)
-    chat_prompt = default_engine.apply_chat_template(CHAT)
+    chat_prompt = default_engine.inputs.apply_chat_template(CHAT)
     # One at a time, as the server runs them in these tests.
     return default_engine.generate([PROMPT], params)[0], default_engine.generate([chat_prompt], params)[0]
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from rtxcore.kv.hashing import BlockHash
-from rtxcore.kv.tiers import KVTier, TierReadError
+from rtxcore.kv.tiers.base import KVTier, TierReadError
 from rtxcore.transfer import to_device
 
 log = logging.getLogger("rtx.kv")

@@ -1,5 +1,5 @@
 """The disk KV tier: one file per block under a directory, which outlives the process (the warm-restart snapshot
-is this tier plus an index, see ``rtxcore.kv.snapshot``).
+is this tier plus an index, see ``rtxcore.kv.tiers.snapshot``).
 
 Each file starts with a header naming what it holds: a magic string, the *cache fingerprint* (model weights and
 shape, backend, dtype and block size: what makes two servers' KV bytes interchangeable), the block's key, its
@@ -23,7 +23,7 @@ import torch
 from rtxcore.contracts.eviction import EvictionPolicy
 from rtxcore.files import replace_atomically
 from rtxcore.kv.hashing import HASH_SIZE, BlockHash
-from rtxcore.kv.tiers import KVTier, TierReadError
+from rtxcore.kv.tiers.base import KVTier, TierReadError
 
 log = logging.getLogger("rtx.kv")
 

@@ -1,0 +1,95 @@
+"""The parts an engine core is made of, built from its config: the plugins it names (resolved once, here), the
+backend with the model loaded, the KV cache sized from memory, and the lower KV tiers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rtxcore.contracts.backend import BackendOptions, ExecutionBackend, runs_quantization
+from rtxcore.contracts.sampler import Sampler
+from rtxcore.contracts.scheduler import Scheduler
+from rtxcore.engine.config import EngineConfig
+from rtxcore.engine.output_processor import OutputProcessor
+from rtxcore.errors import ConfigError, PluginError
+from rtxcore.kv.manager import KVCacheManager
+from rtxcore.kv.tiers.stack import KVTiers
+from rtxcore.models.resolve import resolve_model
+from rtxcore.models.source import ModelSource
+from rtxcore.registry import PluginRegistry, load_plugins
+from rtxcore.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class EngineComponents:
+    registry: PluginRegistry
+    source: ModelSource
+    # Loaded, with its KV cache allocated.
+    backend: ExecutionBackend
+    tokenizer: Tokenizer | None
+    # Longest sequence accepted: the config's limit within the model's context.
+    max_model_len: int
+    # Host and disk tiers under the device's prefix cache; None when none is configured.
+    kv_tiers: KVTiers | None
+    kv_cache: KVCacheManager
+    scheduler: Scheduler
+    sampler: Sampler
+    output_processor: OutputProcessor
+
+
+def build_components(config: EngineConfig, registry: PluginRegistry | None, source: ModelSource | None,
+                     progress: Callable[[int, int], None] | None) -> EngineComponents:
+    # Plugins are resolved once here; nothing on the per-token path goes through the plugin manager.
+    registry = registry or load_plugins()
+    source = source or resolve_model(config.model)
+    backend = make_backend(config, registry, source)
+    backend.load(source, progress=progress)
+    model_config = backend.model_config
+    tokenizer = source.tokenizer()
+    max_model_len = min(config.max_model_len or model_config.max_position, model_config.max_position)
+    num_blocks = config.num_kv_blocks or _num_blocks_from_memory(config, backend, max_model_len)
+    policy = registry.create("eviction_policy", config.eviction_policy, num_blocks)
+    backend.allocate_kv_cache(num_blocks, config.block_size)
+    kv_tiers = (KVTiers(config, backend, registry, source) if config.kv_host_bytes or config.kv_disk_dir else None)
+    kv_cache = KVCacheManager(num_blocks, config.block_size, policy, config.enable_prefix_caching,
+                              kv_tiers.offload if kv_tiers is not None else None)
+    if kv_tiers is not None:
+        kv_tiers.load_snapshot()
+    scheduler = registry.create("scheduler", config.scheduler, config.scheduling, kv_cache)
+    sampler = registry.create("sampler", config.sampler)
+    eos = tokenizer.eos_token_ids if tokenizer is not None else model_config.eos_token_ids
+    output_processor = OutputProcessor(tokenizer, list(eos), max_model_len)
+    return EngineComponents(registry, source, backend, tokenizer, max_model_len, kv_tiers, kv_cache, scheduler,
+                            sampler, output_processor)
+
+
+def make_backend(config: EngineConfig, registry: PluginRegistry, source: ModelSource) -> ExecutionBackend:
+    """The configured backend with the quantizers its weights need; refused when unavailable or unable to run
+    them."""
+    record = registry.get("backend", config.backend)
+    caps = record.cls.capabilities()
+    if not caps.available:
+        raise PluginError(f"backend {config.backend!r} is unavailable: {caps.unavailable_reason}")
+    methods = source.quantization_methods()
+    if config.quantization and methods:
+        raise ConfigError(f"{source.name} is already quantized ({', '.join(methods)}): drop --quantization")
+    quantizers = {}
+    for method in (*methods, *([config.quantization] if config.quantization else [])):
+        quantizers[method] = registry.create("quantizer", method)
+        if not runs_quantization(caps, method):
+            raise PluginError(f"backend {config.backend!r} cannot run {method!r} weights (it accepts: "
+                              f"{', '.join(caps.quantization_formats) or 'none'})")
+    quantizer = quantizers.get(config.quantization) if config.quantization else None
+    return registry.create(
+        "backend", config.backend,
+        BackendOptions(config.device, config.dtype, quantizer, max_batch_size=config.scheduling.max_num_seqs,
+                       max_model_len=config.max_model_len, enforce_eager=config.enforce_eager,
+                       verify_artifact=config.verify_artifact, quantizers=quantizers))
+
+
+def _num_blocks_from_memory(config: EngineConfig, backend: ExecutionBackend, max_model_len: int) -> int:
+    budget = config.kv_cache_bytes or backend.available_kv_cache_bytes()
+    per_block = backend.kv_cache_bytes_per_token() * config.block_size
+    # No point holding more than every sequence at full length could use.
+    most = config.scheduling.max_num_seqs * -(-max_model_len // config.block_size) + 1
+    return max(2, min(budget // per_block, most))

@@ -1,0 +1,194 @@
+"""The engine core: requests flow scheduler -> backend -> sampler -> output processor, one step at a time.
+
+:meth:`EngineCore.step` is chosen once, at start: the serial step (schedule, execute, sample, update), or on an
+accelerator the overlapped one (:mod:`rtxcore.engine.overlap`), which launches step N+1 before it reads step N's
+tokens. Requests come in already checked (:mod:`rtxcore.engine.input_processor`); offline use goes through the
+facade :class:`rtxcore.engine.llm.LLM`, serving through :class:`rtxcore.engine.async_engine.AsyncEngine`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from rtxcore.contracts.sampler import SamplerOutput
+from rtxcore.engine.batch_builder import StepPlan, build_embedding_batch, build_step
+from rtxcore.engine.components import EngineComponents, build_components
+from rtxcore.engine.config import EngineConfig
+from rtxcore.engine.input_processor import InputLimits, InputProcessor
+from rtxcore.engine.outputs import RequestOutput
+from rtxcore.errors import InvalidRequestError
+from rtxcore.models.source import ModelSource
+from rtxcore.registry import PluginRegistry
+from rtxcore.request import Request, RequestStatus
+
+Progress = Callable[[int, int], None]
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig | None = None, *, registry: PluginRegistry | None = None,
+                 source: ModelSource | None = None, progress: Progress | None = None):
+        self.config = config = config or EngineConfig()
+        parts: EngineComponents = build_components(config, registry, source, progress)
+        self.registry = parts.registry
+        self.source = parts.source
+        self.backend = parts.backend
+        self.model_config = parts.backend.model_config
+        self.tokenizer = parts.tokenizer
+        self.max_model_len = parts.max_model_len
+        self.kv_tiers = parts.kv_tiers
+        self.kv_cache = parts.kv_cache
+        self.scheduler = parts.scheduler
+        self.sampler = parts.sampler
+        self.output_processor = parts.output_processor
+        self.requests: dict[str, Request] = {}
+        self.generators: dict[str, torch.Generator] = {}
+        # Set by each step: how long the scheduler holds its waiting work to merge arrivals (0: no hold).
+        self.hold_s = 0.0
+        # Overlap the host's work with the device's: on by default where the model runs on an accelerator.
+        overlap = config.async_scheduling if config.async_scheduling is not None else (
+            self.backend.device.type != "cpu")
+        self.overlapped = overlap
+        # Chosen once: each variant is its own method, not one method threaded with flags.
+        if overlap:
+            from rtxcore.engine.overlap import OverlappedSteps
+
+            self._overlap: OverlappedSteps | None = OverlappedSteps(self)
+            self.step: Callable[[], list[RequestOutput]] = self._overlap.step
+        else:
+            self._overlap = None
+            self.step = self._step_serial
+
+    def input_processor(self) -> InputProcessor:
+        """A processor checking requests against this engine's vocabulary, context and cache."""
+        limits = InputLimits(self.model_config.vocab_size, self.max_model_len,
+                             self.kv_cache.num_usable_blocks * self.config.block_size, self.config.block_size)
+        return InputProcessor(self.tokenizer, limits, self.source.name)
+
+    # -- requests -------------------------------------------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        """Queue a checked request, changing nothing if it is refused.
+
+        :raises InvalidRequestError: its id is in use.
+        :raises AdmissionRefused: the scheduler will not take it now.
+        """
+        if req.req_id in self.requests:
+            raise InvalidRequestError(f"request id {req.req_id!r} is already in use", param="request_id")
+        params = req.params
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.backend.device).manual_seed(
+                resumed_seed(params.seed, req.num_output_tokens))
+        req.arrival_time = time.monotonic()  # when the engine took it (it may have been made on another thread)
+        self.scheduler.add_request(req)  # the last step that may refuse: a refusal must leave nothing behind
+        if generator is not None:
+            self.generators[req.req_id] = generator
+        self.requests[req.req_id] = req
+        self.output_processor.add(req)
+        if self._overlap is not None:
+            self._overlap.on_add(req)
+
+    def abort(self, req_id: str) -> RequestOutput | None:
+        """End a request now; returns its final output, or None if it is not here (finished already)."""
+        req = self.requests.get(req_id)
+        if req is None:
+            return None
+        req.status = RequestStatus.FINISHED_ABORTED
+        self.finish(req)
+        return self.output_processor.make_output(req, [], "")
+
+    def has_unfinished_requests(self) -> bool:
+        return (self._overlap is not None and self._overlap.in_flight) or self.scheduler.has_unfinished_requests()
+
+    # -- the loop -------------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _step_serial(self) -> list[RequestOutput]:
+        self.maintain()
+        sched = self.scheduler.schedule()
+        self.hold_s = sched.hold_s
+        if sched.is_empty:
+            return []
+        plan = build_step(sched, self.kv_cache.block_table, self.config.block_size, self.generators, ())
+        logits = self.execute(plan)
+        if not plan.sampling_reqs:
+            return []
+        return self.update(plan.sampling_reqs, self.sampler.sample(logits, plan.sampling))
+
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        """Run the step's batch through the backend and count its tokens as computed; returns the logits."""
+        now = time.monotonic()
+        logits = self.backend.execute(plan.batch)
+        for req, n in zip(plan.reqs, plan.num_tokens):
+            req.num_computed_tokens += n
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+        return logits
+
+    def update(self, reqs: list[Request], sampled: SamplerOutput) -> list[RequestOutput]:
+        """Apply sampled tokens (on the host) to their requests; finished ones leave the engine."""
+        outputs = self.output_processor.process(reqs, sampled)
+        for out in outputs:
+            if out.finished:
+                self.finish(self.requests[out.req_id])
+        return outputs
+
+    def finish(self, req: Request) -> None:
+        """Forget a request that finished or was aborted; the scheduler hears of it exactly once."""
+        held = self._overlap.on_finish(req) if self._overlap is not None else True
+        if held:
+            self.scheduler.finish_request(req)
+        self.output_processor.remove(req.req_id)
+        self.generators.pop(req.req_id, None)
+        del self.requests[req.req_id]
+
+    def maintain(self) -> None:
+        """Time-driven upkeep, called by every step and by an idle engine's loop: the periodic KV snapshot (so a
+        burst followed by quiet is still saved)."""
+        if self.kv_tiers is not None and self.kv_tiers.snapshot_due(time.monotonic()):
+            self.save_kv_snapshot()
+
+    def save_kv_snapshot(self) -> int:
+        """Write the prefix cache to the disk tier so that a restart starts warm (on shutdown, and periodically);
+        returns the blocks written. Call it on the engine's thread, between steps."""
+        return self.kv_tiers.save_snapshot(self.kv_cache) if self.kv_tiers is not None else 0
+
+    @torch.inference_mode()
+    def embed(self, token_lists: Sequence[list[int]]) -> list[list[float]]:
+        """Normalized mean-pooled final hidden states of each input (checked by the input processor), computed
+        without touching the KV cache."""
+        vectors: list[list[float]] = []
+        for group in _token_groups(token_lists, self.config.scheduling.max_num_batched_tokens):
+            hidden = self.backend.embed(build_embedding_batch(group, self.config.block_size))
+            starts = itertools.accumulate((len(ids) for ids in group), initial=0)
+            for start, ids in zip(starts, group):
+                pooled = hidden[start:start + len(ids)].mean(dim=0)
+                vectors.append(torch.nn.functional.normalize(pooled, dim=0).tolist())
+        return vectors
+
+
+def resumed_seed(seed: int, num_output_tokens: int) -> int:
+    """The generator seed of a request resumed after ``num_output_tokens`` tokens. The state its generator had
+    reached is lost with the process, so the same seed would replay the draws of the first tokens; a seed derived
+    from both keeps a resumed run reproducible from the journal (a fresh request is seeded with ``seed`` itself)."""
+    if num_output_tokens == 0:
+        return seed
+    return (seed * 1_000_003 + num_output_tokens) % 2**63
+
+
+def _token_groups(token_lists: Sequence[list[int]], budget: int) -> list[list[list[int]]]:
+    groups: list[list[list[int]]] = []
+    size = 0
+    for ids in token_lists:
+        if groups and size + len(ids) > budget:
+            groups.append([])
+            size = 0
+        if not groups:
+            groups.append([])
+        groups[-1].append(ids)
+        size += len(ids)
+    return groups

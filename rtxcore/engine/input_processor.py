@@ -1,0 +1,123 @@
+"""What a caller sends, turned into a checked :class:`Request`: text encoded, token ids and lengths checked, the
+outputs of a resumed request checked. Reads only what does not change while the engine runs (tokenizer, vocabulary,
+context and cache sizes), so any thread may call it: servers encode on worker threads, never on the engine's."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rtxcore.errors import CapacityError, InvalidRequestError
+from rtxcore.lanes import DEFAULT_LANE, check_lane_name
+from rtxcore.request import Request
+from rtxcore.sampling_params import SamplingParams
+from rtxcore.tokenizer import Tokenizer
+
+Prompt = str | Sequence[int]
+
+
+@dataclass(slots=True, frozen=True)
+class InputLimits:
+    """The sizes a request is checked against."""
+
+    vocab_size: int
+    # Longest sequence (prompt + output) the engine accepts.
+    max_model_len: int
+    # Most tokens one request may ever hold in the KV cache (the whole cache, in whole blocks).
+    max_cache_tokens: int
+    block_size: int
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None, limits: InputLimits, model_name: str):
+        self.tokenizer = tokenizer
+        self.limits = limits
+        # Named in errors about a missing tokenizer.
+        self.model_name = model_name
+
+    def make_request(self, prompt: Prompt, params: SamplingParams, req_id: str, *, cache_salt: str | None = None,
+                     lane: str = DEFAULT_LANE, tenant: str | None = None,
+                     output_token_ids: Sequence[int] = ()) -> Request:
+        """A request ready for the engine core.
+
+        :param output_token_ids: tokens this request already produced (a request resumed from the journal after a
+            restart): prefilled after the prompt and counted against ``params.max_tokens``, so generation goes on
+            where it stopped.
+        :raises InvalidRequestError: naming the problem (CapacityError when it can never fit).
+        """
+        check_lane_name(lane)
+        token_ids = self.encode(prompt)
+        outputs = self._check_token_ids(output_token_ids, "output token ids", "output_token_ids")
+        if len(outputs) >= params.max_tokens:
+            raise InvalidRequestError(f"{len(outputs)} output tokens already reach max_tokens ({params.max_tokens}): "
+                                      "nothing is left to generate", param="output_token_ids")
+        self._check_fits(len(token_ids), params.max_tokens)
+        return Request(req_id, token_ids, params, all_token_ids=token_ids + outputs, cache_salt=cache_salt,
+                       lane=lane, tenant=tenant)
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty", param="prompt")
+            if self.tokenizer is None:
+                raise InvalidRequestError(f"model {self.model_name} has no tokenizer: give the prompt as token ids",
+                                          param="prompt")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = self._check_token_ids(prompt, "prompt token ids", "prompt")
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty", param="prompt")
+        return token_ids
+
+    def encode_batch(self, prompts: Sequence[Prompt], param: str = "prompt") -> list[list[int]]:
+        """Token ids of every prompt, texts encoded in one batch (the tokenizer's batch call is much faster than one
+        call per text)."""
+        texts = [p for p in prompts if isinstance(p, str)]
+        if any(not p for p in prompts):
+            raise InvalidRequestError(f"{param} is empty", param=param)
+        if texts and self.tokenizer is None:
+            raise InvalidRequestError(f"model {self.model_name} has no tokenizer: give the {param} as token ids",
+                                      param=param)
+        encoded = iter(self.tokenizer.encode_batch(texts) if texts and self.tokenizer is not None else [])
+        # Token-id prompts are checked where they become requests (make_request, check_embedding_inputs).
+        return [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
+
+    def check_embedding_inputs(self, token_lists: Sequence[Sequence[int]]) -> None:
+        """:raises InvalidRequestError: a token id is out of the vocabulary, or an input is empty or longer than the
+        context (CapacityError)."""
+        for ids in token_lists:
+            self.encode(ids)
+            if len(ids) > self.limits.max_model_len:
+                raise CapacityError(f"input is {len(ids)} tokens, longer than the model's context of "
+                                    f"{self.limits.max_model_len} tokens", param="input")
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        if self.tokenizer is None:
+            raise InvalidRequestError(f"model {self.model_name} has no tokenizer and no chat template")
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    def room_left(self, num_prompt_tokens: int) -> int:
+        """Tokens a prompt of this length leaves to generate within the context and the whole KV cache."""
+        return min(self.limits.max_model_len, self.limits.max_cache_tokens) - num_prompt_tokens
+
+    def _check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        limits = self.limits
+        total = num_prompt_tokens + max_tokens
+        if num_prompt_tokens >= limits.max_model_len:
+            raise CapacityError(f"prompt is {num_prompt_tokens} tokens, longer than the model's context of "
+                                f"{limits.max_model_len} tokens (at least one must be left to generate)",
+                                param="prompt")
+        if total > limits.max_model_len:
+            raise CapacityError(f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) is {total}, "
+                                f"more than the model's context of {limits.max_model_len} tokens", param="max_tokens")
+        if -(-total // limits.block_size) * limits.block_size > limits.max_cache_tokens:
+            raise CapacityError(f"request needs up to {total} tokens of KV cache but the whole cache holds "
+                                f"{limits.max_cache_tokens}", param="max_tokens")
+
+    def _check_token_ids(self, token_ids: Sequence[int], what: str, param: str) -> list[int]:
+        token_ids = list(token_ids)
+        vocab = self.limits.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"{what} must be integers in [0, {vocab}); got {bad[0]!r}", param=param)
+        return token_ids

@@ -1,23 +1,84 @@
-"""Exceptions raised by rtx-serve. Each carries a message meant to be shown to a user as it is."""
+"""Exceptions raised by rtx-serve. Each carries a message meant to be shown to a user as it is.
+
+A request that fails says why with a :class:`RequestError`: a protocol-free :class:`ErrorCode`, the message, the
+field at fault (``param``), how long to wait before retrying (``retry_after_s``) and a short machine-readable
+``reason``. The HTTP and gRPC servers each map the code to their own status, in one place each.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
 
 
 class RtxError(Exception):
     """Base class of every error rtx-serve raises on purpose."""
 
 
-class InvalidRequestError(RtxError, ValueError):
-    """A request's prompt or sampling parameters are not acceptable.
+class ErrorCode(enum.Enum):
+    """What went wrong with a request, in words of no protocol (gRPC's status names, which fit any)."""
 
-    ``param`` names the offending field so servers can report it (OpenAI's error shape has a ``param`` key).
-    """
+    INVALID_ARGUMENT = "invalid_argument"
+    UNAUTHENTICATED = "unauthenticated"
+    PERMISSION_DENIED = "permission_denied"
+    NOT_FOUND = "not_found"
+    # The request contradicts an earlier one (an idempotency key reused with another request).
+    CONFLICT = "conflict"
+    # The request cannot work on this server as configured (a resume without a request journal, say).
+    FAILED_PRECONDITION = "failed_precondition"
+    OUT_OF_RANGE = "out_of_range"
+    RESOURCE_EXHAUSTED = "resource_exhausted"
+    UNAVAILABLE = "unavailable"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    INTERNAL = "internal"
+
+
+class RequestError(RtxError):
+    """An error a request ends with, shown to its client as it is."""
+
+    def __init__(self, code: ErrorCode, message: str, *, param: str | None = None,
+                 retry_after_s: float | None = None, reason: str | None = None):
+        """:param param: the request field at fault, if one is.
+        :param retry_after_s: seconds to wait before trying again; None when retrying will not help.
+        :param reason: a short label of the cause (``queue_full``, ``rate_limited``, ...), for clients and metrics.
+        """
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.param = param
+        self.retry_after_s = retry_after_s
+        self.reason = reason
+
+    def to_json(self) -> dict[str, Any]:
+        return {"code": self.code.value, "message": self.message, "param": self.param,
+                "retry_after_s": self.retry_after_s, "reason": self.reason}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RequestError:
+        return cls(ErrorCode(data["code"]), str(data["message"]), param=data.get("param"),
+                   retry_after_s=data.get("retry_after_s"), reason=data.get("reason"))
+
+
+class InvalidRequestError(RequestError, ValueError):
+    """A request's prompt or sampling parameters are not acceptable; ``param`` names the offending field."""
 
     def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
+        super().__init__(ErrorCode.INVALID_ARGUMENT, message, param=param, reason="invalid_value")
 
 
 class CapacityError(InvalidRequestError):
     """A request can never fit: longer than the context or larger than the whole KV cache."""
+
+
+class AdmissionRefused(RequestError):
+    """A scheduler will not take a request now (its lane's queue is full, its predicted wait misses the lane's
+    target, or brownout sheds its lane); the client should retry after ``retry_after_s``.
+
+    ``reason`` is a short label for metrics and clients (``queue_full``, ``predicted_wait``, ``brownout``).
+    """
+
+    def __init__(self, message: str, retry_after_s: float, reason: str):
+        super().__init__(ErrorCode.RESOURCE_EXHAUSTED, message, retry_after_s=retry_after_s, reason=reason)
 
 
 class ModelLoadError(RtxError):
@@ -30,16 +91,3 @@ class PluginError(RtxError):
 
 class ConfigError(RtxError, ValueError):
     """An engine, cache or scheduler setting is invalid."""
-
-
-class AdmissionRefused(RtxError):
-    """A scheduler will not take a request now (its lane's queue is full, its predicted wait misses the lane's
-    target, or brownout sheds its lane); servers answer 429 with ``Retry-After``.
-
-    ``code`` is a short label for metrics (``queue_full``, ``predicted_wait``, ``brownout``).
-    """
-
-    def __init__(self, message: str, retry_after_s: float, code: str):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-        self.code = code

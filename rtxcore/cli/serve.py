@@ -11,7 +11,7 @@ from rtxcore.cli.common import add_engine_options, engine_config, finite_float
 
 
 def add_parser(sub) -> None:
-    from rtxcore.server.runtime import ServeSettings
+    from rtxcore.server.serving.runtime import ServeSettings
 
     d = ServeSettings()
     p = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible) and gRPC",
@@ -57,9 +57,9 @@ def run(args: argparse.Namespace) -> int:
     from rtxcore.errors import ConfigError
     from rtxcore.models.resolve import resolve_model
     from rtxcore.server.launcher import serve
-    from rtxcore.server.runtime import ServeSettings, ServingRuntime
     from rtxcore.server.serve_config import load_serve_config
-    from rtxcore.server.tenants import TenantRegistry
+    from rtxcore.server.serving.runtime import ServeSettings, ServingRuntime
+    from rtxcore.server.serving.tenants import TenantRegistry
 
     if not 0 <= args.port <= 65535 or (args.grpc_port is not None and not 0 <= args.grpc_port <= 65535):
         raise ConfigError("ports must be in [0, 65535]")

@@ -34,7 +34,7 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 # Each call's deadline, streams included: as long as the server's own default request timeout.
 DEFAULT_TIMEOUT_S = 600.0
 HEALTH_TIMEOUT_S = 10.0
-# The server's initial metadata naming a journaled request (rtxcore.server.http.responding.RTX_REQUEST_ID_HEADER).
+# The server's initial metadata naming a journaled request (rtxcore.server.grpc.servicer.RTX_REQUEST_ID_METADATA).
 RTX_REQUEST_ID_METADATA = "x-rtx-request-id"
 # gRPC waits up to two minutes between reconnection attempts by default; a stream waiting to resume would notice a
 # restarted server that late.

@@ -14,8 +14,8 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
 
 from rtxcore.engine.core import EngineCore
 from rtxcore.engine.input_processor import InputProcessor, Prompt
@@ -145,7 +145,7 @@ class AsyncEngine:
                 self._inbox.put(_Abort(sub))
                 self._wake.set()
 
-    async def embed(self, inputs: list[Prompt]) -> list[list[float]]:
+    async def embed(self, inputs: Sequence[Prompt]) -> list[list[float]]:
         token_lists = [self.inputs.encode(x) for x in inputs]
         self.inputs.check_embedding_inputs(token_lists)
         return await self.run_on_engine(lambda core: core.embed(token_lists))

@@ -1,4 +1,5 @@
-"""Run the servers: HTTP (uvicorn) and gRPC over one runtime, with a graceful drain on SIGINT/SIGTERM.
+"""Run the servers: HTTP (uvicorn) and gRPC over one runtime, on one event loop, with a graceful drain on SIGINT and
+SIGTERM. The engine steps on a thread of its own; the model loads on another.
 
 The order of a start: bind the HTTP socket (a busy port is a one-line error), start gRPC, start answering, then
 load the model in the background; probes answer at once and model routes say 503 until it is loaded.
@@ -18,13 +19,17 @@ import signal
 import socket
 import sys
 import time
-from typing import Iterator, TextIO
+from typing import TYPE_CHECKING, Iterator, TextIO
 
 import uvicorn
 
 from rtxcore.errors import RtxError
 from rtxcore.server.http import build_app
-from rtxcore.server.runtime import ServingRuntime
+from rtxcore.server.serving.recovery import recover
+from rtxcore.server.serving.runtime import ServingRuntime
+
+if TYPE_CHECKING:
+    from rtxcore.server.grpc.server import GrpcServer
 
 log = logging.getLogger("rtx.server")
 
@@ -64,8 +69,7 @@ class Launcher:
         self._server = server = _UvicornServer(config)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
-        self.runtime.main_loop = loop
-        grpc = self._start_grpc()
+        grpc = await self._start_grpc()
         serving = asyncio.ensure_future(server.serve(sockets=[sock]))
         address = self._address(sock.getsockname()[1], grpc)
         try:
@@ -75,14 +79,11 @@ class Launcher:
             if await _first(self._wait_loaded(), self._stop_requested.wait(), serving) == 0:
                 if self.runtime.load_error is not None:
                     raise _load_failure(self.runtime.load_error)
-                if self.runtime.durable is not None:
-                    from rtxcore.server.http.recovery import recover
-
-                    await recover(self.runtime)  # before "ready": a resumed stream must be found when asked for
+                await recover(self.runtime)  # before "ready": a resumed stream must be found when asked for
                 self._say(f"{address} model={self.runtime.model_name} backend={self.runtime.backend_name}")
                 await _first(self._stop_requested.wait(), serving)
             if not serving.done():
-                await self._drain()
+                await self._drain(server)
         finally:
             server.should_exit = True
             await asyncio.gather(serving, return_exceptions=True)
@@ -91,8 +92,7 @@ class Launcher:
                 # the gRPC server stops, so that its calls following such requests end saying to resume them.
                 await self.runtime.durable.stop_producers()
             if grpc is not None:
-                # In a thread: the gRPC calls following journaled requests need this loop while they end.
-                await asyncio.to_thread(grpc.stop, 1.0)
+                await grpc.stop(1.0)
             self.runtime.stop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
@@ -114,7 +114,7 @@ class Launcher:
         while not self.runtime.wait_loaded(0):
             await asyncio.sleep(_DRAIN_POLL_S)
 
-    async def _drain(self) -> None:
+    async def _drain(self, server: uvicorn.Server) -> None:
         runtime = self.runtime
         runtime.draining = True
         deadline = time.monotonic() + self.settings.shutdown_grace_s
@@ -125,7 +125,7 @@ class Launcher:
         if runtime.num_active:
             log.warning("shutting down with %d requests still running", runtime.num_active)
         # What is left is responses sending their last bytes (or, past the grace period, being cut).
-        self._server.config.timeout_graceful_shutdown = max(1, math.ceil(deadline - time.monotonic()))
+        server.config.timeout_graceful_shutdown = max(1, math.ceil(deadline - time.monotonic()))
 
     def _on_signal(self, sig: int) -> None:
         self._num_signals += 1
@@ -135,17 +135,17 @@ class Launcher:
         if self._num_signals > 1:  # a second signal: stop now, cutting running requests
             self._server.force_exit = True
 
-    def _start_grpc(self):
+    async def _start_grpc(self) -> GrpcServer | None:
         if self.settings.grpc_port is None:
             return None
-        from rtxcore.server.grpc.server import start_grpc_server
+        from rtxcore.server.grpc.server import start_grpc_server  # generates the gRPC modules on first use
 
         try:
-            return start_grpc_server(self.runtime, self.settings.host, self.settings.grpc_port)
+            return await start_grpc_server(self.runtime, self.settings.host, self.settings.grpc_port)
         except OSError as exc:
             raise RtxError(str(exc)) from None
 
-    def _address(self, http_port: int, grpc) -> str:
+    def _address(self, http_port: int, grpc: GrpcServer | None) -> str:
         host = self.settings.host
         shown = f"[{host}]" if ":" in host else host
         address = f"http://{shown}:{http_port}"

@@ -9,7 +9,7 @@
     [brownout]                  # sla-lanes' brownout ladder (see its BrownoutConfig)
     exit_after_s = 10
 
-    [tenants.acme]              # see rtxcore.server.tenants
+    [tenants.acme]              # see rtxcore.server.serving.tenants
     key_env = "ACME_KEY"
     lanes = ["standard", "bulk"]
     requests_per_second = 5

@@ -25,8 +25,8 @@ from rtxcore.client import (
 )
 from rtxcore.client.retry import parse_retry_after
 from rtxcore.engine.config import EngineConfig
-from rtxcore.server.grpc import start_grpc_server
-from rtxcore.server.runtime import ServeSettings, ServingRuntime
+from rtxcore.server.serving.runtime import ServeSettings, ServingRuntime
+from tests.helpers.grpc_server import ThreadedGrpcServer
 from tests.helpers.server import start_server
 
 PROMPT = "The capital of France is"
@@ -87,7 +87,8 @@ def test_http_client(server, expected_text):
 
         messages = [{"role": "user", "content": "Say hello."}]
         chat = client.chat(messages, **GREEDY)["choices"][0]["message"]["content"]
-        streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in client.stream_chat(messages, **GREEDY))
+        chunks = client.stream_chat(messages, **GREEDY)
+        streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
         assert chat and streamed == chat
 
         embeddings = client.embeddings(["hello", "world"])["data"]
@@ -343,7 +344,7 @@ def full_grpc_server():
     """An in-process gRPC server that admits one request at a time (tiny random model, token-id prompts)."""
     runtime = ServingRuntime(EngineConfig(model="dummy:tiny"), ServeSettings(grpc_port=0, max_active_requests=1))
     runtime.load()
-    server = start_grpc_server(runtime, "127.0.0.1", 0)
+    server = ThreadedGrpcServer(runtime)
     yield f"127.0.0.1:{server.port}"
     server.stop(grace_s=0)
     runtime.stop()

@@ -14,7 +14,7 @@ from rtxcore.engine.async_engine import AsyncEngine
 from rtxcore.metrics import EngineMetrics
 from rtxcore.metrics.timeline import TraceHeaders
 from rtxcore.sampling_params import SamplingParams
-from rtxcore.server.durable.metrics import FAMILY_NAMES as DURABLE_FAMILIES
+from rtxcore.server.serving.durable.metrics import FAMILY_NAMES as DURABLE_FAMILIES
 from tests.helpers import REPO
 from tests.helpers.engines import make_engine
 
@@ -24,7 +24,7 @@ TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 def documented_families() -> set[str]:
     """Family names from the tables of docs/metrics.md, as the text parser names them (counters lose ``_total``),
-    but for those of a server with a state dir (rtxcore.server.durable.metrics, checked below)."""
+    but for those of a server with a state dir (rtxcore.server.serving.durable.metrics, checked below)."""
     names = re.findall(r"^\| `(rtx_[a-z0-9_]+)` \|", DOCS.read_text(), flags=re.MULTILINE)
     return {name.removesuffix("_total") for name in names} - set(DURABLE_FAMILIES)
 
@@ -143,12 +143,14 @@ def test_metrics_parse_and_every_family_moves(served):
     assert value(after, "rtx_prefix_cache_hits", "rtx_prefix_cache_hits_total") <= value(
         after, "rtx_prefix_cache_queries", "rtx_prefix_cache_queries_total")
     block_bytes = value(after, "rtx_kv_bytes_per_token") * 16
-    assert block_bytes > 0 and value(after, "rtx_kv_tier_capacity_bytes", tier="host") == (1 << 16) // block_bytes * block_bytes
+    host_capacity = value(after, "rtx_kv_tier_capacity_bytes", tier="host")
+    assert block_bytes > 0 and host_capacity == (1 << 16) // block_bytes * block_bytes
     assert value(after, "rtx_kv_offload_bytes", "rtx_kv_offload_bytes_total", tier="host") == block_bytes * value(
         after, "rtx_kv_offload_blocks", "rtx_kv_offload_blocks_total", tier="host")
     for tier in ("device", "host", "disk"):
         assert 0.0 <= value(after, "rtx_kv_tier_pressure_ratio", tier=tier) <= 1.0
-        assert value(after, "rtx_kv_tier_used_bytes", tier=tier) <= value(after, "rtx_kv_tier_capacity_bytes", tier=tier)
+        used = value(after, "rtx_kv_tier_used_bytes", tier=tier)
+        assert used <= value(after, "rtx_kv_tier_capacity_bytes", tier=tier)
     # Histogram buckets are cumulative and end at the count.
     buckets = [v for (name, lbls), v in after["rtx_batch_size"].items() if name == "rtx_batch_size_bucket"]
     assert buckets == sorted(buckets) and buckets[-1] == value(after, "rtx_batch_size", "rtx_batch_size_count")

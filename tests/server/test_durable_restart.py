@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rtxcore.server.durable.records import decode_records
+from rtxcore.server.serving.durable.records import decode_records
 from tests.helpers.server import ServerProcess, metric, start_server
 
 MODEL_ARGS = ("--model", "dummy:tiny", "--no-grpc")

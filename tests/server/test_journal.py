@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rtxcore.errors import ConfigError
-from rtxcore.server.durable.journal import Journal, JournalClosed, JournalOptions
-from rtxcore.server.durable.records import decode_records, encode_record
-from rtxcore.server.durable.replay import group_records
+from rtxcore.server.serving.durable.journal import Journal, JournalClosed, JournalOptions
+from rtxcore.server.serving.durable.records import decode_records, encode_record
+from rtxcore.server.serving.durable.replay import group_records
 
 
 def record(req_id: str, kind: str = "out", **fields) -> dict:

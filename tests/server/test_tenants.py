@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from rtxcore.errors import ConfigError, InvalidRequestError
-from rtxcore.server.tenants import (
+from rtxcore.server.serving.tenants import (
     AuthError,
     NotEntitled,
     RateLimited,
@@ -88,7 +88,7 @@ def test_request_bucket_burst_then_retry_after():
     leases = [registry.acquire(tenant, 1, 10) for _ in range(3)]
     with pytest.raises(RateLimited) as exc:
         registry.acquire(tenant, 1, 10)
-    assert exc.value.code == "requests_per_second" and 0 < exc.value.retry_after_s <= 0.5 + 1e-6
+    assert exc.value.limit == "requests_per_second" and 0 < exc.value.retry_after_s <= 0.5 + 1e-6
     for lease in leases:
         registry.release(lease, 10)
 
@@ -99,7 +99,7 @@ def test_token_bucket_refunds_what_was_not_generated():
     lease = registry.acquire(tenant, 1, 80)  # prompt + max_tokens reserved
     with pytest.raises(RateLimited) as exc:
         registry.acquire(tenant, 1, 30)
-    assert exc.value.code == "tokens_per_minute" and exc.value.retry_after_s > 0
+    assert exc.value.limit == "tokens_per_minute" and exc.value.retry_after_s > 0
     registry.release(lease, 20)  # it used 20 of the 80
     registry.release(registry.acquire(tenant, 1, 30), 30)
     with pytest.raises(InvalidRequestError, match="more than tenant 'a'") as too_large:
@@ -113,7 +113,7 @@ def test_concurrency_cap():
     first, second = registry.acquire(tenant, 1, 1), registry.acquire(tenant, 1, 1)
     with pytest.raises(RateLimited, match="2 concurrent") as exc:
         registry.acquire(tenant, 1, 1)
-    assert exc.value.code == "concurrency"
+    assert exc.value.limit == "concurrency"
     registry.release(first, 1)
     registry.release(first, 1)  # twice is harmless
     registry.acquire(tenant, 1, 1)
@@ -143,7 +143,8 @@ def test_cache_salt_separates_tenants_and_salts():
     registry = TenantRegistry.from_config({"a": {"key_sha256": sha(KEY_A)}, "b": {"key_sha256": sha(KEY_B)}},
                                           environ={})
     a, b = registry.tenants["a"], registry.tenants["b"]
-    salts = {cache_salt(a, None), cache_salt(b, None), cache_salt(a, "x"), cache_salt(None, "x"), cache_salt(None, None)}
+    salts = {cache_salt(a, None), cache_salt(b, None), cache_salt(a, "x"), cache_salt(None, "x"),
+             cache_salt(None, None)}
     assert len(salts) == 5 and cache_salt(a, None) == cache_salt(a, None)
 
 

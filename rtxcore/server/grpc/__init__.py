@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rtxcore.server.grpc.server import GrpcServerHandle, start_grpc_server
+    from rtxcore.server.grpc.server import GrpcServer, start_grpc_server
 
-__all__ = ["GrpcServerHandle", "start_grpc_server"]
+__all__ = ["GrpcServer", "start_grpc_server"]
 
 
 def __getattr__(name: str):

@@ -10,15 +10,15 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 
-from rtxcore.errors import InvalidRequestError, RtxError
+from rtxcore.errors import RequestError, RtxError
 from rtxcore.server.http.auth import AuthMiddleware
-from rtxcore.server.http.errors import APIError, api_error_handler, http_exception_handler
-from rtxcore.server.http.generation import ClientGone
+from rtxcore.server.http.common import ClientGone
+from rtxcore.server.http.errors import APIError, api_error_handler, http_exception_handler, request_error_handler
 from rtxcore.server.http.middleware import RequestContextMiddleware
 from rtxcore.server.http.native_routes import NativeRoutes
 from rtxcore.server.http.openai_routes import OpenAIRoutes
 from rtxcore.server.http.stream_routes import StreamRoutes
-from rtxcore.server.runtime import ServingRuntime
+from rtxcore.server.serving.runtime import ServingRuntime
 
 log = logging.getLogger("rtx.http")
 
@@ -34,16 +34,11 @@ def build_app(runtime: ServingRuntime) -> Starlette:
         exception_handlers={
             APIError: api_error_handler,
             HTTPException: http_exception_handler,
-            InvalidRequestError: _invalid_request,
+            RequestError: request_error_handler,
             RtxError: _rtx_error,
             ClientGone: _client_gone,
         },
     )
-
-
-async def _invalid_request(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, InvalidRequestError)
-    return APIError.invalid(exc).response()
 
 
 async def _rtx_error(request: Request, exc: Exception) -> Response:

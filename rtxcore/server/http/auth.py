@@ -5,22 +5,12 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from rtxcore.server.http.errors import APIError
-from rtxcore.server.http.middleware import send_error
-from rtxcore.server.runtime import ServingRuntime
-from rtxcore.server.tenants import AuthError
+from rtxcore.server.http.errors import error_response
+from rtxcore.server.serving.runtime import ServingRuntime
+from rtxcore.server.serving.tenants import AuthError, presented_key
 
 # Kubernetes probes and Prometheus scrape without credentials.
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
-
-
-def presented_key(authorization: str | None, api_key: str | None) -> str | None:
-    """The key of an ``Authorization: Bearer`` header, else of an ``x-api-key`` header."""
-    if authorization:
-        scheme, _, credentials = authorization.strip().partition(" ")
-        if scheme.lower() == "bearer" and credentials.strip():
-            return credentials.strip()
-    return api_key or None
 
 
 class AuthMiddleware:
@@ -41,8 +31,8 @@ class AuthMiddleware:
                 tenant = tenants.authenticate(presented_key(headers.get("authorization"), headers.get("x-api-key")))
             except AuthError as exc:
                 self.runtime.metrics.record_rejection("unauthorized")
-                await send_error(send, APIError(401, str(exc), code="invalid_api_key",
-                                                headers={"WWW-Authenticate": "Bearer"}))
+                response = error_response(exc, headers={"WWW-Authenticate": "Bearer", "connection": "close"})
+                await response(scope, receive, send)
                 return
         scope["state"] = {**scope.get("state", {}), "tenant": tenant}
         await self.app(scope, receive, send)

@@ -1,66 +1,53 @@
-"""Helpers every route uses: the JSON body, the model name check, the request id, the route (tenant, lane, cache
-salt), token text."""
+"""Helpers every route uses: the JSON body, the request id and trace, the tenant, the route (tenant, lane, cache
+salt), and waiting for work while watching the client's connection."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Awaitable, Callable, TypeVar
 
 from starlette.requests import Request
 
-from rtxcore.engine.outputs import TokenLogprob
 from rtxcore.errors import InvalidRequestError
-from rtxcore.lanes import DEFAULT_LANE, check_lane_name
+from rtxcore.lanes import check_lane_name
 from rtxcore.metrics.timeline import TraceHeaders
 from rtxcore.server.http.errors import APIError
 from rtxcore.server.http.protocol import RoutingFields
-from rtxcore.server.runtime import ServingRuntime
-from rtxcore.server.tenants import NotEntitled, Tenant, cache_salt
-from rtxcore.tokenizer import Tokenizer
+from rtxcore.server.serving.routing import Route, route
+from rtxcore.server.serving.runtime import ServingRuntime
+from rtxcore.server.serving.tenants import Tenant
+
+T = TypeVar("T")
 
 # Names a request's lane, as the body's "lane" field does.
 LANE_HEADER = "x-rtx-lane"
 
 
-@dataclass(slots=True, frozen=True)
-class Route:
-    """Who a request is for and where it runs."""
+class ClientGone(Exception):
+    """The client disconnected before its response was ready."""
 
-    tenant: Tenant | None
-    lane: str
-    # Tenant and request salt combined (rtxcore.server.tenants.cache_salt).
-    cache_salt: str | None
 
-    @property
-    def tenant_name(self) -> str | None:
-        return self.tenant.name if self.tenant is not None else None
+def tenant_of(request: Request) -> Tenant | None:
+    """The authenticated tenant (set by the auth middleware), None on a server without API keys."""
+    return request.state.tenant
 
 
 def tenant_name(request: Request) -> str | None:
-    """The authenticated tenant's name, None on a server without API keys."""
-    tenant = request.state.tenant
+    tenant = tenant_of(request)
     return tenant.name if tenant is not None else None
 
 
-def route(runtime: ServingRuntime, request: Request, fields: RoutingFields) -> Route:
-    """The request's route: 400 for an unknown or conflicting lane, 403 for a lane its tenant may not use."""
-    tenant = request.state.tenant
+def request_route(runtime: ServingRuntime, request: Request, fields: RoutingFields) -> Route:
+    """The request's route from its body and its ``x-rtx-lane`` header: 400 for an unknown or conflicting lane,
+    403 for a lane its tenant may not use."""
     header = request.headers.get(LANE_HEADER)
     if header is not None:
-        check_lane_name(header.strip(), param=LANE_HEADER)
-        header = header.strip()
+        header = check_lane_name(header.strip(), param=LANE_HEADER)
         if fields.lane is not None and fields.lane != header:
             raise InvalidRequestError(f"lane {fields.lane!r} in the body contradicts {LANE_HEADER}: {header}",
                                       param="lane")
-    lane = fields.lane or header
-    if tenant is not None:
-        try:
-            lane = tenant.lane_for(lane)
-        except NotEntitled as exc:
-            runtime.metrics.record_rejection("not_entitled", lane=lane, tenant=tenant.name)
-            raise APIError(403, str(exc), param="lane") from None
-    return Route(tenant, lane or DEFAULT_LANE, cache_salt(tenant, fields.cache_salt))
+    return route(runtime, tenant_of(request), fields.lane or header, fields.cache_salt)
 
 
 async def read_json(request: Request) -> dict[str, Any]:
@@ -75,13 +62,6 @@ async def read_json(request: Request) -> dict[str, Any]:
     return data
 
 
-def check_model(runtime: ServingRuntime, model: str | None) -> None:
-    """404 for a model this server does not serve; no model at all means the served one."""
-    if model is not None and model not in runtime.model_aliases:
-        raise APIError(404, f"model {model!r} does not exist; this server serves {runtime.model_name!r}",
-                       param="model", code="model_not_found")
-
-
 def request_id(request: Request) -> str:
     return request.state.request_id
 
@@ -93,12 +73,24 @@ def trace_headers(request: Request) -> TraceHeaders:
     return TraceHeaders(trace.traceparent, trace.tracestate)
 
 
-def token_text(tokenizer: Tokenizer | None, token_id: int) -> str:
-    """How a token reads in logprobs; ``token_id:N`` for models without a tokenizer (as vLLM spells it)."""
-    if tokenizer is None:
-        return f"token_id:{token_id}"
-    return tokenizer.decode([token_id], skip_special_tokens=False)
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``, cancelling it if the client disconnects first.
+
+    :raises ClientGone: the client went away (``work`` has been cancelled).
+    """
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_for_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        raise ClientGone()
+    return task.result()
 
 
-def native_logprobs(logprobs: list[TokenLogprob]) -> list[dict[str, Any]]:
-    return [{"token_id": lp.token_id, "logprob": lp.logprob, "top": [[t, p] for t, p in lp.top]} for lp in logprobs]
+async def _wait_for_disconnect(receive: Callable) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

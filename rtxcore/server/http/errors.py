@@ -1,7 +1,8 @@
 """Errors as HTTP responses, in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
 
-Every failure a route can meet is an :class:`APIError` by the time it reaches the client; anything else is a bug,
-answered with a 500 that carries no traceback (the traceback goes to the log).
+A :class:`RequestError` from the serving core maps to its status here, in one table; :class:`APIError` is for what
+only HTTP can get wrong (a body that is not JSON, a route that does not exist). Anything else is a bug, answered
+with a 500 that carries no traceback (the traceback goes to the log).
 """
 
 from __future__ import annotations
@@ -13,31 +14,47 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from rtxcore.errors import InvalidRequestError
+from rtxcore.errors import ErrorCode, RequestError
+from rtxcore.server.serving.formats import openai_error_body
 
-# The ``type`` OpenAI's clients see for each status; ``code`` says more precisely what happened.
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    422: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    503: "service_unavailable_error",
-    504: "timeout_error",
+STATUS = {
+    ErrorCode.INVALID_ARGUMENT: 400,
+    ErrorCode.UNAUTHENTICATED: 401,
+    ErrorCode.PERMISSION_DENIED: 403,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.CONFLICT: 422,
+    ErrorCode.FAILED_PRECONDITION: 400,
+    ErrorCode.OUT_OF_RANGE: 400,
+    ErrorCode.RESOURCE_EXHAUSTED: 429,
+    ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.DEADLINE_EXCEEDED: 504,
+    ErrorCode.INTERNAL: 500,
 }
-_CODES = {401: "invalid_api_key", 403: "not_entitled", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large", 422: "invalid_json",
-          429: "server_overloaded", 500: "internal_error", 503: "not_ready", 504: "timeout"}
+# OpenAI's ``type`` for the HTTP-only errors.
+_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+          422: "invalid_request_error", 500: "server_error"}
+_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large", 422: "invalid_json",
+          500: "internal_error"}
 
-# Seconds a client is told to wait before retrying a 429 or a 503.
-RETRY_AFTER_S = 1
+
+def status_of(err: RequestError) -> int:
+    return STATUS[err.code]
+
+
+def headers_of(err: RequestError) -> dict[str, str]:
+    """``Retry-After`` in whole seconds, rounded up so that a client that waits it is not refused early."""
+    if err.retry_after_s is None:
+        return {}
+    return {"Retry-After": str(max(1, math.ceil(err.retry_after_s)))}
+
+
+def error_response(err: RequestError, headers: dict[str, str] | None = None) -> Response:
+    return Response(json.dumps(openai_error_body(err)), status_code=status_of(err),
+                    headers={**headers_of(err), **(headers or {})}, media_type="application/json")
 
 
 class APIError(Exception):
-    """An error answered with ``status`` and an OpenAI-shaped JSON body."""
+    """An HTTP-only failure answered with ``status`` and an OpenAI-shaped JSON body."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None):
@@ -48,12 +65,8 @@ class APIError(Exception):
         self.code = code or _CODES.get(status)
         self.headers = headers or {}
 
-    @classmethod
-    def invalid(cls, exc: InvalidRequestError) -> APIError:
-        return cls(400, str(exc), param=exc.param, code="invalid_value")
-
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "server_error"),
+        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "invalid_request_error"),
                           "param": self.param, "code": self.code}}
 
     def response(self) -> Response:
@@ -61,23 +74,14 @@ class APIError(Exception):
                         media_type="application/json")
 
 
-def not_ready(reason: str) -> APIError:
-    return APIError(503, reason, headers={"Retry-After": str(RETRY_AFTER_S)})
-
-
-def overloaded(num_active: int) -> APIError:
-    return APIError(429, f"the server is at its limit of {num_active} active requests; retry later",
-                    headers={"Retry-After": str(RETRY_AFTER_S)})
-
-
-def too_many_requests(message: str, retry_after_s: float, code: str) -> APIError:
-    """429 with ``Retry-After`` in whole seconds, rounded up so a client that waits it is not refused early."""
-    return APIError(429, message, code=code, headers={"Retry-After": str(max(1, math.ceil(retry_after_s)))})
-
-
 async def api_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
     return exc.response()
+
+
+async def request_error_handler(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestError)
+    return error_response(exc)
 
 
 async def http_exception_handler(request: Request, exc: Exception) -> Response:

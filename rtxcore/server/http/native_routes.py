@@ -8,13 +8,24 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from rtxcore.server.http.common import read_json, request_id, route, trace_headers
-from rtxcore.server.http.errors import APIError
-from rtxcore.server.http.formats import ResponseSpec
-from rtxcore.server.http.generation import Generation, embed, ensure_engine, tokenize
+from rtxcore.errors import RequestError
+from rtxcore.server.http.common import (
+    read_json,
+    request_id,
+    request_route,
+    tenant_of,
+    trace_headers,
+    until_disconnected,
+)
+from rtxcore.server.http.errors import headers_of, status_of
 from rtxcore.server.http.protocol import make_sampling_params, parse_embed, parse_generate
-from rtxcore.server.http.responding import Started, serve_generation
-from rtxcore.server.runtime import ServingRuntime
+from rtxcore.server.http.responses import serve_generation
+from rtxcore.server.http.sse import EventStreamResponse
+from rtxcore.server.serving.embedding import embed
+from rtxcore.server.serving.formats import ResponseSpec, openai_error_body
+from rtxcore.server.serving.generation import Generation, tokenize
+from rtxcore.server.serving.lifecycle import Started
+from rtxcore.server.serving.runtime import ServingRuntime
 
 
 class NativeRoutes:
@@ -31,15 +42,15 @@ class NativeRoutes:
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
 
-    async def generate(self, request: Request) -> Response:
+    async def generate(self, request: Request) -> Response | EventStreamResponse:
         """Stream (by default) or return one completion; the body holds the prompt and :class:`SamplingParams`
         fields."""
         return await serve_generation(self.runtime, request, self._start_generate)
 
     async def _start_generate(self, request: Request, body: dict[str, Any]) -> Started:
         req = parse_generate(body)
-        where = route(self.runtime, request, req.routing)
-        prompts = await tokenize(self.runtime.async_engine.inputs, [req.prompt])
+        where = request_route(self.runtime, request, req.routing)
+        prompts = await tokenize(self.runtime.engine().inputs, [req.prompt])
         params = make_sampling_params(req.params)
         gen = await Generation.start(self.runtime, request_id(request), prompts, params, trace_headers(request), where)
         spec = ResponseSpec("native", req.stream, {"id": gen.req_id, "model": self.runtime.model_name},
@@ -47,16 +58,16 @@ class NativeRoutes:
         return Started(gen, spec, prompts, params)
 
     async def embed(self, request: Request) -> Response:
-        async_engine = ensure_engine(self.runtime)
-        token_lists = await tokenize(async_engine.inputs, parse_embed(await read_json(request)), "inputs")
-        vectors = await embed(self.runtime, request, token_lists)
+        engine = self.runtime.engine()
+        token_lists = await tokenize(engine.inputs, parse_embed(await read_json(request)), "inputs")
+        vectors = await until_disconnected(request, embed(self.runtime, tenant_of(request), token_lists))
         return JSONResponse({"model": self.runtime.model_name, "embeddings": vectors,
                              "num_tokens": [len(t) for t in token_lists]})
 
     async def lanes(self, request: Request) -> Response:
         """The SLA lanes and their targets, and the scheduler's live state of them (queues, brownout)."""
-        async_engine = ensure_engine(self.runtime)
-        status = await async_engine.run_on_engine(lambda core: core.scheduler.status())
+        engine = self.runtime.engine()
+        status = await engine.run_on_engine(lambda core: core.scheduler.status())
         config = self.runtime.engine_config.scheduling
         lanes = [{**spec.to_json(), **({"queued": status.queued.get(name, 0), "running": status.running.get(name, 0)}
                                        if status is not None else {})}
@@ -70,7 +81,7 @@ class NativeRoutes:
     async def health(self, request: Request) -> Response:
         """The process is alive and answering (liveness); says what it is doing. 503 once the engine loop has
         failed: nothing in this process will serve again, so a liveness probe should restart it."""
-        state = self._state()
+        state = self.runtime.state
         if state == "failed":
             error = self.runtime.load_error or (self.runtime.async_engine and self.runtime.async_engine.error)
             return JSONResponse({"status": "failed", "state": state, "error": repr(error)}, status_code=503)
@@ -79,23 +90,13 @@ class NativeRoutes:
     async def ready(self, request: Request) -> Response:
         """200 once the model is loaded and the engine thread is stepping; 503 (with the reason) otherwise."""
         try:
-            ensure_engine(self.runtime)
-        except APIError as exc:
-            body = {**exc.body(), "status": "unavailable", "state": self._state()}
-            return JSONResponse(body, status_code=503, headers=exc.headers)
+            self.runtime.engine()
+        except RequestError as exc:
+            body = {**openai_error_body(exc), "status": "unavailable", "state": self.runtime.state}
+            return JSONResponse(body, status_code=status_of(exc), headers=headers_of(exc))
         return JSONResponse({"status": "ready", "model": self.runtime.model_name,
                              "backend": self.runtime.backend_name})
 
     async def metrics(self, request: Request) -> Response:
         body, content_type = self.runtime.metrics.render()
         return Response(body, media_type=content_type)
-
-    def _state(self) -> str:
-        runtime = self.runtime
-        if runtime.draining:
-            return "draining"
-        if runtime.load_error is not None:
-            return "failed"
-        if runtime.async_engine is None:
-            return "loading"
-        return "serving" if runtime.async_engine.is_running else "failed"

@@ -13,13 +13,28 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from rtxcore.engine.input_processor import InputProcessor
-from rtxcore.server.http.common import check_model, read_json, request_id, route, trace_headers
-from rtxcore.server.http.formats import ResponseSpec
-from rtxcore.server.http.generation import Generation, embed, ensure_engine, tokenize
-from rtxcore.server.http.protocol import DEFAULT_CHAT_MAX_TOKENS, make_sampling_params, parse_chat, \
-    parse_completion, parse_embedding
-from rtxcore.server.http.responding import Started, serve_generation
-from rtxcore.server.runtime import ServingRuntime
+from rtxcore.server.http.common import (
+    read_json,
+    request_id,
+    request_route,
+    tenant_of,
+    trace_headers,
+    until_disconnected,
+)
+from rtxcore.server.http.protocol import (
+    DEFAULT_CHAT_MAX_TOKENS,
+    make_sampling_params,
+    parse_chat,
+    parse_completion,
+    parse_embedding,
+)
+from rtxcore.server.http.responses import serve_generation
+from rtxcore.server.http.sse import EventStreamResponse
+from rtxcore.server.serving.embedding import embed
+from rtxcore.server.serving.formats import ResponseSpec
+from rtxcore.server.serving.generation import Generation, tokenize
+from rtxcore.server.serving.lifecycle import Started
+from rtxcore.server.serving.runtime import ServingRuntime
 
 
 class OpenAIRoutes:
@@ -37,14 +52,14 @@ class OpenAIRoutes:
 
     # -- completions ----------------------------------------------------------------------------------------------
 
-    async def completions(self, request: Request) -> Response:
+    async def completions(self, request: Request) -> Response | EventStreamResponse:
         return await serve_generation(self.runtime, request, self._start_completion)
 
     async def _start_completion(self, request: Request, body: dict[str, Any]) -> Started:
-        inputs = self.runtime.async_engine.inputs
+        inputs = self.runtime.engine().inputs
         req = parse_completion(body)
-        check_model(self.runtime, req.model)
-        where = route(self.runtime, request, req.routing)
+        self.runtime.check_model(req.model)
+        where = request_route(self.runtime, request, req.routing)
         prompts = await tokenize(inputs, req.prompts)
         params = make_sampling_params(req.params)
         gen = await Generation.start(self.runtime, request_id(request), prompts, params, trace_headers(request), where)
@@ -55,14 +70,14 @@ class OpenAIRoutes:
 
     # -- chat -----------------------------------------------------------------------------------------------------
 
-    async def chat_completions(self, request: Request) -> Response:
+    async def chat_completions(self, request: Request) -> Response | EventStreamResponse:
         return await serve_generation(self.runtime, request, self._start_chat)
 
     async def _start_chat(self, request: Request, body: dict[str, Any]) -> Started:
-        inputs = self.runtime.async_engine.inputs
+        inputs = self.runtime.engine().inputs
         req = parse_chat(body)
-        check_model(self.runtime, req.model)
-        where = route(self.runtime, request, req.routing)
+        self.runtime.check_model(req.model)
+        where = request_route(self.runtime, request, req.routing)
         # Reading the tokenizer is thread-safe; the template can be slow, so it runs off the event loop.
         text = await asyncio.to_thread(inputs.apply_chat_template, req.messages)
         prompts = await tokenize(inputs, [text], "messages")
@@ -79,11 +94,11 @@ class OpenAIRoutes:
     # -- embeddings -----------------------------------------------------------------------------------------------
 
     async def embeddings(self, request: Request) -> Response:
-        async_engine = ensure_engine(self.runtime)
+        engine = self.runtime.engine()
         req = parse_embedding(await read_json(request))
-        check_model(self.runtime, req.model)
-        token_lists = await tokenize(async_engine.inputs, req.inputs, "input")
-        vectors = await embed(self.runtime, request, token_lists)
+        self.runtime.check_model(req.model)
+        token_lists = await tokenize(engine.inputs, req.inputs, "input")
+        vectors = await until_disconnected(request, embed(self.runtime, tenant_of(request), token_lists))
         data = [{"object": "embedding", "index": i, "embedding": _encode_vector(v, req.encoding_format)}
                 for i, v in enumerate(vectors)]
         num_tokens = sum(len(t) for t in token_lists)
@@ -93,16 +108,16 @@ class OpenAIRoutes:
     # -- models ---------------------------------------------------------------------------------------------------
 
     async def list_models(self, request: Request) -> Response:
-        ensure_engine(self.runtime)
+        self.runtime.engine()
         return JSONResponse({"object": "list", "data": [self._model_card()]})
 
     async def get_model(self, request: Request) -> Response:
-        ensure_engine(self.runtime)
-        check_model(self.runtime, request.path_params["model"])
+        self.runtime.engine()
+        self.runtime.check_model(request.path_params["model"])
         return JSONResponse(self._model_card())
 
     def _model_card(self) -> dict[str, Any]:
-        core = self.runtime.async_engine.core
+        core = self.runtime.engine().core
         return {"id": self.runtime.model_name, "object": "model", "created": self.runtime.started_at,
                 "owned_by": "rtx-serve", "root": core.source.name, "max_model_len": core.max_model_len}
 

@@ -12,12 +12,11 @@ from typing import Any
 from rtxcore.errors import InvalidRequestError
 from rtxcore.lanes import check_lane_name
 from rtxcore.sampling_params import SamplingParams, is_int
+from rtxcore.server.serving.limits import MAX_BATCH
 
 # A prompt as the API takes it: text, or token ids.
 Prompt = str | list[int]
 
-# Most inputs one request may carry (prompts of a completion, inputs of an embedding).
-MAX_BATCH = 256
 # Chat's default max_tokens is what is left of the context, but no more than this.
 DEFAULT_CHAT_MAX_TOKENS = 4096
 _SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))

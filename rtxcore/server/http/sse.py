@@ -9,40 +9,30 @@ which abort the engine requests, so their KV blocks are freed before the next en
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncGenerator, Callable
 
 from starlette.types import Receive, Scope, Send
+
+from rtxcore.server.serving.formats import event_text
 
 log = logging.getLogger("rtx.http")
 
 DONE = b"data: [DONE]\n\n"
 
 
-# Line breaks to str.splitlines() (and so to httpx's aiter_lines) that JSON leaves raw: generated text can hold them,
-# and a client splitting lines that way would get half an event.
-_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
-
-
-def sse_json(payload: Any) -> str:
-    """An event's payload as JSON on one line for every line splitter: JSON escapes newlines and control characters,
-    and the Unicode line separators it leaves raw are escaped here."""
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
-
-
 def sse_data(payload: Any) -> bytes:
     """One ``data:`` event (no id)."""
-    return b"data: " + sse_json(payload).encode() + b"\n\n"
+    return b"data: " + event_text(payload).encode() + b"\n\n"
 
 
 def sse_event(seq: int, text: str) -> bytes:
-    """One event with its id (``Last-Event-ID`` on reconnection) and the payload :func:`sse_json` made."""
+    """One event with its id (``Last-Event-ID`` on reconnection) and the payload as :func:`event_text` made it."""
     return b"id: %d\ndata: " % seq + text.encode() + b"\n\n"
 
 
 class EventStreamResponse:
-    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None] | None = None,
+    def __init__(self, events: AsyncGenerator[bytes, None], on_close: Callable[[], None] | None = None,
                  headers: dict[str, str] | None = None):
         """:param on_close: called once streaming is over, however it ended (even if ``events`` never started).
         :param headers: sent besides the event-stream ones."""
@@ -70,10 +60,9 @@ class EventStreamResponse:
             finally:
                 if self.on_close is not None:
                     self.on_close()
-        if not stream.cancelled() and isinstance(stream.exception(), Exception):
-            exc = stream.exception()
-            if not isinstance(exc, OSError):  # a write to a closed connection is a disconnect, not a bug
-                raise exc
+        exc = None if stream.cancelled() else stream.exception()
+        if isinstance(exc, Exception) and not isinstance(exc, OSError):
+            raise exc  # a write to a closed connection (OSError) is a disconnect, not a bug
 
     async def _stream(self, send: Send) -> None:
         async for chunk in self.events:

@@ -14,9 +14,11 @@ from starlette.routing import Route
 
 from rtxcore.server.http.common import tenant_name
 from rtxcore.server.http.errors import APIError
-from rtxcore.server.http.generation import ensure_engine
-from rtxcore.server.http.responding import answer, last_event_id
-from rtxcore.server.runtime import ServingRuntime
+from rtxcore.server.http.responses import answer, last_event_id
+from rtxcore.server.http.sse import EventStreamResponse
+from rtxcore.server.serving.lifecycle import find
+from rtxcore.server.serving.runtime import ServingRuntime
+
 
 class StreamRoutes:
     def __init__(self, runtime: ServingRuntime):
@@ -25,20 +27,16 @@ class StreamRoutes:
     def routes(self) -> list[Route]:
         return [Route("/v1/streams/{request_id}", self.resume, methods=["GET"])]
 
-    async def resume(self, request: Request) -> Response:
-        ensure_engine(self.runtime)
-        durable = self.runtime.durable
+    async def resume(self, request: Request) -> Response | EventStreamResponse:
+        runtime = self.runtime
+        runtime.engine()
         req_id = request.path_params["request_id"]
-        if durable is None:
+        if runtime.durable is None:  # no such stream here: a URL of this server that names nothing
             raise APIError(404, "resumable streams need a server started with --state-dir", param="request_id")
-        tenant = tenant_name(request)
-        entry = durable.get(req_id, tenant)
-        if entry is None:
-            raise APIError(404, f"no request {req_id!r}: unknown, or finished longer ago than the retention window "
-                                f"({durable.options.retention_s:g}s)", param="request_id")
+        entry = find(runtime, req_id, tenant_name(request))
         if entry.kind == "grpc":
             raise APIError(400, f"request {req_id!r} was made over gRPC: resume it with the Resume call",
                            param="request_id")
         after = last_event_id(request, entry)
-        durable.stats.num_stream_resumes += 1
+        runtime.durable.stats.num_stream_resumes += 1
         return await answer(request, entry, after, detached=True)

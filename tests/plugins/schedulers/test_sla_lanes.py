@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from rtx_plugins.schedulers.sla_lanes import SLALanesScheduler
 from rtx_plugins.schedulers.sla_lanes.brownout import (
     STEPS,
@@ -15,7 +16,6 @@ from rtx_plugins.schedulers.sla_lanes.brownout import (
     BrownoutController,
 )
 from rtx_plugins.schedulers.sla_lanes.step_time import StepTimeModel
-
 from rtxcore.contracts import SchedulerConfig
 from rtxcore.errors import AdmissionRefused, ConfigError
 from rtxcore.lanes import DEFAULT_LANES, LANE_NAMES, parse_lanes
@@ -106,7 +106,6 @@ def test_budget_aging_and_no_drop(workload, max_num_seqs, budget, num_blocks):
     lanes = parse_lanes({"realtime": {"max_wait_s": 0.5}, "standard": {"max_wait_s": 1.0},
                          "bulk": {"max_wait_s": 1.5}})
     sim = make_sim(max_num_seqs, budget, num_blocks, lanes)
-    scheduler = sim.scheduler
     specs = sorted(enumerate(workload), key=lambda item: item[1][0])
 
     def overdue(req_id: str) -> bool:
@@ -274,7 +273,7 @@ def test_queue_full_is_refused_with_retry_after():
     assert sim.add("a", "bulk", 8, 4) and sim.add("b", "bulk", 8, 4)
     assert not sim.add("c", "bulk", 8, 4)
     refusal = sim.refused[-1]
-    assert refusal.code == "queue_full" and refusal.retry_after_s >= 1 and "bulk" in str(refusal)
+    assert refusal.reason == "queue_full" and refusal.retry_after_s >= 1 and "bulk" in str(refusal)
     assert sim.add("d", "realtime", 8, 4)  # other lanes have their own queues
 
 
@@ -291,7 +290,7 @@ def test_predicted_wait_refuses_only_the_lane_that_would_miss():
     accepted = sum(sim.add(f"s{i}", "standard", 64, 4) for i in range(40))
     assert accepted < 40
     refusal = sim.refused[-1]
-    assert refusal.code == "predicted_wait" and refusal.retry_after_s >= 1
+    assert refusal.reason == "predicted_wait" and refusal.retry_after_s >= 1
     assert "standard" in str(refusal) and "target" in str(refusal)
     # The backlog is standard's: a realtime request is not behind it, so it is still admitted.
     assert sim.add("rt", "realtime", 8, 4)
@@ -327,13 +326,13 @@ def test_brownout_ladder_sheds_caps_and_shrinks():
     scheduler = sim.scheduler
     sim.add("bulk-running", "bulk", 8, 100)
     sim.step()
-    for level in range(1, len(STEPS) + 1):
+    for _ in range(1, len(STEPS) + 1):
         scheduler.brownout.update(sim.clock.now, 5.0, "test")
         sim.clock.now += 1.0
     assert scheduler.brownout.level == len(STEPS)
     scheduler._update_brownout(sim.clock.now)  # applies the cap to running bulk work
     assert scheduler.status().brownout_steps == STEPS
-    assert not sim.add("bulk-new", "bulk", 8, 4) and sim.refused[-1].code == "brownout"
+    assert not sim.add("bulk-new", "bulk", 8, 4) and sim.refused[-1].reason == "brownout"
     assert sim.refused[-1].retry_after_s >= 1
     assert sim.add("std-new", "standard", 8, 4)  # standard is left to admission control
     assert sim.add("rt", "realtime", 100, 4)

@@ -83,7 +83,7 @@ def test_a_journaled_stream_goes_on_after_its_last_message():
 
 
 def test_a_stream_cut_before_its_first_message_resumes_the_request_the_server_named():
-    from rtxcore.server.http.responding import RTX_REQUEST_ID_HEADER
+    from rtxcore.server.grpc.servicer import RTX_REQUEST_ID_METADATA as RTX_REQUEST_ID_HEADER
 
     assert RTX_REQUEST_ID_METADATA == RTX_REQUEST_ID_HEADER
     named = ((RTX_REQUEST_ID_METADATA, "rq-1"),)

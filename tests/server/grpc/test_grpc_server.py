@@ -14,7 +14,6 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from rtxcore.engine.config import EngineConfig
 from rtxcore.sampling_params import SamplingParams
-from rtxcore.server.grpc import start_grpc_server
 from rtxcore.server.grpc.codegen import (
     GENERATED_DIR,
     PROTO_FILE,
@@ -22,8 +21,9 @@ from rtxcore.server.grpc.codegen import (
     generate,
     is_current,
 )
-from rtxcore.server.runtime import ServeSettings, ServingRuntime
+from rtxcore.server.serving.runtime import ServeSettings, ServingRuntime
 from tests.helpers.engines import make_engine
+from tests.helpers.grpc_server import ThreadedGrpcServer
 
 ensure_generated()
 from rtxcore._generated import rtx_pb2, rtx_pb2_grpc  # noqa: E402
@@ -35,7 +35,8 @@ LONG_PROMPT = list(range(10, 90))
 
 @pytest.fixture(scope="module")
 def runtime():
-    runtime = ServingRuntime(EngineConfig(model="dummy:tiny"), ServeSettings(grpc_port=0, max_active_requests=MAX_ACTIVE))
+    settings = ServeSettings(grpc_port=0, max_active_requests=MAX_ACTIVE)
+    runtime = ServingRuntime(EngineConfig(model="dummy:tiny"), settings)
     runtime.load()
     assert runtime.load_error is None
     yield runtime
@@ -44,7 +45,7 @@ def runtime():
 
 @pytest.fixture(scope="module")
 def server(runtime):
-    handle = start_grpc_server(runtime, "127.0.0.1", 0)
+    handle = ThreadedGrpcServer(runtime)
     yield handle
     handle.stop(grace_s=1)
 
@@ -69,7 +70,7 @@ def engine_state(runtime) -> tuple[bool, int, int]:
     async_engine = runtime.async_engine
 
     def inspect(engine):
-        return engine.has_unfinished_requests(), engine.core.kv_cache.num_free_blocks, runtime.num_active
+        return engine.has_unfinished_requests(), engine.kv_cache.num_free_blocks, runtime.num_active
 
     return asyncio.run(async_engine.run_on_engine(inspect))
 
@@ -313,7 +314,7 @@ def test_reflection_lists_and_describes_the_service(channel):
 
 def test_health_follows_loading_and_draining():
     runtime = ServingRuntime(EngineConfig(model="dummy:tiny"), ServeSettings(grpc_port=0))
-    server = start_grpc_server(runtime, "127.0.0.1", 0)
+    server = ThreadedGrpcServer(runtime)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             health = health_pb2_grpc.HealthStub(channel)
@@ -351,7 +352,7 @@ def test_health_follows_loading_and_draining():
 
 def test_port_in_use_fails_at_start(server, runtime):
     with pytest.raises(Exception, match="bind|address|port"):
-        start_grpc_server(runtime, "127.0.0.1", server.port)
+        ThreadedGrpcServer(runtime, port=server.port)
 
 
 # -- code generation ----------------------------------------------------------------------------------------------

@@ -19,11 +19,11 @@ import pytest
 from starlette.testclient import TestClient
 
 from rtxcore.engine.config import EngineConfig
-from rtxcore.server.durable.records import decode_records, encode_record
 from rtxcore.server.http import build_app
-from rtxcore.server.http.recovery import recover
-from rtxcore.server.runtime import ServeSettings, ServingRuntime
-from rtxcore.server.tenants import TenantRegistry
+from rtxcore.server.serving.durable.records import decode_records, encode_record
+from rtxcore.server.serving.recovery import recover
+from rtxcore.server.serving.runtime import ServeSettings, ServingRuntime
+from rtxcore.server.serving.tenants import TenantRegistry
 
 PROMPT = [3, 14, 15, 92, 65, 35]
 STREAM = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True}

@@ -16,7 +16,7 @@ def test_openapi_spec_lists_every_route():
 
     from rtxcore.engine.config import EngineConfig
     from rtxcore.server.http import build_app
-    from rtxcore.server.runtime import ServingRuntime
+    from rtxcore.server.serving.runtime import ServingRuntime
 
     spec = yaml.safe_load((REPO / "spec" / "openapi.yaml").read_text())
     assert spec["openapi"].startswith("3.1")
@@ -55,7 +55,7 @@ def test_an_unexpected_error_is_a_json_500_and_the_app_keeps_serving(caplog):
 
     from rtxcore.engine.config import EngineConfig
     from rtxcore.server.http import build_app
-    from rtxcore.server.runtime import ServingRuntime
+    from rtxcore.server.serving.runtime import ServingRuntime
 
     runtime = ServingRuntime(EngineConfig(model="dummy:tiny"))
     runtime.metrics.render = lambda: 1 / 0  # a bug in a route
@@ -74,7 +74,7 @@ def test_a_failed_engine_fails_the_liveness_probe():
 
     from rtxcore.engine.config import EngineConfig
     from rtxcore.server.http import build_app
-    from rtxcore.server.runtime import ServingRuntime
+    from rtxcore.server.serving.runtime import ServingRuntime
 
     runtime = ServingRuntime(EngineConfig(model="dummy:tiny"))
     runtime.load()

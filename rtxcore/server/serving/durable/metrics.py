@@ -8,7 +8,7 @@ from typing import Callable, Iterator
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from rtxcore.server.durable.registry import DurableRequests
+from rtxcore.server.serving.durable.registry import DurableRequests
 
 # (family, help, how to read it); every counter has the model label only.
 _FAMILIES: tuple[tuple[str, str, Callable[[DurableRequests], int]], ...] = (

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from rtxcore import envs
-from rtxcore.errors import ConfigError, InvalidRequestError, RtxError
+from rtxcore.errors import ConfigError, ErrorCode, InvalidRequestError, RequestError
 from rtxcore.lanes import DEFAULT_LANE, LANE_NAMES
 
 # Environment variable with keys of tenants: "name=key,other=key2" (e.g. from a Kubernetes Secret).
@@ -35,21 +35,35 @@ def hash_key(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8")).digest()
 
 
-class AuthError(RtxError):
+class AuthError(RequestError):
     """A missing or wrong API key (HTTP 401, gRPC UNAUTHENTICATED)."""
 
+    def __init__(self, message: str):
+        super().__init__(ErrorCode.UNAUTHENTICATED, message, reason="invalid_api_key")
 
-class NotEntitled(RtxError):
+
+class NotEntitled(RequestError):
     """The tenant may not use the lane it asked for (HTTP 403, gRPC PERMISSION_DENIED)."""
 
+    def __init__(self, message: str):
+        super().__init__(ErrorCode.PERMISSION_DENIED, message, param="lane", reason="not_entitled")
 
-class RateLimited(RtxError):
-    """A tenant limit is reached (HTTP 429 with Retry-After); ``code`` says which limit."""
 
-    def __init__(self, message: str, retry_after_s: float, code: str):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-        self.code = code
+class RateLimited(RequestError):
+    """A tenant limit is reached (HTTP 429 with Retry-After); ``limit`` says which one (for metrics)."""
+
+    def __init__(self, message: str, retry_after_s: float, limit: str):
+        super().__init__(ErrorCode.RESOURCE_EXHAUSTED, message, retry_after_s=retry_after_s, reason="rate_limited")
+        self.limit = limit
+
+
+def presented_key(authorization: str | None, api_key: str | None) -> str | None:
+    """The key of an ``Authorization: Bearer`` header (or metadata entry), else of an ``x-api-key`` one."""
+    if authorization:
+        scheme, _, credentials = authorization.strip().partition(" ")
+        if scheme.lower() == "bearer" and credentials.strip():
+            return credentials.strip()
+    return api_key or None
 
 
 @dataclass(slots=True)
@@ -292,14 +306,16 @@ def _tenant_from_table(name: str, values: Any, environ: Mapping[str, str]) -> Te
     default_lane = values.get("default_lane", DEFAULT_LANE if DEFAULT_LANE in lanes else (lanes or ("",))[-1])
     if default_lane not in lanes:
         raise ConfigError(f"{where} default_lane {default_lane!r} is not among its lanes")
-    limits = {}
-    for setting in ("requests_per_second", "burst", "tokens_per_minute", "max_concurrency"):
+    def limit(setting: str) -> Any:
         value = values.get(setting)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or not 0 < value < math.inf):
             raise ConfigError(f"{where} {setting} must be a positive number, got {value!r}")
-        limits[setting] = value
-    return Tenant(name, hashes, lanes, default_lane, **limits)
+        return value
+
+    return Tenant(name, hashes, lanes, default_lane, requests_per_second=limit("requests_per_second"),
+                  burst=limit("burst"), tokens_per_minute=limit("tokens_per_minute"),
+                  max_concurrency=limit("max_concurrency"))
 
 
 def _env_keys(value: str) -> list[tuple[str, str]]:

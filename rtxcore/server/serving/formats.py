@@ -1,19 +1,74 @@
-"""How a generation's outputs become response bodies and SSE events, for each kind of request.
+"""How a generation's outputs become response bodies and stream events, for each kind of request: OpenAI's
+completions and chat, the native ``/generate``, and gRPC's ``GenerateResponse`` fields.
 
 A format is rebuilt from its :class:`ResponseSpec` alone (which the journal records), so that a request resumed after
-a restart goes on producing exactly the events it would have produced without one.
+a restart goes on producing exactly the events it would have produced without one. Events are plain JSON values;
+the protocol adapters only frame them (SSE for HTTP, messages for gRPC).
 """
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rtxcore.engine.outputs import RequestOutput, TokenLogprob
-from rtxcore.server.http.common import native_logprobs, token_text
-from rtxcore.server.http.generation import Choice, Generation
+from rtxcore.errors import ErrorCode, RequestError
+from rtxcore.server.serving.generation import Choice, Generation
 from rtxcore.tokenizer import Tokenizer
+
+# OpenAI's error ``type`` for each code, and the ``code`` field when the error names no reason of its own.
+_OPENAI_TYPES = {
+    ErrorCode.INVALID_ARGUMENT: "invalid_request_error",
+    ErrorCode.UNAUTHENTICATED: "authentication_error",
+    ErrorCode.PERMISSION_DENIED: "permission_error",
+    ErrorCode.NOT_FOUND: "not_found_error",
+    ErrorCode.CONFLICT: "invalid_request_error",
+    ErrorCode.FAILED_PRECONDITION: "invalid_request_error",
+    ErrorCode.OUT_OF_RANGE: "invalid_request_error",
+    ErrorCode.RESOURCE_EXHAUSTED: "rate_limit_error",
+    ErrorCode.UNAVAILABLE: "service_unavailable_error",
+    ErrorCode.DEADLINE_EXCEEDED: "timeout_error",
+    ErrorCode.INTERNAL: "server_error",
+}
+_OPENAI_CODES = {
+    ErrorCode.UNAUTHENTICATED: "invalid_api_key",
+    ErrorCode.PERMISSION_DENIED: "not_entitled",
+    ErrorCode.NOT_FOUND: "not_found",
+    ErrorCode.RESOURCE_EXHAUSTED: "server_overloaded",
+    ErrorCode.UNAVAILABLE: "not_ready",
+    ErrorCode.DEADLINE_EXCEEDED: "timeout",
+    ErrorCode.INTERNAL: "internal_error",
+}
+
+
+# Line breaks to str.splitlines() (and so to httpx's aiter_lines) that JSON leaves raw: generated text can hold them,
+# and a client splitting lines that way would get half an event.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def event_text(payload: Any) -> str:
+    """An event as it is stored, journaled and sent: JSON on one line for every line splitter (JSON escapes newlines
+    and control characters; the Unicode line separators it leaves raw are escaped here)."""
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
+
+
+def openai_error_body(err: RequestError) -> dict[str, Any]:
+    """``{"error": {"message", "type", "param", "code"}}``, the shape OpenAI's clients parse."""
+    return {"error": {"message": err.message, "type": _OPENAI_TYPES[err.code], "param": err.param,
+                      "code": err.reason or _OPENAI_CODES.get(err.code)}}
+
+
+def token_text(tokenizer: Tokenizer | None, token_id: int) -> str:
+    """How a token reads in logprobs; ``token_id:N`` for models without a tokenizer (as vLLM spells it)."""
+    if tokenizer is None:
+        return f"token_id:{token_id}"
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def native_logprobs(logprobs: list[TokenLogprob]) -> list[dict[str, Any]]:
+    return [{"token_id": lp.token_id, "logprob": lp.logprob, "top": [[t, p] for t, p in lp.top]} for lp in logprobs]
 
 
 @dataclass(slots=True)
@@ -60,6 +115,14 @@ class ResponseFormat(ABC):
     @abstractmethod
     def body(self, gen: Generation) -> dict[str, Any]:
         """The whole response of a non-streaming request."""
+
+    def error_event(self, err: RequestError) -> dict[str, Any]:
+        """The last event of a stream that failed."""
+        return openai_error_body(err)
+
+    def error_body(self, err: RequestError) -> dict[str, Any]:
+        """The response of a non-streaming request that failed."""
+        return openai_error_body(err)
 
 
 class CompletionFormat(ResponseFormat):
@@ -149,9 +212,9 @@ class NativeFormat(ResponseFormat):
 
 
 class GrpcFormat(ResponseFormat):
-    """gRPC ``Generate`` with a request journal: each event holds one ``GenerateResponse``'s fields (the servicer
-    builds the message from it), so a journaled gRPC request is produced, replayed and resumed like an HTTP one.
-    Always a stream."""
+    """gRPC ``Generate``: each event holds one ``GenerateResponse``'s fields (the servicer builds the message from
+    it), so a gRPC request is produced, journaled, replayed and resumed like an HTTP one. Always a stream; an error
+    event carries the error's code, which the servicer maps to a status."""
 
     ends_with_done = False
 
@@ -165,6 +228,9 @@ class GrpcFormat(ResponseFormat):
 
     def body(self, gen: Generation) -> dict[str, Any]:
         raise TypeError("gRPC responses are always streamed")
+
+    def error_event(self, err: RequestError) -> dict[str, Any]:
+        return {"error": err.to_json()}
 
 
 FORMATS: dict[str, type[ResponseFormat]] = {"completion": CompletionFormat, "chat": ChatFormat,

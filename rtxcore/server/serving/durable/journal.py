@@ -27,7 +27,7 @@ from typing import Any
 
 from rtxcore.errors import ConfigError
 from rtxcore.files import replace_atomically, write_all
-from rtxcore.server.durable.records import decode_records, encode_record
+from rtxcore.server.serving.durable.records import decode_records, encode_record
 
 log = logging.getLogger("rtx.journal")
 

@@ -1,4 +1,5 @@
-"""One HTTP request's trip through the engine: admission, tokenization, submission, streaming, timeout and abort.
+"""One request's trip through the engine, whatever its protocol: admission, tokenization, submission, streaming,
+timeout and abort.
 
 A request with several prompts becomes one engine request per prompt; :class:`Generation` merges their outputs
 into one stream of ``(choice, output)``. Whatever ends it (finished, client gone, timeout, error),
@@ -10,30 +11,20 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import deque
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
-from starlette.requests import Request
-
-from rtxcore.engine.async_engine import AsyncEngine
-from rtxcore.engine.input_processor import InputProcessor
+from rtxcore.engine.input_processor import InputProcessor, Prompt
 from rtxcore.engine.outputs import RequestOutput, TokenLogprob
-from rtxcore.errors import AdmissionRefused, InvalidRequestError
+from rtxcore.errors import AdmissionRefused, ErrorCode, RequestError
 from rtxcore.metrics.timeline import TraceHeaders
 from rtxcore.sampling_params import SamplingParams
-from rtxcore.server.http.common import Route
-from rtxcore.server.http.errors import APIError, not_ready, overloaded, too_many_requests
-from rtxcore.server.http.protocol import Prompt
-from rtxcore.server.runtime import ServingRuntime
-from rtxcore.server.tenants import Lease, RateLimited
-
-T = TypeVar("T")
+from rtxcore.server.serving.limits import RETRY_AFTER_S
+from rtxcore.server.serving.routing import Route
+from rtxcore.server.serving.runtime import ServingRuntime
+from rtxcore.server.serving.tenants import Lease, RateLimited
 
 _submissions = itertools.count()
-
-
-class ClientGone(Exception):
-    """The client disconnected before its response was ready."""
 
 
 @dataclass(slots=True)
@@ -60,7 +51,7 @@ class Choice:
             self.finish_reason = out.finish_reason
 
 
-async def tokenize(inputs: InputProcessor, prompts: list[Prompt], param: str = "prompt") -> list[list[int]]:
+async def tokenize(inputs: InputProcessor, prompts: Sequence[Prompt], param: str = "prompt") -> list[list[int]]:
     """Token ids of every prompt, text encoded off the event loop (a long prompt takes a while)."""
     if not any(isinstance(p, str) for p in prompts):
         return inputs.encode_batch(prompts, param)
@@ -103,18 +94,17 @@ class Generation:
                     trace: TraceHeaders, route: Route, protocol: str = "http") -> Generation:
         """Admit and submit; returns once the engine has accepted every prompt (so errors are still 4xx).
 
-        :raises APIError: 429 when the server, the tenant's limits or the lane are full, 400 when the engine
-            refuses a prompt, 504 on timeout.
+        :raises RequestError: RESOURCE_EXHAUSTED when the server, the tenant's limits or the lane are full,
+            INVALID_ARGUMENT when the engine refuses a prompt (or it is larger than the tenant's limits allow),
+            DEADLINE_EXCEEDED on timeout.
         """
         metrics = runtime.metrics
         try:
             lease = runtime.tenants.acquire(route.tenant, len(prompts),
                                             sum(len(p) for p in prompts) + params.max_tokens * len(prompts))
         except RateLimited as exc:
-            metrics.record_rejection(exc.code, lane=route.lane, tenant=route.tenant_name)
-            raise too_many_requests(str(exc), exc.retry_after_s, "rate_limited") from None
-        except InvalidRequestError as exc:  # larger than the tenant's limits allow
-            raise APIError.invalid(exc) from None
+            metrics.record_rejection(exc.limit, lane=route.lane, tenant=route.tenant_name)
+            raise
         if not runtime.try_admit(len(prompts)):
             runtime.tenants.release(lease, 0)
             metrics.record_rejection("overloaded", lane=route.lane, tenant=route.tenant_name)
@@ -124,11 +114,8 @@ class Generation:
             await gen._wait_accepted()
         except AdmissionRefused as exc:
             gen.close()
-            metrics.record_rejection(exc.code, lane=route.lane, tenant=route.tenant_name)
-            raise too_many_requests(str(exc), exc.retry_after_s, exc.code) from None
-        except InvalidRequestError as exc:
-            gen.close()
-            raise APIError.invalid(exc) from None
+            metrics.record_rejection(exc.reason or "refused", lane=route.lane, tenant=route.tenant_name)
+            raise
         except TimeoutError:
             gen.close()
             raise gen.timeout_error() from None
@@ -140,8 +127,8 @@ class Generation:
 
     @classmethod
     async def resume(cls, runtime: ServingRuntime, req_id: str, prompts: list[list[int]], params: SamplingParams,
-                     route: Route, choices: list[Choice], token_ids: list[list[int]], protocol: str = "http",
-                     trace: TraceHeaders = TraceHeaders()) -> Generation:
+                     route: Route, choices: list[Choice], token_ids: list[list[int]], trace: TraceHeaders,
+                     protocol: str = "http") -> Generation:
         """Go on with a request accepted before a restart. It was admitted then: tenant limits and the server's
         request limit do not refuse it now (it counts towards them, not against them). It is traced under the trace
         it came with.
@@ -170,9 +157,9 @@ class Generation:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
-    def timeout_error(self) -> APIError:
+    def timeout_error(self) -> RequestError:
         self.runtime.metrics.record_timeout()
-        return APIError(504, f"request timed out after {self.runtime.settings.request_timeout_s:g}s")
+        return timed_out(self.runtime.settings.request_timeout_s)
 
     async def outputs(self) -> AsyncIterator[tuple[Choice, RequestOutput]]:
         """Every output of every choice as it comes, until all are finished.
@@ -233,64 +220,10 @@ class Generation:
             return await self._queue.get()
 
 
-async def embed(runtime: ServingRuntime, request: Request, token_lists: list[list[int]]) -> list[list[float]]:
-    """Embeddings computed on the engine thread between two steps, within the request timeout."""
-    tenant = request.state.tenant
-    num_tokens = sum(len(t) for t in token_lists)
-    try:
-        lease = runtime.tenants.acquire(tenant, 1, num_tokens)
-    except RateLimited as exc:
-        runtime.metrics.record_rejection(exc.code, tenant=tenant.name if tenant is not None else None)
-        raise too_many_requests(str(exc), exc.retry_after_s, "rate_limited") from None
-    if not runtime.try_admit(1):
-        runtime.tenants.release(lease, 0)
-        runtime.metrics.record_rejection("overloaded")
-        raise overloaded(runtime.settings.max_active_requests)
-    try:
-        async with asyncio.timeout(runtime.settings.request_timeout_s):
-            return await until_disconnected(request, runtime.async_engine.embed(token_lists))
-    except TimeoutError:
-        runtime.metrics.record_timeout()
-        raise APIError(504, f"request timed out after {runtime.settings.request_timeout_s:g}s") from None
-    finally:
-        runtime.release(1)
-        runtime.tenants.release(lease, num_tokens)
+def overloaded(max_active_requests: int) -> RequestError:
+    return RequestError(ErrorCode.RESOURCE_EXHAUSTED, f"the server is at its limit of {max_active_requests} active "
+                        "requests; retry later", retry_after_s=RETRY_AFTER_S, reason="server_overloaded")
 
 
-async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``, cancelling it if the client disconnects first.
-
-    :raises ClientGone: the client went away (``work`` has been cancelled).
-    """
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_wait_for_disconnect(request.receive))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-    if not task.done() or task.cancelled():
-        raise ClientGone()
-    return task.result()
-
-
-async def _wait_for_disconnect(receive: Callable) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-def ensure_engine(runtime: ServingRuntime) -> AsyncEngine:
-    """The running engine; raises 503 while loading, draining, or after the engine failed."""
-    if runtime.draining:
-        raise not_ready("the server is shutting down")
-    engine = runtime.async_engine
-    if engine is None:
-        if runtime.load_error is not None:
-            raise APIError(503, f"the model failed to load: {runtime.load_error}")
-        raise not_ready("the model is still loading")
-    if not engine.is_running:
-        raise APIError(503, f"the engine has stopped: {engine.error!r}")
-    if runtime.durable is not None and not runtime.durable.recovered:
-        raise not_ready("resuming the requests of the journal")
-    return engine
+def timed_out(timeout_s: float) -> RequestError:
+    return RequestError(ErrorCode.DEADLINE_EXCEEDED, f"request timed out after {timeout_s:g}s", reason="timeout")

@@ -1,5 +1,5 @@
 """Start-up with a state dir: replay the journal, resume every request that had not finished, and make finished
-ones within the retention window resumable again (``GET /v1/streams/{id}``, ``Idempotency-Key``).
+ones within the retention window resumable again (``GET /v1/streams/{id}``, gRPC ``Resume``, ``Idempotency-Key``).
 
 A resumed request is submitted again with its prompt and the tokens it had produced (the engine prefills both and
 generates only what is left of ``max_tokens``); its events continue from the next sequence number, so a client that
@@ -14,19 +14,18 @@ import time
 from typing import Any
 
 from rtxcore.engine.outputs import RequestOutput, TokenLogprob
-from rtxcore.errors import AdmissionRefused, InvalidRequestError, RtxError
+from rtxcore.errors import AdmissionRefused, ErrorCode, InvalidRequestError, RequestError, RtxError
 from rtxcore.metrics.timeline import TraceHeaders
 from rtxcore.sampling_params import SamplingParams
-from rtxcore.server.durable.entry import DurableRequest, IdempotencyClaim
-from rtxcore.server.durable.journal import Journal
-from rtxcore.server.durable.replay import JournaledRequest, group_records
-from rtxcore.server.http.common import Route
-from rtxcore.server.http.errors import APIError
-from rtxcore.server.http.formats import FORMATS, ResponseSpec, make_format
-from rtxcore.server.http.generation import Choice, Generation
-from rtxcore.server.http.responding import conclude, produce
-from rtxcore.server.http.sse import sse_json
-from rtxcore.server.runtime import ServingRuntime
+from rtxcore.server.serving.durable.journal import Journal
+from rtxcore.server.serving.durable.registry import DurableRequests
+from rtxcore.server.serving.durable.replay import JournaledRequest, group_records
+from rtxcore.server.serving.formats import FORMATS, ResponseSpec, event_text, make_format
+from rtxcore.server.serving.generation import Choice, Generation
+from rtxcore.server.serving.lifecycle import conclude, produce
+from rtxcore.server.serving.routing import Route
+from rtxcore.server.serving.runtime import ServingRuntime
+from rtxcore.server.serving.served_request import IdempotencyClaim, ServedRequest
 
 log = logging.getLogger("rtx.journal")
 
@@ -34,6 +33,8 @@ log = logging.getLogger("rtx.journal")
 async def recover(runtime: ServingRuntime) -> None:
     """Open the journal and bring back its requests; the server refuses generations (503) until this is done."""
     durable = runtime.durable
+    if durable is None:
+        return
     try:
         records = await asyncio.to_thread(durable.journal.open)
     except OSError as exc:
@@ -47,12 +48,12 @@ async def recover(runtime: ServingRuntime) -> None:
             log.warning("journal: request %s has an unreadable accept record (%r); not resumed", journaled.req_id, exc)
             continue
         if journaled.finish is not None:
-            if not journaled.finish.get("void") and entry.finished_at >= expired_before:
+            if not journaled.finish.get("void") and (entry.finished_at or 0.0) >= expired_before:
                 durable.add(entry)
                 durable.stats.num_replayable += 1
             continue
         durable.add(entry)
-        entry.producer = asyncio.ensure_future(_resume(runtime, entry, journaled))
+        entry.producer = asyncio.ensure_future(_resume(runtime, durable, entry, journaled))
         durable.stats.num_resumed += 1
     durable.recovered = True
     if durable.stats.num_resumed or durable.stats.num_replayable:
@@ -60,22 +61,25 @@ async def recover(runtime: ServingRuntime) -> None:
                  durable.stats.num_replayable)
 
 
-def _entry(journaled: JournaledRequest) -> DurableRequest:
+def _entry(journaled: JournaledRequest) -> ServedRequest:
     accept = journaled.accept
+    assert accept is not None  # group_records keeps only requests with an accept record
     claim = IdempotencyClaim(**accept["idempotency"]) if accept.get("idempotency") else None
     kind = FORMATS[accept["spec"]["kind"]]
-    entry = DurableRequest(journaled.req_id, accept["tenant"], bool(accept["stream"]), claim, kind.ends_with_done,
+    entry = ServedRequest(journaled.req_id, accept["tenant"], bool(accept["stream"]), claim, kind.ends_with_done,
                            kind=accept["spec"]["kind"], accepted_at=float(accept["time"]),
                            events=list(journaled.events))
     if journaled.finish is not None:
         finish = journaled.finish
-        entry.finish(int(finish["status"]), finish.get("body"), at=float(finish["time"]))
+        entry.finish(_finish_error(finish), finish.get("body"), at=float(finish["time"]))
     return entry
 
 
-async def _resume(runtime: ServingRuntime, entry: DurableRequest, journaled: JournaledRequest) -> None:
+async def _resume(runtime: ServingRuntime, durable: DurableRequests, entry: ServedRequest,
+                  journaled: JournaledRequest) -> None:
     accept = journaled.accept
-    journal = runtime.durable.journal
+    assert accept is not None  # group_records keeps only requests with an accept record
+    journal = durable.journal
     try:
         if journaled.damaged:
             raise ValueError("an output record is missing")
@@ -90,36 +94,55 @@ async def _resume(runtime: ServingRuntime, entry: DurableRequest, journaled: Jou
             token_ids[output["c"]].extend(output["tok"])
     except (KeyError, IndexError, TypeError, ValueError) as exc:  # damaged beyond what the checksums catch
         log.warning("journal: request %s has unreadable records (%r); ended with an error", entry.req_id, exc)
-        _end_with_error(entry, journal, entry.stream, APIError(500, "the request could not be resumed after a "
-                                                                    "restart: its journal records are damaged"))
+        _end_with_error(entry, journal, ResponseSpec(entry.kind, entry.stream), RequestError(
+            ErrorCode.INTERNAL, "the request could not be resumed after a restart: its journal records are damaged"))
         return
     tenant = runtime.tenants.tenants.get(accept["tenant"]) if accept["tenant"] is not None else None
     route = Route(tenant, accept["lane"], accept["cache_salt"])
     while True:
         try:
-            gen = await Generation.resume(runtime, accept["gen_id"], prompts, params, route, choices, token_ids,
-                                          "grpc" if spec.kind == "grpc" else "http", trace)
+            gen = await Generation.resume(runtime, accept["gen_id"], prompts, params, route, choices, token_ids, trace,
+                                          "grpc" if spec.kind == "grpc" else "http")
             break
         except AdmissionRefused as exc:  # the scheduler is full for now: it was accepted once, so it waits its turn
-            await asyncio.sleep(max(0.05, exc.retry_after_s))
+            await asyncio.sleep(max(0.05, exc.retry_after_s or 0.0))
         except InvalidRequestError as exc:  # this server cannot run it any more (another model, a smaller context)
             log.warning("journal: request %s cannot be resumed: %s", entry.req_id, exc)
-            _end_with_error(entry, journal, spec.stream, APIError.invalid(exc))
+            _end_with_error(entry, journal, spec, exc)
             return
         except RtxError as exc:  # the engine failed
-            _end_with_error(entry, journal, spec.stream, APIError(500, str(exc)))
+            _end_with_error(entry, journal, spec, RequestError(ErrorCode.INTERNAL, str(exc)))
             return
     # A crash between the accept and the first event leaves no opening event (a chat stream's role chunk) yet.
-    await produce(entry, gen, make_format(spec, runtime.async_engine.core.tokenizer), journal,
+    await produce(entry, gen, make_format(spec, runtime.engine().core.tokenizer), journal,
                   opening=not journaled.events)
 
 
-def _end_with_error(entry: DurableRequest, journal: Journal, stream: bool, error: APIError) -> None:
+def _end_with_error(entry: ServedRequest, journal: Journal, spec: ResponseSpec, error: RequestError) -> None:
     """What a failed request sends: an error event for a stream, an error response otherwise."""
-    if stream:
-        conclude(entry, journal, [sse_json(error.body())], 200, None)
+    fmt = make_format(spec, None)
+    if spec.stream:
+        conclude(entry, journal, [event_text(fmt.error_event(error))], error, None)
     else:
-        conclude(entry, journal, [], error.status, error.body())
+        conclude(entry, journal, [], error, fmt.error_body(error))
+
+
+# The HTTP status a journal written before errors were recorded by code kept for a failed request.
+_LEGACY_STATUS = {400: ErrorCode.INVALID_ARGUMENT, 401: ErrorCode.UNAUTHENTICATED, 403: ErrorCode.PERMISSION_DENIED,
+                  404: ErrorCode.NOT_FOUND, 422: ErrorCode.CONFLICT, 429: ErrorCode.RESOURCE_EXHAUSTED,
+                  503: ErrorCode.UNAVAILABLE, 504: ErrorCode.DEADLINE_EXCEEDED}
+
+
+def _finish_error(finish: dict[str, Any]) -> RequestError | None:
+    """What a finished request failed with, from its finish record (None: it succeeded)."""
+    if finish.get("error") is not None:
+        return RequestError.from_json(finish["error"])
+    status = finish.get("status", 200)  # a journal from before errors were recorded by code
+    if status == 200:
+        return None
+    body = finish.get("body") or {}
+    message = body.get("error", {}).get("message", "the request failed") if isinstance(body, dict) else ""
+    return RequestError(_LEGACY_STATUS.get(int(status), ErrorCode.INTERNAL), message)
 
 
 def _request_output(output: dict[str, Any]) -> RequestOutput:

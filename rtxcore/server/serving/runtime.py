@@ -1,28 +1,29 @@
-"""What the HTTP and gRPC servers share: the engine (loaded in the background), metrics and serving limits.
+"""What the HTTP and gRPC servers share: the engine (loaded in the background), metrics, tenants, the request
+journal and the server's admission limit.
 
-Servers start listening before the model is loaded so that probes get answers at once: ``/health`` says the
-process is alive, ``/ready`` and every model route answer 503 until :attr:`ServingRuntime.ready`.
+Servers start listening before the model is loaded so that probes get answers at once: the process is alive, and
+every model call is refused as UNAVAILABLE (:meth:`ServingRuntime.engine`) until :attr:`ServingRuntime.ready`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
-from functools import partial
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rtxcore.engine.async_engine import AsyncEngine
 from rtxcore.engine.config import EngineConfig
-from rtxcore.errors import ConfigError
+from rtxcore.errors import ConfigError, ErrorCode, RequestError
 from rtxcore.models.resolve import DEFAULT_MODEL
-from rtxcore.server.tenants import TenantRegistry
+from rtxcore.server.serving.limits import RETRY_AFTER_S
+from rtxcore.server.serving.tenants import TenantRegistry
 
 if TYPE_CHECKING:
-    from rtxcore.server.durable.registry import DurableRequests
+    from rtxcore.server.serving.durable.registry import DurableRequests
 
 log = logging.getLogger("rtx.server")
 
@@ -89,18 +90,15 @@ class ServingRuntime:
         self._loaded = threading.Event()
         self._lock = threading.Lock()
         self._num_admitted = 0
-        # Resumable requests and their journal; None without a state dir.
+        # Resumable requests and their journal; None without a state dir. Used from the servers' event loop only.
         self.durable = self._make_durable()
-        # The event loop serving HTTP, which owns the journaled requests' tasks and events (set by the launcher); the
-        # gRPC server, on a loop of its own, runs its journaled requests there.
-        self.main_loop: asyncio.AbstractEventLoop | None = None
 
     def _make_durable(self) -> DurableRequests | None:
         if self.settings.state_dir is None:
             return None
-        from rtxcore.server.durable.journal import Journal, JournalOptions
-        from rtxcore.server.durable.metrics import register
-        from rtxcore.server.durable.registry import DurableRequests
+        from rtxcore.server.serving.durable.journal import Journal, JournalOptions
+        from rtxcore.server.serving.durable.metrics import register
+        from rtxcore.server.serving.durable.registry import DurableRequests
 
         options = JournalOptions(retention_s=self.settings.journal_retention_s)
         durable = DurableRequests(Journal(Path(self.settings.state_dir) / "journal", options))
@@ -155,6 +153,42 @@ class ServingRuntime:
         return (self.async_engine is not None and self.async_engine.is_running and not self.draining
                 and (self.durable is None or self.durable.recovered))
 
+    @property
+    def state(self) -> str:
+        """``loading``, ``serving``, ``draining`` or ``failed`` (nothing in this process will serve again)."""
+        if self.draining:
+            return "draining"
+        if self.load_error is not None:
+            return "failed"
+        if self.async_engine is None:
+            return "loading"
+        return "serving" if self.async_engine.is_running else "failed"
+
+    def engine(self) -> AsyncEngine:
+        """The running engine.
+
+        :raises RequestError: UNAVAILABLE while loading, draining or resuming the journal (with a retry delay), or
+            for good once the model failed to load or the engine stopped.
+        """
+        if self.draining:
+            raise _unavailable("the server is shutting down", RETRY_AFTER_S)
+        engine = self.async_engine
+        if engine is None:
+            if self.load_error is not None:
+                raise _unavailable(f"the model failed to load: {self.load_error}")
+            raise _unavailable("the model is still loading", RETRY_AFTER_S)
+        if not engine.is_running:
+            raise _unavailable(f"the engine has stopped: {engine.error!r}")
+        if self.durable is not None and not self.durable.recovered:
+            raise _unavailable("resuming the requests of the journal", RETRY_AFTER_S)
+        return engine
+
+    def check_model(self, model: str | None) -> None:
+        """:raises RequestError: NOT_FOUND for a model this server does not serve (None means the served one)."""
+        if model is not None and model not in self.model_aliases:
+            raise RequestError(ErrorCode.NOT_FOUND, f"model {model!r} does not exist; this server serves "
+                               f"{self.model_name!r}", param="model", reason="model_not_found")
+
     # -- admission ------------------------------------------------------------------------------------------------
 
     def try_admit(self, num_requests: int = 1) -> bool:
@@ -196,7 +230,13 @@ class ServingRuntime:
     def _save_kv_snapshot(self) -> None:
         """With a disk KV tier, write the prefix cache there (the engine thread has stopped), so the next start is
         warm; a failure is logged, never raised: the shutdown must go on."""
+        if self.async_engine is None:
+            return
         try:
             self.async_engine.core.save_kv_snapshot()
         except Exception:
             log.exception("could not write the KV cache snapshot at shutdown")
+
+
+def _unavailable(message: str, retry_after_s: float | None = None) -> RequestError:
+    return RequestError(ErrorCode.UNAVAILABLE, message, retry_after_s=retry_after_s, reason="not_ready")

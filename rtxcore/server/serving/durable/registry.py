@@ -1,6 +1,7 @@
 """The server's resumable requests: lookup by id within a tenant, ``Idempotency-Key`` claims, and retention.
 
-Everything here runs on the HTTP server's event loop, so the dictionaries need no lock; a claim is taken with no
+Everything here runs on the servers' event loop (HTTP and gRPC share it), so the dictionaries need no lock; a claim
+is taken with no
 ``await`` between looking a key up and reserving it, so two concurrent requests with one key never both start.
 """
 
@@ -11,8 +12,8 @@ import logging
 import time
 from dataclasses import dataclass
 
-from rtxcore.server.durable.entry import DurableRequest
-from rtxcore.server.durable.journal import Journal, JournalOptions
+from rtxcore.server.serving.durable.journal import Journal, JournalOptions
+from rtxcore.server.serving.served_request import ServedRequest
 
 
 @dataclass(slots=True)
@@ -39,16 +40,16 @@ class DurableRequests:
     def __init__(self, journal: Journal):
         self.journal = journal
         self.options: JournalOptions = journal.options
-        self._entries: dict[str, DurableRequest] = {}
+        self._entries: dict[str, ServedRequest] = {}
         # A key maps to its request, or to a future while the request that claimed it is being admitted.
-        self._keys: dict[KeyScope, DurableRequest | asyncio.Future] = {}
+        self._keys: dict[KeyScope, ServedRequest | asyncio.Future] = {}
         # False until the journal has been replayed: until then requests are refused (503), so that a repeated
         # Idempotency-Key cannot start a second copy of a request that is about to be resumed.
         self.recovered = False
         self.stats = DurableStats()
         self._next_purge = 0.0
 
-    def add(self, entry: DurableRequest) -> None:
+    def add(self, entry: ServedRequest) -> None:
         self.purge()
         self._entries[entry.req_id] = entry
         if entry.idempotency is not None:
@@ -58,7 +59,7 @@ class DurableRequests:
             if isinstance(pending, asyncio.Future) and not pending.done():
                 pending.set_result(entry)
 
-    def get(self, req_id: str, tenant: str | None) -> DurableRequest | None:
+    def get(self, req_id: str, tenant: str | None) -> ServedRequest | None:
         """The request if it exists, is within retention and belongs to ``tenant``; None otherwise (a tenant cannot
         tell another's request from a missing one)."""
         self.purge()
@@ -67,7 +68,7 @@ class DurableRequests:
             return None
         return entry
 
-    async def find_key(self, tenant: str | None, key: str) -> DurableRequest | None:
+    async def find_key(self, tenant: str | None, key: str) -> ServedRequest | None:
         """The request an idempotency key was used for, waiting while its first use is still being admitted;
         None when the key is free (its first use failed, or it was never used)."""
         while True:
@@ -87,7 +88,7 @@ class DurableRequests:
         if isinstance(pending, asyncio.Future) and not pending.done():
             pending.set_result(None)
 
-    def entries(self) -> list[DurableRequest]:
+    def entries(self) -> list[ServedRequest]:
         return list(self._entries.values())
 
     def purge(self, now: float | None = None) -> None:
@@ -108,9 +109,10 @@ class DurableRequests:
         """Cancel the requests still producing (shutdown past its grace period). They write no finish record, so
         the next start resumes them."""
         running = [e for e in self._entries.values() if e.producer is not None and not e.producer.done()]
-        for entry in running:
-            entry.producer.cancel()
-        await asyncio.gather(*(e.producer for e in running), return_exceptions=True)
+        producers = [e.producer for e in running if e.producer is not None]
+        for producer in producers:
+            producer.cancel()
+        await asyncio.gather(*producers, return_exceptions=True)
         for entry in running:
             if not entry.finished:
                 entry.abandon()

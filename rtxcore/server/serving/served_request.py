@@ -1,8 +1,10 @@
-"""One resumable request as the server keeps it: every event sent so far, in order, and whether it has finished.
+"""One request as the server keeps it while it is served (and, with a journal, for its retention window after):
+every event produced so far, in order, and how it ended.
 
-Events are numbered from 1 (the SSE ``id``); a client that saw event ``n`` resumes with ``Last-Event-ID: n`` and gets
-events ``n+1...`` from :meth:`DurableRequest.follow`, the ones already sent replayed from memory, the rest as they
-come. The producer appends an event only after it is in the journal, so no client is ever ahead of the journal.
+Events are numbered from 1 (the SSE ``id``, the gRPC ``event_id``); a client that saw event ``n`` resumes after it
+and gets events ``n+1...`` from :meth:`ServedRequest.follow`, the ones already produced replayed from memory, the
+rest as they come. The producer appends an event only after it is in the journal, so no client is ever ahead of the
+journal.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
+
+from rtxcore.errors import RequestError
 
 
 def new_request_id() -> str:
@@ -28,8 +32,8 @@ class IdempotencyClaim:
 
 
 @dataclass(slots=True, eq=False)
-class DurableRequest:
-    # The x-rtx-request-id header and the id of GET /v1/streams/{request_id}.
+class ServedRequest:
+    # The x-rtx-request-id header, the id of GET /v1/streams/{request_id} and of gRPC's Resume.
     req_id: str
     # Only this tenant may resume it (None: the server is unauthenticated).
     tenant: str | None
@@ -38,13 +42,13 @@ class DurableRequest:
     # Whether its SSE stream ends with a ``data: [DONE]`` event (OpenAI routes; /generate's last event says
     # ``finished`` instead).
     ends_with_done: bool = True
-    # Its response format (a key of rtxcore.server.http.formats.FORMATS): "grpc" for a gRPC Generate.
+    # Its response format (a key of rtxcore.server.serving.formats.FORMATS): "grpc" for a gRPC Generate.
     kind: str = ""
     accepted_at: float = field(default_factory=time.time)
-    # JSON payloads of the SSE events sent so far; event n is events[n - 1].
+    # JSON payloads of the events produced so far; event n is events[n - 1].
     events: list[str] = field(default_factory=list)
-    # Set when it finished: the response of a non-streaming request (status and body).
-    final_status: int | None = None
+    # Set when it finished: what it failed with (None: it succeeded), and a non-streaming request's response.
+    error: RequestError | None = None
     final_body: dict[str, Any] | None = None
     finished_at: float | None = None
     # The task producing its events (None once it ends or for one replayed from the journal).
@@ -66,8 +70,8 @@ class DurableRequest:
         self._wake()
         return len(self.events)
 
-    def finish(self, status: int, body: dict[str, Any] | None, at: float | None = None) -> None:
-        self.final_status, self.final_body = status, body
+    def finish(self, error: RequestError | None, body: dict[str, Any] | None, at: float | None = None) -> None:
+        self.error, self.final_body = error, body
         self.finished_at = time.time() if at is None else at
         self._wake()
 

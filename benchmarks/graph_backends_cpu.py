@@ -25,7 +25,6 @@ import tempfile
 import time
 
 from rtx_plugins.backends.graph_runtime.cache import CACHE_DIR_ENV
-
 from rtxcore.bench.engine import Engine, build_engine
 from rtxcore.bench.offline import run_engine, warm_up
 from rtxcore.bench.workloads import WORKLOADS, make_requests
@@ -98,7 +97,8 @@ def main() -> int:
     print(f"{'backend':12} {'output tok/s':>12} {'elapsed s':>10} {'vs torch':>9} {'start s':>8}")
     for label, start_s in (("onnxruntime", second_start_s), ("torch", torch_start_s)):
         r = results[label]
-        print(f"{label:12} {r.tokens_per_s:12.1f} {r.elapsed_s:10.2f} {r.tokens_per_s / results['torch'].tokens_per_s:8.2f}x"
+        ratio = r.tokens_per_s / results['torch'].tokens_per_s
+        print(f"{label:12} {r.tokens_per_s:12.1f} {r.elapsed_s:10.2f} {ratio:8.2f}x"
               f" {start_s:8.1f}")
     print(f"onnxruntime first start:  {first_start_s:.1f}s (cache hit: {first_graph.cache_hit}, export "
           f"{first_graph.export_s:.1f}s, weights hash {first_graph.fingerprint_s:.2f}s)")

@@ -111,9 +111,9 @@ async def collect_warm_up(served, params: SamplingParams) -> None:
 
 
 def profiled(args, config: str, engine: Engine, load) -> dict[str, float]:
-    """The ``load`` coroutine run with the engine's steps under cProfile (they run on the engine's thread): where the host's time
-    went, waiting for the device included, printed (and saved beside ``--json``) as the top functions by own time
-    and by cumulative time. The profiler inflates the figures; compare configurations profiled alike."""
+    """The ``load`` coroutine run with the engine's steps under cProfile (they run on the engine's thread): where the
+    host's time went, waiting for the device included, printed (and saved beside ``--json``) as the top functions by
+    own time and by cumulative time. The profiler inflates the figures; compare configurations profiled alike."""
     import cProfile
     import io
     import pstats
@@ -162,8 +162,8 @@ def main() -> int:
     p.add_argument("--load", type=float, default=1.5, help="arrival rate as a multiple of the measured capacity")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the results here")
-    p.add_argument("--profile", default="", help="comma-separated configurations whose load part runs with the engine's "
-                   f"steps under cProfile (of {', '.join(CONFIGS)}); their latencies are then not comparable")
+    p.add_argument("--profile", default="", help="comma-separated configurations whose load part runs with the "
+                   f"engine's steps under cProfile (of {', '.join(CONFIGS)}); their latencies are then not comparable")
     args = p.parse_args()
     args.profile = [c for c in args.profile.split(",") if c]
     if set(args.profile) - set(CONFIGS):

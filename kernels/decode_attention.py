@@ -31,7 +31,7 @@ from rtx_kernels.pdl import launch_options, pdl_enabled, wait_for_previous
 
 _LOG2E = 1.4426950408889634
 # Keys per inner-loop tile, gathered through the block table; independent of the cache's block size. Unsplit
-# programs walk whole contexts and do better with the larger tile (benchmarks/kernel_sweep.py --layers, H200,
+# programs walk whole contexts and do better with the larger tile (a sweep, docs/benchmarks.md, H200,
 # 2026-11-29, llama-1b heads, W2 contexts, 16 layers' caches in one graph: 64 requests 50.0 us per layer unsplit
 # with 128 against 53.4 in 2 splits with 64; 128 requests 87.2 against 93.6 unsplit with 64); split programs
 # (32 requests: 27.4 us in 4 splits) gained nothing from it.
@@ -63,7 +63,7 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, max_seq_len_hint: int,
     """Splits per request so that ``batch_size * num_kv_heads * splits`` gives every SM about four programs.
 
     One program per SM is not enough: contexts differ in length, and the longest request's programs then run
-    alone at the end. Measured on the H200 (benchmarks/kernel_sweep.py --splits, 2026-11-29, llama-1b heads,
+    alone at the end. Measured on the H200 (a sweep, docs/benchmarks.md, 2026-11-29, llama-1b heads,
     contexts uniform in [100, 2048]): 32 requests took 54 us unsplit and 36 us in 4 splits; 64 requests 69 and
     64 us in 2; from 128 requests splitting gained little. From two programs per SM on, no split (see _BLOCK_N).
     A power of two, at most one split per 256 tokens.
@@ -198,7 +198,7 @@ def decode_attention(
         :func:`choose_num_splits`.
     :param workspace: scratch for ``num_splits > 1``; allocated here when omitted.
     :param block_n, num_warps, num_stages: stage 1's tile of keys (None: by the split count) and launch shape
-        (benchmarks/kernel_sweep.py times the alternatives).
+        (a sweep, docs/benchmarks.md times the alternatives).
     :param launch_cache: a dict kept for one step's layers, to launch them without Triton's dispatch
         (:func:`rtx_kernels.launch.launch`).
     """

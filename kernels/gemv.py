@@ -83,7 +83,7 @@ def _num_sms(device_index: int) -> int:
 def choose_split_k(n: int, k: int, num_sms: int = 132) -> int:
     """Splits of K only when N is too narrow to give every SM a 4-row tile, each split keeping >= 2048 columns.
 
-    Measured on the H200 with benchmarks/gemv_sweep.py (2026-11-29): on every Llama-3.2-1B matrix at M <= 2 one
+    Measured on the H200 with a sweep, docs/benchmarks.md (2026-11-29): on every Llama-3.2-1B matrix at M <= 2 one
     split was fastest (down_proj, N=2048 K=8192: 10.6 us, against 12.6 with two and 12.0 with four), because the
     extra reduce launch costs more than the parallelism gains once N/4 >= the number of SMs.
     """

@@ -1,6 +1,6 @@
 """Repeated launches of one Triton kernel specialization without going through Triton's dispatch each time.
 
-A step that carries prefill tokens launches attention eagerly once per layer (benchmarks/gpu_mixed.py; everything
+A step that carries prefill tokens launches attention eagerly once per layer (a sweep, docs/benchmarks.md; everything
 else replays from piecewise CUDA graphs), with arguments that differ from layer to layer only in which layer's KV
 cache they point at. Triton's dispatch binds and specializes every argument and looks the compiled kernel up again
 on each call, and on the H200 machine's host a wrapper call cost 60-75 us (third session of docs/benchmarks.md),

@@ -116,7 +116,7 @@ def prefill_attention(
     """Causal attention of each request's chunk over its whole paged context; returns ``out`` ``[T, H, D]``.
 
     :param max_query_len: the longest chunk (a host int; it sizes the grid).
-    :param block_rows, block_n, num_warps, num_stages: the launch shape (benchmarks/gpu_mixed.py times the
+    :param block_rows, block_n, num_warps, num_stages: the launch shape (a sweep, docs/benchmarks.md times the
         alternatives).
     :param launch_cache: a dict kept for one step's layers, to launch them without Triton's dispatch
         (:func:`rtx_kernels.launch.launch`).

@@ -11,7 +11,7 @@ so the floats are built from bits instead (a shift, one LOP3 and the FMA per wei
 the zero point and scale are applied once per 8 weights. Narrow, tall-K matrices also split K, as
 :mod:`rtx_kernels.gemv` does, with the same fixed-order reduce.
 
-Measured on the H200 with benchmarks/quant_sweep.py (Triton 3.6; Llama-3.1-8B projections, x bf16, M=1): int8
+Measured on the H200 with a sweep, docs/benchmarks.md (Triton 3.6; Llama-3.1-8B projections, x bf16, M=1): int8
 2.4-4.4 TB/s of weight bytes, 1.3-1.9x faster than the bf16 ``gemv``; int4 (groups of 128) 1.4-2.9 TB/s,
 1.5-2.4x faster than it, the larger matrices (gate_up, LM head) gaining most. At one row int4 is bound by
 instruction issue (Nsight Compute, docs/benchmarks.md); from 2 rows of 16-bit x :mod:`rtx_kernels.quant_mma_gemv`

@@ -33,7 +33,7 @@ from rtx_kernels.quant_dequantize import dequantize_int4_tile, dequantized_matmu
 from rtxcore import envs
 
 # From this many rows of x on (by bits), dequantize to scratch and use cuBLAS (see the module docstring). Measured
-# with benchmarks/quant_sweep.py on the H200 at Llama-3.1-8B's projections (M = 16, 64, 256): the int4 GEMM lost
+# with a sweep, docs/benchmarks.md on the H200 at Llama-3.1-8B's projections (M = 16, 64, 256): the int4 GEMM lost
 # to it at every M from 16 on but one (gate_up at 64: 136 against 162 us); the int8 GEMM won at 16 and 64 rows and
 # broke even at 256 (367 against 356 us over the four projections). 128 for int8 lies between, not measured.
 DEQUANTIZE_MIN_M = {4: 9, 8: 128}

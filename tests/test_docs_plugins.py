@@ -5,7 +5,6 @@ from __future__ import annotations
 import inspect
 
 from rtx_conformance.rules import RULES
-
 from rtxcore import hookspecs
 from tests.helpers import REPO
 

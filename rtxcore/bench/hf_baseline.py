@@ -8,6 +8,7 @@ import torch
 
 from rtxcore.bench.offline import ThroughputResult
 from rtxcore.bench.workloads import BenchRequest
+from rtxcore.contracts.quantizer import QuantizedTensor
 from rtxcore.errors import RtxError
 from rtxcore.models.source import ModelSource
 
@@ -22,7 +23,12 @@ def load_hf_model(source: ModelSource, device: str, dtype: torch.dtype):
     config._attn_implementation = "sdpa"
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    state = {name: t.to(device=device, dtype=dtype) for name, t in source.weights(device=device, dtype=dtype)}
+    state: dict[str, torch.Tensor] = {}
+    for name, t in source.weights(device=device, dtype=dtype):
+        if isinstance(t, QuantizedTensor):  # a checkpoint written by `rtx quantize`: transformers cannot run it
+            raise RtxError(f"the HF baseline needs float weights, but {source.name} stores {name} in its "
+                           f"{t.method} form; run the baseline on the unquantized model")
+        state[name] = t.to(device=device, dtype=dtype)
     if config.tie_word_embeddings:
         state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
     model.load_state_dict(state, assign=True, strict=True)
@@ -32,7 +38,10 @@ def load_hf_model(source: ModelSource, device: str, dtype: torch.dtype):
     # Rotary buffers are not in the state dict; rebuild them on the real device.
     with torch.device(device):
         model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
-    return model.to(device).eval()
+    # Called through nn.Module's signature, which it keeps: functools.wraps leaves PreTrainedModel.to typed as a
+    # plain callable whose first argument is the model (typeshed's _Wrapped is not a method). Its override still runs.
+    module: torch.nn.Module = model
+    return module.to(device).eval()
 
 
 @torch.inference_mode()

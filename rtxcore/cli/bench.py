@@ -8,16 +8,23 @@ import datetime
 import json
 import platform
 import sys
+from collections.abc import Sequence
 
 import torch
 
 from rtxcore.bench.offline import ThroughputResult, run_engine, warm_up
+from rtxcore.bench.serving import ServedResult, run_served, summarize
 from rtxcore.bench.workloads import WORKLOADS, BenchRequest, get_workload, make_requests
-from rtxcore.cli.common import (add_engine_options, engine_cli_args, engine_config, load_engine, output_file,
-                                positive_int)
+from rtxcore.cli.common import (
+    add_engine_options,
+    engine_cli_args,
+    engine_config,
+    load_engine,
+    output_file,
+    positive_int,
+)
 from rtxcore.errors import ConfigError
 from rtxcore.transfer import release_device_memory
-
 
 # Device-to-device copy bandwidth measured on the H200 (shared/WORKLOADS.md): the floor W3 is compared with.
 H200_COPY_BYTES_PER_S = 4.24e12
@@ -63,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
     if args.baseline == "unquantized" and not config.quantization:
         raise ConfigError("--baseline unquantized compares against --quantization METHOD: give one")
     engine = load_engine(config)
-    requests = make_requests(workload, engine.core.model_config.vocab_size, seed=args.seed, num_requests=args.num_requests)
+    requests = make_requests(workload, engine.core.model_config.vocab_size, seed=args.seed,
+                             num_requests=args.num_requests)
     sys.stderr.write(f"workload {workload.name}: {workload.description} ({len(requests)} requests)\n")
     warm_up(engine, requests)
     results: list[ThroughputResult] = [run_engine(engine, requests)]
@@ -71,8 +79,6 @@ def run(args: argparse.Namespace) -> int:
     # Decoding one stream reads every weight once per token: no step can take less than that read.
     args.weight_bytes = _weight_bytes(engine)
     if args.serve:
-        from rtxcore.bench.serving import run_served, summarize
-
         del engine  # the server process loads its own copy
         release_device_memory()
         sys.stderr.write(f"serving the same requests to {len(requests)} concurrent streaming clients...\n")
@@ -114,7 +120,7 @@ def _weight_bytes(engine) -> int:
     return measured() if measured else engine.core.model_config.num_params * engine.core.backend.dtype.itemsize
 
 
-def _report(args: argparse.Namespace, workload: str, results: list[ThroughputResult]) -> None:
+def _report(args: argparse.Namespace, workload: str, results: Sequence[ThroughputResult | ServedResult]) -> None:
     ours = results[0]
     base = results[1] if len(results) > 1 else None
     lines = [f"{'system':32} {'output tok/s':>12} {'ms/token/stream':>16} {'elapsed s':>10} {'vs baseline':>12}"]
@@ -143,7 +149,7 @@ def _report(args: argparse.Namespace, workload: str, results: list[ThroughputRes
              "prompt_tokens": getattr(r, "prompt_tokens", None), "elapsed_s": r.elapsed_s,
              "ms_per_token_per_request": r.ms_per_token_per_request,
              **({"ttft_p50_s": r.ttft_percentile(0.5), "ttft_p99_s": r.ttft_percentile(0.99), "errors": r.errors}
-                if hasattr(r, "ttft_percentile") else {})} for r in results],
+                if isinstance(r, ServedResult) else {})} for r in results],
             "ratio_vs_baseline": ours.tokens_per_s / base.tokens_per_s if base else None,
             "weight_read_floor_ms": floor_ms}
         with open(args.json_path, "w") as fh:

@@ -159,7 +159,8 @@ def load_engine(config: EngineConfig, quiet: bool = False):
         sys.stderr.write(f"loading {name} on backend {config.backend}...\n")
     engine = LLM(config, progress=None if quiet else Progress("weights"))
     if not quiet:
-        sys.stderr.write(f"loaded {engine.core.source.name} ({engine.core.model_config.num_params / 1e6:.0f}M parameters) on "
-                         f"{engine.core.backend.device} in {time.monotonic() - start:.1f}s; KV cache: "
-                         f"{engine.core.kv_cache.num_blocks} blocks of {config.block_size} tokens\n")
+        core = engine.core
+        sys.stderr.write(f"loaded {core.source.name} ({core.model_config.num_params / 1e6:.0f}M parameters) on "
+                         f"{core.backend.device} in {time.monotonic() - start:.1f}s; KV cache: "
+                         f"{core.kv_cache.num_blocks} blocks of {config.block_size} tokens\n")
     return engine

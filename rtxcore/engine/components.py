@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 from rtxcore.contracts.backend import BackendOptions, ExecutionBackend, runs_quantization
 from rtxcore.contracts.sampler import Sampler
@@ -66,8 +67,10 @@ def build_components(config: EngineConfig, registry: PluginRegistry | None, sour
 def make_backend(config: EngineConfig, registry: PluginRegistry, source: ModelSource) -> ExecutionBackend:
     """The configured backend with the quantizers its weights need; refused when unavailable or unable to run
     them."""
-    record = registry.get("backend", config.backend)
-    caps = record.cls.capabilities()
+    # The registry stores every kind's classes as plain types; registering a backend checked it subclasses the
+    # backend contract.
+    backend_cls = cast(type[ExecutionBackend], registry.get("backend", config.backend).cls)
+    caps = backend_cls.capabilities()
     if not caps.available:
         raise PluginError(f"backend {config.backend!r} is unavailable: {caps.unavailable_reason}")
     methods = source.quantization_methods()

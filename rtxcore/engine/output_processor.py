@@ -84,6 +84,9 @@ class OutputProcessor:
     @staticmethod
     def _logprobs(reqs: list[Request], token_ids: list[int], out: SamplerOutput) -> list[list[TokenLogprob] | None]:
         """Each row's chosen-token logprob and its top alternatives, trimmed to what its request asked for."""
+        # The caller checked logprobs; a sampler fills the top alternatives whenever it fills logprobs (a row asking
+        # for logprobs asks for its top n, n >= 0; see SamplerOutput).
+        assert out.logprobs is not None and out.top_token_ids is not None and out.top_logprobs is not None
         chosen_lp = out.logprobs.tolist()
         top_ids, top_lps = out.top_token_ids.tolist(), out.top_logprobs.tolist()
         rows: list[list[TokenLogprob] | None] = []

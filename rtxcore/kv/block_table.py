@@ -72,8 +72,8 @@ class BlockTable:
             if self._num_blocks[row] != len(block_ids):
                 raise BlockPoolError(f"block table row {row} counts {self._num_blocks[row]} blocks, "
                                      f"not {len(block_ids)}")
-        for row in np.flatnonzero((self._table != expected).any(axis=1)):
-            raise BlockPoolError(f"block table row {row} is {self._table[row].tolist()}, "
-                                 f"expected {expected[row].tolist()}")
+        for bad_row in np.flatnonzero((self._table != expected).any(axis=1)):
+            raise BlockPoolError(f"block table row {bad_row} is {self._table[bad_row].tolist()}, "
+                                 f"expected {expected[bad_row].tolist()}")
         if len(rows) + len(self._free_rows) + 1 != len(self._table):
             raise BlockPoolError("a block table row is lost or both free and in use")

@@ -176,7 +176,7 @@ class KVCacheManager:
             self.pool.incref(block_id)
             state.block_ids.append(block_id)
         if self.offload is not None and len(state.block_ids) < max_hit_blocks:
-            self._reload(state, max_hit_blocks)
+            self._reload(self.offload, state, max_hit_blocks)
         self._table.append(state.row, 0, state.block_ids)
         state.num_cached_blocks = len(state.block_ids)
         num_hit_tokens = state.num_hit_tokens = len(state.block_ids) * self._block_size
@@ -264,15 +264,17 @@ class KVCacheManager:
                     f"block {block.block_id} has ref_cnt {block.ref_cnt} but {num_refs[block.block_id]} holders"
                 )
 
-    def _reload(self, state: _RequestBlocks, max_hit_blocks: int) -> None:
+    def _reload(self, offload: KVOffload, state: _RequestBlocks, max_hit_blocks: int) -> None:
         """Extend the request's hit with blocks a lower tier holds, copied into fresh device blocks now, so they
         are in place before the request's first step (prefetch at admission)."""
         keys = state.block_hashes[len(state.block_ids):max_hit_blocks]
-        tiers = self.offload.pin_run(keys)
+        tiers = offload.pin_run(keys)
         # Only what fits without taking blocks from requests: cached idle blocks may be evicted (and spilled) for it.
         n = min(len(tiers), self.pool.num_free_blocks)
         block_ids = self.pool.allocate(n) if n else []
-        num_loaded = self.offload.reload(keys[:len(tiers)], tiers, block_ids)
+        # allocate() answers None only when asked for more than num_free_blocks, and n is capped at that.
+        assert block_ids is not None
+        num_loaded = offload.reload(keys[:len(tiers)], tiers, block_ids)
         for block_id, key in zip(block_ids[:num_loaded], keys):
             self.pool.cache_block(block_id, key)
         self.pool.free_blocks(block_ids[num_loaded:])

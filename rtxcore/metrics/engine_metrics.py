@@ -26,16 +26,22 @@ MAX_TENANT_LABELS = 100
 
 
 @dataclass(slots=True)
+class _TokenStream:
+    # When the request's previous token-carrying output was observed.
+    last_token_time: float
+    # Its lane's inter-token histogram and its tenant's token counter, looked up once per request.
+    lane_itl: Histogram
+    tenant_tokens: Counter
+
+
+@dataclass(slots=True)
 class _LiveRequest:
     # When the request was submitted (time.monotonic()): the start of queue time, TTFT and end-to-end latency.
     enqueue_time: float
     lane: str = DEFAULT_LANE
     tenant: str | None = None
-    # When its previous token-carrying output was observed; None before the first token.
-    last_token_time: float | None = None
-    # Its lane's inter-token histogram and its tenant's token counter, looked up once per request.
-    lane_itl: Histogram | None = None
-    tenant_tokens: Counter | None = None
+    # Set at its first token: None before.
+    stream: _TokenStream | None = None
 
 
 class EngineMetrics:
@@ -145,20 +151,29 @@ class EngineMetrics:
             live = self._live[out.req_id] = _LiveRequest(self._arrival_time(engine, out),
                                                          req.lane if req is not None else DEFAULT_LANE,
                                                          req.tenant if req is not None else None)
-        if live.last_token_time is None:
+        stream = live.stream
+        if stream is None:
             req = engine.requests.get(out.req_id)
-            first_token_time = req.first_token_time if req is not None else out.timings.first_token_time
+            if req is not None:
+                first_token_time = req.first_token_time
+            else:
+                # Gone from the engine within the step of its first token: finished, so its last output has timings.
+                assert out.timings is not None
+                first_token_time = out.timings.first_token_time
+            # The output processor stamps it on the request's first sampled token, before building this output.
+            assert first_token_time is not None
             ttft = first_token_time - live.enqueue_time
             self._m.time_to_first_token.observe(ttft)
             f = self._families
             f.lane_time_to_first_token.labels(self.model_name, live.lane).observe(ttft)
-            live.lane_itl = f.lane_inter_token_latency.labels(self.model_name, live.lane)
-            live.tenant_tokens = f.tenant_generation_tokens.labels(self.model_name, self.tenant_label(live.tenant))
+            stream = live.stream = _TokenStream(
+                now, f.lane_inter_token_latency.labels(self.model_name, live.lane),
+                f.tenant_generation_tokens.labels(self.model_name, self.tenant_label(live.tenant)))
         else:
-            self._m.inter_token_latency.observe(now - live.last_token_time)
-            live.lane_itl.observe(now - live.last_token_time)
-        live.tenant_tokens.inc(len(out.new_token_ids))
-        live.last_token_time = now
+            self._m.inter_token_latency.observe(now - stream.last_token_time)
+            stream.lane_itl.observe(now - stream.last_token_time)
+            stream.last_token_time = now
+        stream.tenant_tokens.inc(len(out.new_token_ids))
 
     def _on_finished(self, out: RequestOutput) -> None:
         m = self._m
@@ -255,4 +270,8 @@ class EngineMetrics:
     @staticmethod
     def _arrival_time(engine: EngineCore, out: RequestOutput) -> float:
         req = engine.requests.get(out.req_id)
-        return req.arrival_time if req is not None else out.timings.arrival_time
+        if req is not None:
+            return req.arrival_time
+        # Gone from the engine by the time its output is observed: finished, so the output carries its timings.
+        assert out.timings is not None
+        return out.timings.arrival_time

@@ -24,6 +24,9 @@ def weights_fingerprint(source: ModelSource) -> str:
     else:
         for name, tensor in source.weights():
             h.update(name.encode() + b"\0")
+            # Only a checkpoint on disk (which has a path, hashed above) yields QuantizedTensor: random weights are
+            # plain tensors.
+            assert isinstance(tensor, torch.Tensor)
             h.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
 from rtxcore.errors import ModelLoadError
 from rtxcore.models.config import ModelConfig
 from rtxcore.models.source import ModelSource, Progress
+
+if TYPE_CHECKING:
+    from rtxcore.contracts.quantizer import QuantizedTensor
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 
@@ -60,7 +63,7 @@ class HFDirSource(ModelSource):
         return total
 
     def weights(self, progress: Progress | None = None, device: str | torch.device = "cpu",
-                dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+                dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
         from safetensors import SafetensorError, safe_open
 
         total = self.num_weights()

@@ -28,11 +28,14 @@ class QuantizedDirSource(HFDirSource):
 
     def __init__(self, path: Path, name: str | None = None):
         super().__init__(path, name)
-        self._section = rtx_section(json.loads((path / "config.json").read_text()))
+        section = rtx_section(json.loads((path / "config.json").read_text()))
+        if section is None:  # resolve_model asks matches() first; a direct caller may not have
+            raise ModelLoadError(f"{path}/config.json: no quantization_config.rtx section: not a quantized checkpoint")
+        self._section = section
 
     def quantization_methods(self) -> tuple[str, ...]:
         layers = self._section.get("layers") or {}
-        methods = {}
+        methods: dict[str, None] = {}  # only the keys matter: a set that keeps order
         for name, info in layers.items():
             method = info.get("method") if isinstance(info, dict) else None
             if not isinstance(method, str):

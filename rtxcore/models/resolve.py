@@ -34,7 +34,7 @@ def resolve_model(spec: str | None) -> ModelSource:
     """:param spec: None or ``smollm2-135m`` for the default model, ``dummy:<shape>``, a ``.gguf`` file, or a
     Hugging Face model directory."""
     if spec is None or spec in ("", DEFAULT_MODEL, "default"):
-        source = GGUFSource(default_model_path(), name=DEFAULT_MODEL)
+        source: ModelSource = GGUFSource(default_model_path(), name=DEFAULT_MODEL)
         source.origin = source.path
         return source
     if spec.startswith("dummy:"):

@@ -14,8 +14,8 @@ import torch
 from rtxcore.contracts.backend import BackendOptions, ExecutionBackend
 from rtxcore.contracts.quantizer import QuantizedTensor, Quantizer
 from rtxcore.errors import ConfigError, ModelLoadError
-from rtxcore.models.source import ModelSource
 from rtxcore.models.resolve import resolve_model
+from rtxcore.models.source import ModelSource
 from rtxcore.quant import calibration
 from rtxcore.quant.checkpoint import check_output_dir, staged_checkpoint, write_checkpoint, write_report
 from rtxcore.quant.evaluation import backend_perplexity, prefill_logits

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+
 from rtx_conformance.plugin import Selection
 from rtx_conformance.report import render_table, summarize
 from rtx_conformance.runner import run_suite
 from rtx_plugins.quantizers import int8
-
 from rtxcore.registry import load_plugins
 from tests.helpers.conformance_plugins import WrongPlugins
 

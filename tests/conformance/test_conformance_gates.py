@@ -6,11 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from rtx_conformance.gates.config import DEFAULT_GATES_FILE
 from rtx_conformance.plugin import Selection
 from rtx_conformance.report import render_table, summarize
 from rtx_conformance.runner import run_suite
-
 from rtxcore.registry import load_plugins
 from tests.helpers.conformance_plugins import WrongPlugins
 

@@ -65,7 +65,8 @@ def test_batch_of_16_equals_alone_and_cache_hits_match(default_engine):
 
 
 def test_stop_strings_and_eos(default_engine):
-    prompt = default_engine.inputs.apply_chat_template([{"role": "user", "content": "Count from 1 to 20, comma separated."}])
+    messages = [{"role": "user", "content": "Count from 1 to 20, comma separated."}]
+    prompt = default_engine.inputs.apply_chat_template(messages)
     free = default_engine.generate([prompt], SamplingParams(max_tokens=60, temperature=0.0))[0]
     assert "5" in free.text
     stopped = default_engine.generate([prompt], SamplingParams(max_tokens=60, temperature=0.0, stop=["5"]))[0]

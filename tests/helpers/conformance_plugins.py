@@ -8,10 +8,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+
 from rtx_plugins.eviction.lru import LRUPolicy
 from rtx_plugins.samplers.default import DefaultSampler
 from rtx_plugins.schedulers.fcfs import FCFSScheduler
-
 from rtxcore.contracts import QuantizedTensor, Quantizer, SchedulerConfig
 from rtxcore.hookspecs import hookimpl
 

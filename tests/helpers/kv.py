@@ -8,7 +8,6 @@ from typing import Sequence
 from rtx_plugins.eviction.arc import ARCPolicy
 from rtx_plugins.eviction.lfu import LFUPolicy
 from rtx_plugins.eviction.lru import LRUPolicy
-
 from rtxcore.contracts.eviction import EvictionPolicy
 from rtxcore.kv.block_pool import BlockPool
 from rtxcore.kv.manager import KVCacheManager

@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+
 from rtx_kernels.decode_attention import (
     DecodeWorkspace,
     choose_num_splits,
@@ -20,7 +21,6 @@ from rtx_kernels.decode_attention import (
 )
 from rtx_kernels.prefill_attention import prefill_attention
 from rtx_kernels.reference import decode_attention_ref, prefill_attention_ref
-
 from tests.helpers.triton import DEVICE, ON_GPU, generator, paged_cache, randn
 
 ATTENTION_DTYPES = [torch.float32, torch.float16, torch.bfloat16] if ON_GPU else [torch.float32, torch.float16]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from rtx_kernels.cpu_ops import paged_decode_kernel
 from rtx_plugins.backends.torch_backend.attention import _decode
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from rtx_kernels.activation import silu_and_mul
 from rtx_kernels.reference import (
     apply_rotary_ref,
@@ -14,7 +15,6 @@ from rtx_kernels.reference import (
 )
 from rtx_kernels.rmsnorm import rms_norm
 from rtx_kernels.rotary import apply_rotary
-
 from tests.helpers.triton import ALL_DTYPES, DEVICE, ON_GPU, generator, randn
 
 HIDDEN = 4096 if ON_GPU else 48

@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
+
 from rtx_kernels.gemv import choose_split_k, gemv
 from rtx_kernels.reference import gemv_ref
-
 from tests.helpers.triton import DEVICE, ON_GPU, generator, randn
 
 # (N, K) of the decode-time projections of Llama-3.2-1B (qkv, o_proj, gate_up, down_proj, LM head) on the GPU; on

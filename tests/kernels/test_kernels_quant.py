@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+
 from rtx_kernels.quant_fma_gemv import choose_split_k
 from rtx_kernels.quant_matmul import (
     DEQUANTIZE_MIN_M,
@@ -27,7 +28,6 @@ from rtx_kernels.quant_reference import (
     unpack_int4,
 )
 from rtx_kernels.reference import gemv_ref
-
 from tests.helpers.triton import DEVICE, ON_GPU, generator
 
 # Relative Frobenius error against the fp32 reference: fp32 is near-exact, 16-bit outputs are one rounding off.

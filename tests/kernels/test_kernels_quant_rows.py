@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from rtx_kernels.quant_rows import FP8, FP8_MAX, quantize_rows_fp8, quantize_rows_int8
 from rtx_plugins.quantizers import int8_sq
 from rtx_plugins.quantizers.fp8 import quantize_rows
-
 from tests.helpers.triton import DEVICE, generator
 
 
@@ -124,8 +124,9 @@ def test_kernel_globals_equal_themselves():
     import importlib
     import pkgutil
 
-    import rtx_kernels
     import triton.language as tl
+
+    import rtx_kernels
 
     for info in pkgutil.iter_modules(rtx_kernels.__path__):
         module = importlib.import_module(f"rtx_kernels.{info.name}")

@@ -10,10 +10,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from rtxcore.kv.tiers.disk import DiskTier
 from rtxcore.kv.manager import KVCacheManager
-from rtxcore.kv.tiers.offload import KVOffload
 from rtxcore.kv.tiers.base import HostTier, KVTier, TierReadError
+from rtxcore.kv.tiers.disk import DiskTier
+from rtxcore.kv.tiers.offload import KVOffload
 from tests.helpers.kv import POLICIES, make_request
 from tests.kv.test_kv_manager_properties import WorkloadMachine
 
@@ -351,7 +351,8 @@ def test_reload_from_disk_on_a_gpu_never_waits_for_it(tmp_path):
     assert all(k in host for k in keys)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: copies to the host tier are asynchronous")
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA device: copies to the host tier are asynchronous")
 def test_a_block_evicted_by_its_own_store_reaches_disk_intact(tmp_path):
     """One store larger than the host tier evicts slots it wrote earlier in the same call: their copies from the
     device must have landed before they are read for the disk tier."""

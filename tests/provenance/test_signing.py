@@ -157,7 +157,6 @@ def test_cached_onnx_exports_are_reused_only_when_signed(tmp_path, keys):
         ExportSettings,
         exported_graph,
     )
-
     from rtxcore.models.dummy import DummySource
 
     private, public = keys

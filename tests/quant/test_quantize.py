@@ -80,6 +80,7 @@ def test_int8_checkpoint_runs_from_its_stored_form(int8_dir):
 
 def test_serve_loads_the_quantized_checkpoint(int8_dir):
     import httpx
+
     from tests.helpers.server import start_server
 
     with start_server("--model", str(int8_dir), "--no-grpc") as server:

@@ -26,7 +26,7 @@ class Ops:
 
 
 # Up to this many rows, a projection streams its weight through the Triton GEMV kernel instead of cuBLAS. Measured
-# on the H200 (benchmarks/gemv_sweep.py): at one row it beat cuBLAS on every Llama-3.2-1B matrix (qkv 5.2 against
+# on the H200 (a sweep, docs/benchmarks.md): at one row it beat cuBLAS on every Llama-3.2-1B matrix (qkv 5.2 against
 # 6.1 us, o_proj 4.6 / 6.0, down_proj 10.6 / 12.7, LM head 117 / 126); at two or four rows cuBLAS mostly won.
 GEMV_MAX_ROWS = 1
 

@@ -2,7 +2,7 @@
 
 A step with a prefill chunk (a newcomer beside the running decodes, or a prompt alone) cannot replay a decode graph:
 its attention's launch grid follows the chunks' lengths. Run eagerly it launches some 200 kernels from Python, and
-on the H200 that is what such a step's time was (benchmarks/gpu_mixed.py, 2026-11-29: 31 decodes beside a 640-token
+on the H200 that is what such a step's time was (a sweep, docs/benchmarks.md, 2026-11-29: 31 decodes beside a 640-token
 chunk spent 3.1 ms in kernels and 18-20 ms on the host). Everything between two attentions (o_proj, the norms, the
 MLP, the next layer's qkv projection, rotary embedding and the KV-cache write) depends on the token count alone, so
 each such stretch is one graph per padded token count, and only attention launches eagerly: at most three kernels

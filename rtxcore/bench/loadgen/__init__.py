@@ -21,18 +21,38 @@ import asyncio
 import random
 import time
 from collections import Counter
-
 from typing import Callable
+
 import httpx
-from rtxcore.errors import ConfigError, RtxError
-from rtxcore.bench.loadgen.probes import (BrownoutSample, LaneTargets, brownout_level, count_level_changes,
-                                         fetch_lane_targets, poll_brownout)
+
+from rtxcore.bench.loadgen.probes import (
+    BrownoutSample,
+    LaneTargets,
+    brownout_level,
+    count_level_changes,
+    fetch_lane_targets,
+    poll_brownout,
+)
 from rtxcore.bench.loadgen.report import CapacityResult, LaneStats, LoadgenReport
 from rtxcore.bench.loadgen.request import Outcome, RequestResult, send_request
 from rtxcore.bench.loadgen.stats import percentile
-from rtxcore.bench.loadgen.workload import (DEFAULT_LANES, DEFAULT_TARGETS, LaneProfile, LaneTarget, LengthRange,
-                                           LoadgenConfig, PlannedRequest, PoissonArrivals, SpikyArrivals, Tenant,
-                                           arrival_times, plan_requests, random_prompt, sample_request)
+from rtxcore.bench.loadgen.workload import (
+    DEFAULT_LANES,
+    DEFAULT_TARGETS,
+    LaneProfile,
+    LaneTarget,
+    LengthRange,
+    LoadgenConfig,
+    PlannedRequest,
+    PoissonArrivals,
+    SpikyArrivals,
+    Tenant,
+    arrival_times,
+    plan_requests,
+    random_prompt,
+    sample_request,
+)
+from rtxcore.errors import ConfigError, RtxError
 
 __all__ = [
     "BrownoutSample", "CapacityResult", "DEFAULT_LANES", "DEFAULT_TARGETS", "LaneProfile", "LaneStats", "LaneTarget",
@@ -113,14 +133,19 @@ async def run_loadgen(config: LoadgenConfig, log: Callable[[str], None] | None =
                               f"given (--target {untargeted[0]}=TTFT_S:ITL_S)")
         measurement = None
         capacity = config.capacity
-        if config.rate is None and capacity is None:
-            say(f"measuring capacity: {config.capacity_clients} closed-loop clients for "
-                f"{config.capacity_duration_s:g}s...")
-            measurement = await _measure_capacity(client, config)
-            capacity = measurement.requests_per_s
-            say(f"capacity {capacity:.3g} req/s ({measurement.num_completed} completed in "
-                f"{measurement.elapsed_s:.1f}s)")
-        base_rate = config.rate if config.rate is not None else config.load * capacity
+        if config.rate is not None:
+            base_rate = config.rate
+        else:
+            if capacity is None:
+                say(f"measuring capacity: {config.capacity_clients} closed-loop clients for "
+                    f"{config.capacity_duration_s:g}s...")
+                measurement = await _measure_capacity(client, config)
+                capacity = measurement.requests_per_s
+                say(f"capacity {capacity:.3g} req/s ({measurement.num_completed} completed in "
+                    f"{measurement.elapsed_s:.1f}s)")
+            # LoadgenConfig.__post_init__ sets load (1.0 by default) whenever no rate is given.
+            assert config.load is not None
+            base_rate = config.load * capacity
         plan = plan_requests(config, base_rate)
         say(f"offering {base_rate:.3g} req/s, {config.pattern.describe()}, for {config.duration_s:g}s: "
             f"{len(plan)} requests")

@@ -6,12 +6,12 @@ import asyncio
 import itertools
 import re
 import time
-
 from dataclasses import dataclass
 
 import httpx
-from rtxcore.errors import ConfigError, RtxError
+
 from rtxcore.bench.loadgen.workload import LaneTarget, LoadgenConfig
+from rtxcore.errors import ConfigError, RtxError
 
 
 @dataclass(slots=True, frozen=True)

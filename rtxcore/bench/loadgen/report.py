@@ -11,7 +11,6 @@ from rtxcore.bench.loadgen.request import Outcome, RequestResult
 from rtxcore.bench.loadgen.stats import percentile, rounded
 from rtxcore.bench.loadgen.workload import ArrivalPattern, LaneTarget
 
-
 _QUANTILES = (50, 95, 99)
 
 

@@ -6,9 +6,9 @@ import asyncio
 import enum
 import json
 import time
-
 from dataclasses import dataclass, field
 from typing import Any
+
 import httpx
 
 from rtxcore.bench.loadgen.stats import percentile, rounded

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import math
 import random
-
 from dataclasses import dataclass, field
 from typing import Any
+
 from rtxcore.errors import ConfigError
 
 LANE_HEADER = "x-rtx-lane"

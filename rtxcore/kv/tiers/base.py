@@ -187,6 +187,7 @@ class KVTier(ABC):
             return None
         self._note_pressure(1.0)
         key = self._key_of[slot]
+        assert key is not None, "the policy's candidates are occupied slots: they all hold a key"
         if self.below is not None and key not in self.below:
             try:
                 self.sync_for_host()
@@ -202,6 +203,7 @@ class KVTier(ABC):
 
     def _discard(self, slot: int) -> None:
         key = self._key_of[slot]
+        assert key is not None, "only occupied slots (values of _slot_of) are discarded"
         if slot in self.policy:
             self.policy.remove(slot)
         self.policy.forget(slot)
@@ -211,11 +213,13 @@ class KVTier(ABC):
         self._free.append(slot)
         self.num_changes += 1
 
-    def sync_for_host(self) -> None:
+    # Does nothing by default on purpose (like _drop and note_uploads): only a tier with asynchronous copies
+    # overrides it, so it is not abstract.
+    def sync_for_host(self) -> None:  # noqa: B027
         """Wait for copies still writing into this tier, before the host reads its bytes (for another tier or a
         snapshot); readers on the device's stream need no wait."""
 
-    def note_uploads(self) -> None:
+    def note_uploads(self) -> None:  # noqa: B027 -- a no-op default, as sync_for_host
         """Rows :meth:`load` returned were queued for an asynchronous copy to the device."""
 
     def _note_pressure(self, evicted: float) -> None:
@@ -229,7 +233,7 @@ class KVTier(ABC):
     def _read(self, slot: int, key: BlockHash) -> torch.Tensor:
         """One block's bytes from ``slot`` (uint8 [block_bytes]); raises :class:`TierReadError`."""
 
-    def _drop(self, slot: int, key: BlockHash) -> None:
+    def _drop(self, slot: int, key: BlockHash) -> None:  # noqa: B027 -- a no-op default, as sync_for_host
         """``key`` left ``slot``: release whatever storage it had beyond the slot."""
 
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from rtxcore.files import replace_atomically
-from rtxcore.kv.tiers.disk import FINGERPRINT_SIZE, SUFFIX, DiskTier
 from rtxcore.kv.hashing import HASH_SIZE, HASH_VERSION, BlockHash
 from rtxcore.kv.tiers.base import HostTier, TierReadError
+from rtxcore.kv.tiers.disk import FINGERPRINT_SIZE, SUFFIX, DiskTier
 
 log = logging.getLogger("rtx.kv")
 

@@ -12,11 +12,11 @@ from pathlib import Path
 from rtxcore.contracts.backend import ExecutionBackend
 from rtxcore.engine.config import EngineConfig
 from rtxcore.errors import ConfigError
-from rtxcore.kv.tiers.disk import DiskTier
 from rtxcore.kv.manager import KVCacheManager
+from rtxcore.kv.tiers.base import HostTier, KVTier
+from rtxcore.kv.tiers.disk import DiskTier
 from rtxcore.kv.tiers.offload import KVOffload
 from rtxcore.kv.tiers.snapshot import cache_fingerprint, copy_to_disk, load_snapshot, write_index
-from rtxcore.kv.tiers.base import HostTier, KVTier
 from rtxcore.models.fingerprint import weights_fingerprint
 from rtxcore.models.source import ModelSource
 from rtxcore.registry import PluginRegistry

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from rtx_plugins.backends.graph_runtime.cache import GraphCache
 from rtx_plugins.backends.graph_runtime.dense_step import plan_calls
 from rtx_plugins.backends.graph_runtime.exporter import ExportSettings, exported_graph
@@ -21,7 +22,6 @@ from rtx_plugins.backends.tensorrt_backend.profiles import (
     compute_profiles,
     pick_profile,
 )
-
 from rtxcore.contracts.backend import ForwardBatch
 from rtxcore.engine.config import EngineConfig
 from rtxcore.engine.llm import LLM
@@ -168,6 +168,7 @@ def _feeds(shapes: dict[str, tuple[int, ...]], num_slots: int) -> dict[str, np.n
     p = shapes["past_slots"][1]
     return {"input_ids": rng.integers(0, 100, (b, t)), "positions": np.tile(np.arange(p, p + t), (b, 1)),
             "attention_bias": np.zeros(shapes["attention_bias"], np.float32),
-            "logits_rows": rng.integers(0, b * t, shapes["logits_rows"]), "past_slots": rng.integers(0, num_slots, (b, p)),
+            "logits_rows": rng.integers(0, b * t, shapes["logits_rows"]),
+            "past_slots": rng.integers(0, num_slots, (b, p)),
             "key_cache": rng.standard_normal(shapes["key_cache"], np.float32),
             "value_cache": rng.standard_normal(shapes["value_cache"], np.float32)}

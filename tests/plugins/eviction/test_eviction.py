@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rtx_plugins.eviction.lfu import LFUPolicy
 from rtx_plugins.eviction.lru import LRUPolicy
-
 from rtxcore.contracts.eviction import EvictionPolicy
 from rtxcore.registry import load_plugins
 from tests.helpers.kv import POLICIES

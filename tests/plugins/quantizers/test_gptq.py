@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rtx_plugins.quantizers.gptq_solver import gptq_quantize
 
 MAXQ = 15

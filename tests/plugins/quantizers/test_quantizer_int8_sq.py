@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+
 from rtx_kernels import quant_reference
 from rtx_plugins.quantizers.int8_sq import (
     WEIGHT_ONLY_MAX_ROWS,
@@ -15,7 +16,6 @@ from rtx_plugins.quantizers.int8_sq import (
     quantize_rows_int8,
     smoothing,
 )
-
 from rtxcore.contracts.quantizer import LayerStats, concat_rows
 
 K, N = 256, 96

@@ -9,8 +9,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rtx_plugins.samplers.penalties import apply_penalties
 
+from rtx_plugins.samplers.penalties import apply_penalties
 from rtxcore.contracts import Sampler, SamplingBatch
 from rtxcore.registry import load_plugins
 from rtxcore.sampling_params import SamplingParams
@@ -90,7 +90,8 @@ def chi_square_p_value(token_ids: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(dof / 2, statistic / 2))
 
 
-def draw_many(sampler: Sampler, logits: torch.Tensor, params: SamplingParams, num_draws: int, **history) -> torch.Tensor:
+def draw_many(sampler: Sampler, logits: torch.Tensor, params: SamplingParams, num_draws: int,
+              **history) -> torch.Tensor:
     """``num_draws`` unseeded draws from one row, made as one batch of identical rows."""
     batch = make_batch([params] * num_draws, **{k: [v] * num_draws for k, v in history.items()})
     return sampler.sample(logits.expand(num_draws, -1).clone(), batch).token_ids

@@ -89,8 +89,11 @@ class SLALanesScheduler(Scheduler):
         self.lanes = [_Lane(config.lanes[name]) for name in LANE_NAMES]
         self._by_name = {lane.spec.name: lane for lane in self.lanes}
         self.step_time = StepTimeModel()
-        # Tokens computed per lane (by priority), decayed like the step-time model's samples.
-        self._lane_tokens = [0.0] * len(self.lanes)
+        # Per lane (by priority): the tokens computed for lanes more urgent than it and all tokens computed, decayed
+        # like the step-time model's samples, over the steps in which it had work of its own. A step in which a lane
+        # had nothing queued or running says nothing about the share it would get: counting it, a lane whose every
+        # request was refused would read as starved by the others, and be refused for as long as they kept coming.
+        self._contended = [[0.0, 0.0] for _ in self.lanes]
         # Recent time to first token over the target, per lane (exponentially weighted over requests).
         self._ttft_ratio = [0.0] * len(self.lanes)
         # When each live request arrived (scheduler clock): the start of its aging.
@@ -186,8 +189,8 @@ class SLALanesScheduler(Scheduler):
 
     def _share_above(self, priority: int) -> float:
         """Share of recently computed tokens that went to lanes more urgent than ``priority``."""
-        total = sum(self._lane_tokens)
-        return sum(self._lane_tokens[:priority]) / total if total > 0 else 0.0
+        above, total = self._contended[priority]
+        return above / total if total > 0 else 0.0
 
     # -- the step -------------------------------------------------------------------------------------------------
 
@@ -385,15 +388,19 @@ class SLALanesScheduler(Scheduler):
         """Per-lane token shares, and the time to first token each request completing its prompt this step sees
         (its first token comes out of this step): the measured side of brownout's pressure."""
         keep = 1.0 - self.step_time.forget
-        tokens = self._lane_tokens
-        for priority in range(len(tokens)):
-            tokens[priority] *= keep
+        tokens = [0] * len(self.lanes)
         for req, n in zip(out.scheduled, out.num_scheduled_tokens):
             lane = self._by_name[req.lane]
             tokens[lane.spec.priority] += n
             if req.num_computed_tokens < req.num_prompt_tokens <= req.num_computed_tokens + n:
                 ratio = (now - self._arrival[req]) / lane.spec.ttft_target_s
                 self._ttft_ratio[lane.spec.priority] += _TTFT_WEIGHT * (ratio - self._ttft_ratio[lane.spec.priority])
+        total, above = sum(tokens), 0
+        for lane, contended in zip(self.lanes, self._contended):
+            if lane.waiting or lane.running:
+                contended[0] = contended[0] * keep + above
+                contended[1] = contended[1] * keep + total
+            above += tokens[lane.spec.priority]
 
     @staticmethod
     def _add_to_step(out: SchedulerOutput, req: Request, num_new: int) -> None:

@@ -23,6 +23,7 @@ from rtxcore.server.serving.limits import RETRY_AFTER_S
 from rtxcore.server.serving.routing import Route
 from rtxcore.server.serving.runtime import ServingRuntime
 from rtxcore.server.serving.tenants import Lease, RateLimited
+from rtxcore.tokenizer import Tokenizer
 
 _submissions = itertools.count()
 
@@ -149,6 +150,11 @@ class Generation:
             gen.close()
             raise
         return gen
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The engine's tokenizer (response formats name tokens with it)."""
+        return self._engine.core.tokenizer
 
     def usage(self) -> dict[str, object]:
         prompt = sum(c.num_prompt_tokens for c in self.choices)

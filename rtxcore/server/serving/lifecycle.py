@@ -70,7 +70,7 @@ async def begin(runtime: ServingRuntime, started: Started, claim: IdempotencyCla
                 raise RequestError(ErrorCode.INTERNAL, f"the request journal could not be written: {exc}") from None
             raise
         durable.add(entry)
-    fmt = make_format(spec, runtime.engine().core.tokenizer)
+    fmt = make_format(spec, gen.tokenizer)
     entry.producer = start_producer(produce(entry, gen, fmt, journal, opening=True), gen)
     return entry
 

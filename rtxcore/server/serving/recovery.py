@@ -114,7 +114,7 @@ async def _resume(runtime: ServingRuntime, durable: DurableRequests, entry: Serv
             _end_with_error(entry, journal, spec, RequestError(ErrorCode.INTERNAL, str(exc)))
             return
     # A crash between the accept and the first event leaves no opening event (a chat stream's role chunk) yet.
-    await produce(entry, gen, make_format(spec, runtime.engine().core.tokenizer), journal,
+    await produce(entry, gen, make_format(spec, gen.tokenizer), journal,
                   opening=not journaled.events)
 
 

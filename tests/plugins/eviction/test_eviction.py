@@ -108,7 +108,10 @@ ops = st.lists(
 )
 
 
-@pytest.mark.parametrize("name", sorted(POLICIES))
+# The reference model orders by recency (LRU) or by hits then recency (LFU). ARC keeps blocks used twice apart from
+# blocks used once and evicts from the latter first, which this model does not describe (add 0, touch 0, add 1,
+# evict: ARC evicts 1, recency says 0); tests/kv/test_kv_tiers.py and the conformance suite cover ARC.
+@pytest.mark.parametrize("name", ["lfu", "lru"])
 @settings(max_examples=150, deadline=None)
 @given(ops=ops)
 def test_policy_matches_reference_model(name, ops):

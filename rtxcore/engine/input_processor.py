@@ -83,10 +83,10 @@ class InputProcessor:
         return [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
 
     def check_embedding_inputs(self, token_lists: Sequence[Sequence[int]]) -> None:
-        """:raises InvalidRequestError: a token id is out of the vocabulary, or an input is empty or longer than the
-        context (CapacityError)."""
+        """Inputs already through :meth:`encode` (which checks their token ids) must fit the context.
+
+        :raises CapacityError: an input is longer than the context."""
         for ids in token_lists:
-            self.encode(ids)
             if len(ids) > self.limits.max_model_len:
                 raise CapacityError(f"input is {len(ids)} tokens, longer than the model's context of "
                                     f"{self.limits.max_model_len} tokens", param="input")

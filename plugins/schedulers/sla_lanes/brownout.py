@@ -8,7 +8,9 @@ Hysteresis keeps it from oscillating: it climbs one level after the pressure has
 ``enter_pressure`` for ``enter_after_s``, and steps down one level after it has stayed below ``exit_pressure``
 (well under ``enter_pressure``) for the exit hold; in between it holds. The exit hold starts at ``exit_after_s``
 and doubles (up to 8x) each time the controller has to climb again soon after stepping down, so a load that only
-fits while shed settles at its level instead of flapping; a calm spell at level 0 resets it.
+fits while shed settles at its level instead of flapping; a calm spell at level 0 resets it, and so does an idle
+engine (no request waiting or running): with no load left there is nothing to flap about, and a server that has
+drained must not keep shedding for minutes because an earlier load once flapped.
 
 The ladder stops at shrinking the prefill chunk. Turning off optional work would come next, but this server has
 none to turn off (no speculative decoding); shedding the standard lane as well would refuse work that admission
@@ -93,10 +95,13 @@ class BrownoutController:
     def active(self, step: str) -> bool:
         return STEPS.index(step) < self.level
 
-    def update(self, now: float, pressure: float, cause: str) -> int | None:
-        """Feed the current pressure; returns the new level when it changes, else None."""
+    def update(self, now: float, pressure: float, cause: str, idle: bool = False) -> int | None:
+        """Feed the current pressure (``idle``: the engine has no request at all); returns the new level when it
+        changes, else None."""
         c = self.config
         self.pressure, self.cause = pressure, cause
+        if idle:
+            self.exit_hold_s = c.exit_after_s
         if pressure >= c.enter_pressure:
             self._below_since = None
             if self._above_since is None:
@@ -124,8 +129,10 @@ class BrownoutController:
 
     def _change(self, now: float, level: int) -> int:
         if level > self.level and now - self._last_step_down < 2 * self.exit_hold_s:
-            # Climbing right after stepping down: the load only fits while shed, so hold longer next time.
+            # Climbing right after stepping down: the load only fits while shed, so hold longer next time. Once
+            # per step down: the levels climbed after it are the same flap, not more of them.
             self.exit_hold_s = min(2 * self.exit_hold_s, _MAX_EXIT_BACKOFF * self.config.exit_after_s)
+            self._last_step_down = float("-inf")
         if level < self.level:
             self._last_step_down = now
         before, self.level, self._last_change = self.level, level, now

@@ -361,7 +361,7 @@ class SLALanesScheduler(Scheduler):
                 pressure, cause = ratio, f"step time at {ratio:.2f}x the tightest inter-token target"
         # Smoothed: one noisy evaluation must not reset the controller's hold timers.
         self._pressure += _PRESSURE_WEIGHT * (pressure - self._pressure)
-        self.brownout.update(now, self._pressure, cause)
+        self.brownout.update(now, self._pressure, cause, idle=not busy)
         if self.brownout.active("cap_bulk_max_tokens"):
             bulk = self._by_name["bulk"]
             for req in (*bulk.waiting, *bulk.running):

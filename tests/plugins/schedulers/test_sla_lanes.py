@@ -220,6 +220,29 @@ def test_brownout_exit_hold_backs_off_when_it_flaps():
     assert controller.exit_hold_s == 2.0
 
 
+def test_brownout_leaves_at_the_base_hold_once_the_engine_is_idle():
+    """A load that flapped grows the exit hold; once the engine has drained, each level is left after the base
+    hold, not the grown one (a drained server must not go on shedding)."""
+    config = BrownoutConfig(enter_after_s=1.0, exit_after_s=2.0, max_level=3)
+    controller = BrownoutController(config)
+    now = 0.0
+
+    def feed(pressure, seconds, idle=False):
+        nonlocal now
+        for _ in range(int(seconds * 10)):
+            now += 0.1
+            controller.update(now, pressure, "test", idle=idle)
+
+    feed(2.0, 1.5)
+    feed(0.1, 2.5)
+    feed(2.0, 3.5)  # flapped, then climbed to the top
+    assert controller.level == 3 and controller.exit_hold_s == 4.0
+    feed(0.1, 3.0)  # still busy: the grown hold applies
+    assert controller.level == 3
+    feed(0.0, 3 * 2.0 + 0.5, idle=True)
+    assert controller.level == 0
+
+
 # -- behaviour -----------------------------------------------------------------------------------------------------
 
 

@@ -69,3 +69,13 @@ def register_backends(register: Register) -> None:
     :param register: call ``register(name, cls)`` for each backend; ``cls(options)`` must build one.
     :returns: nothing; results go through ``register``.
     """
+
+
+@hookspec
+def register_proposers(register: Register) -> None:
+    """Register speculative-decoding proposers (subclasses of :class:`rtxcore.contracts.Proposer`).
+
+    :param register: call ``register(name, cls)`` for each proposer; ``cls(context)`` must build one, with a
+        :class:`rtxcore.contracts.proposer.ProposerContext`.
+    :returns: nothing; results go through ``register``.
+    """

@@ -14,7 +14,7 @@ from typing import AbstractSet, Any, Iterable
 import pluggy
 
 from rtxcore import envs, hookspecs
-from rtxcore.contracts import EvictionPolicy, ExecutionBackend, Quantizer, Sampler, Scheduler
+from rtxcore.contracts import EvictionPolicy, ExecutionBackend, Proposer, Quantizer, Sampler, Scheduler
 from rtxcore.errors import PluginError, RtxError
 
 ENTRY_POINT_GROUP = "rtx"
@@ -36,6 +36,7 @@ KINDS: dict[str, PluginKind] = {
         PluginKind("sampler", "register_samplers", Sampler),
         PluginKind("quantizer", "register_quantizers", Quantizer),
         PluginKind("backend", "register_backends", ExecutionBackend),
+        PluginKind("proposer", "register_proposers", Proposer),
     )
 }
 

@@ -52,6 +52,14 @@ class Request:
     # Tokens sampled on the device whose values the host has not read yet (asynchronous scheduling): counted by
     # num_tokens, so the next step computes them, but not in all_token_ids.
     num_pending_tokens: int = 0
+    # Speculative decoding: tokens a proposer guessed to follow all_token_ids, verified by the next step that
+    # schedules them (counted by num_tokens_with_spec, not by num_tokens); emptied once verified.
+    spec_token_ids: list[int] = field(default_factory=list)
+    # Tokens the caller expects the output to be (OpenAI ``prediction``, ``draft_token_ids``): proposed from, and
+    # verified like any proposal.
+    draft_token_ids: list[int] | None = None
+    # False: this request never speculates (a per-request opt-out).
+    speculative: bool = True
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -70,6 +78,11 @@ class Request:
     def num_tokens(self) -> int:
         """Tokens of the sequence so far, pending ones included."""
         return len(self.all_token_ids) + self.num_pending_tokens
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """Tokens a step may compute for this request: its sequence so far and the proposed tokens to verify."""
+        return len(self.all_token_ids) + self.num_pending_tokens + len(self.spec_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

@@ -64,7 +64,9 @@ class FCFSScheduler(Scheduler):
         index = 0
         while index < len(running) and budget > 0:
             req = running[index]
-            num_new = len(req.all_token_ids) + req.num_pending_tokens - req.num_computed_tokens
+            # num_tokens_with_spec written out.
+            num_new = (len(req.all_token_ids) + req.num_pending_tokens + len(req.spec_token_ids)
+                       - req.num_computed_tokens)
             if num_new > budget:
                 num_new = budget
             if not allocate(req, num_new) and not self._preempt_until_fits(req, num_new, out):
@@ -79,7 +81,7 @@ class FCFSScheduler(Scheduler):
             req = self.waiting[0]
             if req.num_computed_tokens == 0:
                 req.num_computed_tokens = self.kv_cache.lookup_prefix(req)
-            num_new = req.num_tokens - req.num_computed_tokens
+            num_new = req.num_tokens_with_spec - req.num_computed_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
                 self._release(req)
                 break

@@ -2,6 +2,7 @@
 
 from rtxcore.contracts.backend import BackendCapabilities, BackendOptions, ExecutionBackend, ForwardBatch
 from rtxcore.contracts.eviction import EvictionPolicy
+from rtxcore.contracts.proposer import Proposer, ProposerContext
 from rtxcore.contracts.quantizer import LayerStats, QuantizedTensor, Quantizer
 from rtxcore.contracts.sampler import Sampler, SamplerOutput, SamplingBatch
 from rtxcore.contracts.scheduler import KVCacheAllocator, Scheduler, SchedulerConfig, SchedulerOutput
@@ -9,6 +10,7 @@ from rtxcore.contracts.scheduler import KVCacheAllocator, Scheduler, SchedulerCo
 __all__ = [
     "BackendCapabilities", "BackendOptions", "ExecutionBackend", "ForwardBatch",
     "EvictionPolicy",
+    "Proposer", "ProposerContext",
     "LayerStats", "QuantizedTensor", "Quantizer",
     "Sampler", "SamplerOutput", "SamplingBatch",
     "KVCacheAllocator", "Scheduler", "SchedulerConfig", "SchedulerOutput",

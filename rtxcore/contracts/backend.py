@@ -8,6 +8,7 @@ blocks into its own inputs and scatter the new entries back.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -32,6 +33,8 @@ class BackendCapabilities:
     quantization_formats: tuple[str, ...] = ()
     # Whether it can copy KV blocks out and back in (read_kv_blocks / write_kv_blocks), which KV tiers need.
     kv_offload: bool = False
+    # Whether it can run a subset of the decoder's layers (execute_layers), which self-speculation needs.
+    layer_subset: bool = False
     # Largest batch (requests per step) it can run; None for no limit of its own.
     max_batch_size: int | None = None
     # False when a runtime it needs is missing; ``unavailable_reason`` then says why.
@@ -173,6 +176,12 @@ class ExecutionBackend(ABC):
     @abstractmethod
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
         """Run one step: write the new tokens' K/V into their slots and return logits [num_logits, vocab_size]."""
+
+    def execute_layers(self, batch: ForwardBatch, layers: Sequence[int]) -> torch.Tensor:
+        """Like :meth:`execute`, through the decoder layers ``layers`` only (increasing indices), then the final
+        norm and the LM head: the model drafting for itself (self-speculation, early exit). Writes only those layers'
+        K/V. Needed for ``capabilities().layer_subset``."""
+        raise NotImplementedError(f"backend {type(self).__name__} cannot run a subset of the model's layers")
 
     def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """The K and V of every layer for each block, as bytes: uint8 [len(block_ids), block_bytes] with

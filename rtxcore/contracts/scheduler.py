@@ -25,6 +25,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # SLA lanes by name; lane-aware schedulers act on their targets, others may ignore them.
     lanes: dict[str, LaneSpec] = field(default_factory=lambda: dict(DEFAULT_LANES))
+    # Whether the engine speculates with a proposer (a scheduler with brownout may then pause speculation).
+    speculative: bool = False
     # Settings only one scheduler plugin understands (e.g. sla-lanes' ``brownout`` table), by plugin convention.
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -120,6 +122,10 @@ class Scheduler(ABC):
 
     def has_unfinished_requests(self) -> bool:
         return self.num_waiting + self.num_running > 0
+
+    def allows_speculation(self) -> bool:
+        """False while speculative decoding should pause for everyone (overload: brownout). Called once per step."""
+        return True
 
     def status(self) -> SchedulerStatus | None:
         """Lane queues and brownout state for metrics and ``GET /v1/lanes``; None for a scheduler without lanes.

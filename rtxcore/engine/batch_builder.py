@@ -31,6 +31,9 @@ class StepPlan:
     # Rows of input_ids whose token is pending, and the row of the previous step's samples that holds it.
     pending_rows: list[int] = field(default_factory=list)
     pending_src: list[int] = field(default_factory=list)
+    # Logits rows of each sampling request when some verify proposed tokens (speculative decoding): its last known
+    # token's row, then one per proposed token computed; None when every request samples one row (the usual).
+    num_rows: list[int] | None = None
 
 
 def build_step(sched: SchedulerOutput, block_table_of: Callable[[list[str]], np.ndarray], block_size: int,
@@ -56,10 +59,19 @@ def build_step(sched: SchedulerOutput, block_table_of: Callable[[list[str]], np.
     pending_src: list[int] = []
     # Keyed by the requests themselves: they hash by identity (eq=False), with no id() call per entry.
     src_row = {req: i for i, req in enumerate(pending_reqs)}
+    rows_of: list[int] = []  # logits rows per sampling request
     for row, (req, start, n) in enumerate(zip(reqs, starts, counts)):
         token_ids = req.all_token_ids
         num_known = len(token_ids)
         end = start + n
+        if req.spec_token_ids and end > num_known:
+            # Proposed tokens to verify (no token is pending then: speculation runs the serial step): every
+            # position from the last known token on gives a logits row.
+            input_ids += (token_ids + req.spec_token_ids)[start:end]
+            first = max(start, num_known - 1)
+            sampling_rows.append(row)
+            rows_of.append(end - first)
+            continue
         if end > num_known:
             # The last token was sampled by the previous step and is still on the device: a placeholder here.
             if start < num_known:
@@ -73,6 +85,7 @@ def build_step(sched: SchedulerOutput, block_table_of: Callable[[list[str]], np.
             input_ids += token_ids[start:end]
         if end == num_known + req.num_pending_tokens:
             sampling_rows.append(row)
+            rows_of.append(1)
 
     num_reqs, num_tokens, num_decodes = len(reqs), len(input_ids), counts.count(1)
     query_start_loc = list(itertools.accumulate(counts, initial=0))
@@ -83,7 +96,11 @@ def build_step(sched: SchedulerOutput, block_table_of: Callable[[list[str]], np.
     else:
         token_rows = np.repeat(np.arange(num_reqs), counts)
         positions = np.arange(num_tokens) + np.repeat(np.subtract(starts, query_start_loc[:-1]), counts)
-        logits_indices = np.array([query_start_loc[row + 1] - 1 for row in sampling_rows], dtype=np.int64)
+        ends = [query_start_loc[row + 1] for row in sampling_rows]
+        if len(rows_of) == sum(rows_of):
+            logits_indices = np.array([end - 1 for end in ends], dtype=np.int64)
+        else:
+            logits_indices = np.concatenate([np.arange(end - m, end) for end, m in zip(ends, rows_of)])
     block_tables = block_table_of([req.req_id for req in reqs])
     slots = block_tables[token_rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
     # Fresh, contiguous host arrays each step: a backend may pin them and copy without blocking, and nothing
@@ -100,13 +117,33 @@ def build_step(sched: SchedulerOutput, block_table_of: Callable[[list[str]], np.
         num_decodes=num_decodes,
     )
     sampling_reqs = [reqs[row] for row in sampling_rows]
-    sampling = SamplingBatch(
-        params=[r.params for r in sampling_reqs],
-        prompt_token_ids=[r.prompt_token_ids for r in sampling_reqs],
-        output_token_ids=[r.output_token_ids for r in sampling_reqs],
-        generators=[generators.get(r.req_id) for r in sampling_reqs] if generators else [None] * len(sampling_reqs),
-    )
-    return StepPlan(batch, reqs, counts, sampling_reqs, sampling, pending_rows, pending_src)
+    if len(rows_of) == sum(rows_of):
+        sampling = SamplingBatch(
+            params=[r.params for r in sampling_reqs],
+            prompt_token_ids=[r.prompt_token_ids for r in sampling_reqs],
+            output_token_ids=[r.output_token_ids for r in sampling_reqs],
+            generators=([generators.get(r.req_id) for r in sampling_reqs] if generators
+                        else [None] * len(sampling_reqs)),
+        )
+        return StepPlan(batch, reqs, counts, sampling_reqs, sampling, pending_rows, pending_src)
+    return StepPlan(batch, reqs, counts, sampling_reqs, _verification_batch(sampling_reqs, rows_of, generators),
+                    pending_rows, pending_src, rows_of)
+
+
+def _verification_batch(reqs: list[Request], rows_of: list[int],
+                        generators: dict[str, torch.Generator]) -> SamplingBatch:
+    """A request verifying m - 1 proposed tokens samples m rows, each as if the proposed tokens before it had been
+    generated: its penalties see them, and a seeded request's generator draws for its rows in order."""
+    batch = SamplingBatch([], [], [], [])
+    for req, m in zip(reqs, rows_of):
+        output = req.output_token_ids
+        generator = generators.get(req.req_id)
+        for j in range(m):
+            batch.params.append(req.params)
+            batch.prompt_token_ids.append(req.prompt_token_ids)
+            batch.output_token_ids.append(output + req.spec_token_ids[:j] if j else output)
+            batch.generators.append(generator)
+    return batch
 
 
 def build_embedding_batch(token_lists: list[list[int]], block_size: int) -> ForwardBatch:

@@ -4,14 +4,16 @@ backend with the model loaded, the KV cache sized from memory, and the lower KV 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import cast
 
 from rtxcore.contracts.backend import BackendOptions, ExecutionBackend, runs_quantization
+from rtxcore.contracts.proposer import Proposer, ProposerContext
 from rtxcore.contracts.sampler import Sampler
 from rtxcore.contracts.scheduler import Scheduler
 from rtxcore.engine.config import EngineConfig
 from rtxcore.engine.output_processor import OutputProcessor
+from rtxcore.engine.speculation.speculator import ASSISTED, Speculator
 from rtxcore.errors import ConfigError, PluginError
 from rtxcore.kv.manager import KVCacheManager
 from rtxcore.kv.tiers.stack import KVTiers
@@ -36,6 +38,7 @@ class EngineComponents:
     scheduler: Scheduler
     sampler: Sampler
     output_processor: OutputProcessor
+    speculator: Speculator
 
 
 def build_components(config: EngineConfig, registry: PluginRegistry | None, source: ModelSource | None,
@@ -56,12 +59,30 @@ def build_components(config: EngineConfig, registry: PluginRegistry | None, sour
                               kv_tiers.offload if kv_tiers is not None else None)
     if kv_tiers is not None:
         kv_tiers.load_snapshot()
-    scheduler = registry.create("scheduler", config.scheduler, config.scheduling, kv_cache)
+    spec = config.speculative
+    scheduling = replace(config.scheduling, speculative=spec.method is not None)
+    scheduler = registry.create("scheduler", config.scheduler, scheduling, kv_cache)
     sampler = registry.create("sampler", config.sampler)
     eos = tokenizer.eos_token_ids if tokenizer is not None else model_config.eos_token_ids
     output_processor = OutputProcessor(tokenizer, list(eos), max_model_len)
+    context = ProposerContext(backend, config.block_size, num_blocks, max_model_len, registry, kv_cache.block_table,
+                              load_model=lambda name: _load_draft(config, registry, name), options=dict(spec.options))
+    proposers: dict[str, Proposer] = {ASSISTED: registry.create("proposer", ASSISTED, context)}
+    if spec.method is not None:
+        proposers[spec.method] = registry.create("proposer", spec.method, context)
+    speculator = Speculator(spec, proposers, kv_cache, model_config.vocab_size, max_model_len,
+                            allowed=scheduler.allows_speculation)
     return EngineComponents(registry, source, backend, tokenizer, max_model_len, kv_tiers, kv_cache, scheduler,
-                            sampler, output_processor)
+                            sampler, output_processor, speculator)
+
+
+def _load_draft(config: EngineConfig, registry: PluginRegistry, name: str) -> ExecutionBackend:
+    """A draft model, by the names --model takes, run by the target's backend on its device in its dtype."""
+    draft_config = replace(config, model=name, quantization=None)
+    source = resolve_model(name)
+    backend = make_backend(draft_config, registry, source)
+    backend.load(source)
+    return backend
 
 
 def make_backend(config: EngineConfig, registry: PluginRegistry, source: ModelSource) -> ExecutionBackend:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Callable
 
 from rtxcore.contracts.scheduler import SchedulerConfig
+from rtxcore.engine.speculation.config import SpeculativeConfig
 from rtxcore.errors import ConfigError
 
 
@@ -47,6 +48,8 @@ class EngineConfig:
     # come back one step later. None: on for accelerators, off on the CPU (where there is nothing to overlap).
     async_scheduling: bool | None = None
     scheduling: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # Speculative decoding (a proposer for every request, or only requests that bring their own tokens).
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # See BackendOptions.verify_artifact: set by a server that checks signed models.
     verify_artifact: Callable[[Path], object] | None = None
 

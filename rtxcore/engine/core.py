@@ -44,13 +44,16 @@ class EngineCore:
         self.scheduler = parts.scheduler
         self.sampler = parts.sampler
         self.output_processor = parts.output_processor
+        self.speculator = parts.speculator
         self.requests: dict[str, Request] = {}
         self.generators: dict[str, torch.Generator] = {}
         # Set by each step: how long the scheduler holds its waiting work to merge arrivals (0: no hold).
         self.hold_s = 0.0
         # Overlap the host's work with the device's: on by default where the model runs on an accelerator.
+        # Not with a proposer: proposing needs the accepted tokens on the host (requests that bring their own tokens
+        # make the overlapped step run a serial one while they last).
         overlap = config.async_scheduling if config.async_scheduling is not None else (
-            self.backend.device.type != "cpu")
+            self.backend.device.type != "cpu" and config.speculative.method is None)
         self.overlapped = overlap
         # Chosen once: each variant is its own method, not one method threaded with flags.
         if overlap:
@@ -60,7 +63,7 @@ class EngineCore:
             self.step: Callable[[], list[RequestOutput]] = self._overlap.step
         else:
             self._overlap = None
-            self.step = self._step_serial
+            self.step = self.step_serial
 
     def input_processor(self) -> InputProcessor:
         """A processor checking requests against this engine's vocabulary, context and cache."""
@@ -89,6 +92,7 @@ class EngineCore:
             self.generators[req.req_id] = generator
         self.requests[req.req_id] = req
         self.output_processor.add(req)
+        self.speculator.on_add(req)
         if self._overlap is not None:
             self._overlap.on_add(req)
 
@@ -107,7 +111,7 @@ class EngineCore:
     # -- the loop -------------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def _step_serial(self) -> list[RequestOutput]:
+    def step_serial(self) -> list[RequestOutput]:
         self.maintain()
         sched = self.scheduler.schedule()
         self.hold_s = sched.hold_s
@@ -117,7 +121,15 @@ class EngineCore:
         logits = self.execute(plan)
         if not plan.sampling_reqs:
             return []
-        return self.update(plan.sampling_reqs, self.sampler.sample(logits, plan.sampling))
+        sampled = self.sampler.sample(logits, plan.sampling)
+        if plan.num_rows is None:
+            outputs = self.update(plan.sampling_reqs, sampled)
+        else:  # proposed tokens verified
+            outputs = self.speculator.verify(plan.sampling_reqs, plan.num_rows, sampled, self.output_processor)
+            self._finish_outputs(outputs)
+        if self.speculator.active:
+            self.speculator.propose(plan.sampling_reqs, self.scheduler.num_running)
+        return outputs
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Run the step's batch through the backend and count its tokens as computed; returns the logits."""
@@ -132,10 +144,13 @@ class EngineCore:
     def update(self, reqs: list[Request], sampled: SamplerOutput) -> list[RequestOutput]:
         """Apply sampled tokens (on the host) to their requests; finished ones leave the engine."""
         outputs = self.output_processor.process(reqs, sampled)
+        self._finish_outputs(outputs)
+        return outputs
+
+    def _finish_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             if out.finished:
                 self.finish(self.requests[out.req_id])
-        return outputs
 
     def finish(self, req: Request) -> None:
         """Forget a request that finished or was aborted; the scheduler hears of it exactly once."""
@@ -143,6 +158,7 @@ class EngineCore:
         if held:
             self.scheduler.finish_request(req)
         self.output_processor.remove(req.req_id)
+        self.speculator.on_finish(req)
         self.generators.pop(req.req_id, None)
         del self.requests[req.req_id]
 

@@ -59,6 +59,12 @@ class OverlappedSteps:
         core = self.core
         prev, self._in_flight = self._in_flight, None
         outputs: list[RequestOutput] = []
+        if core.speculator.active:
+            # Requests with tokens of their own to verify: the previous step's tokens are needed on the host to
+            # propose, so this step runs serially.
+            if prev is not None:
+                outputs = self._process(prev)
+            return outputs + core.step_serial()
         if prev is not None and self._num_history_reqs:
             # Penalties need every earlier token on the host before sampling: no overlap this step.
             outputs, prev = self._process(prev), None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Sequence
 
 import torch
 
@@ -40,7 +41,7 @@ class TorchBackend(ExecutionBackend):
         devices = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
         # Any quantizer: a quantized layer runs through its quantizer's own linear().
         return BackendCapabilities(devices=devices, dtypes=tuple(_DTYPES), paged_kv=True, kv_offload=True,
-                                   quantization_formats=(ANY_QUANTIZATION,))
+                                   quantization_formats=(ANY_QUANTIZATION,), layer_subset=True)
 
     def __init__(self, options: BackendOptions):
         super().__init__(options)
@@ -202,6 +203,21 @@ class TorchBackend(ExecutionBackend):
                                                   gpu.triton_paged_attention)
         else:
             hidden = self._torch_hidden_states(batch)
+        return self.model.compute_logits(hidden[self._to_device(batch.logits_indices)]).float()
+
+    @torch.inference_mode()
+    def execute_layers(self, batch: ForwardBatch, layers: Sequence[int]) -> torch.Tensor:
+        # Eager: a draft's subset of layers is a different graph from the captured full decode.
+        if self._triton:
+            gpu, cfg = self._gpu_attention, self.model_config
+            meta = gpu.TritonAttentionMetadata.from_batch(batch, self._device, cfg.num_kv_heads, cfg.num_heads,
+                                                          cfg.head_dim)
+            attention = gpu.triton_paged_attention
+        else:
+            meta = AttentionMetadata.from_batch(batch, self._device, self._decode_kernel)
+            attention = paged_attention
+        hidden = self.model.hidden_states(self._to_device(batch.input_ids), self._to_device(batch.positions),
+                                          self.kv_caches, meta, attention, layers=layers)
         return self.model.compute_logits(hidden[self._to_device(batch.logits_indices)]).float()
 
     @torch.inference_mode()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Callable
 
 import torch
@@ -113,11 +114,16 @@ class LlamaForCausalLM(nn.Module):
             cfg.vocab_size, cfg.hidden_size, ctx, ops)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta: object,
-                      attention: AttentionFn) -> torch.Tensor:
+                      attention: AttentionFn, layers: Sequence[int] | None = None) -> torch.Tensor:
+        """:param layers: run only these decoder layers, in order (a self-speculative draft); None runs all."""
         x = self.embed_tokens(input_ids)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, positions, kv_cache, meta, attention)
+        if layers is None:
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                x, residual = layer(x, residual, positions, kv_cache, meta, attention)
+        else:
+            for i in layers:
+                x, residual = self.layers[i](x, residual, positions, kv_caches[i], meta, attention)
         return self.norm(x, residual)[0]
 
     def linear_layers(self) -> dict[str, QuantizableLinear]:

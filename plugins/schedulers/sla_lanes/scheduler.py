@@ -224,9 +224,11 @@ class SLALanesScheduler(Scheduler):
         for req in list(lane.running):
             if budget.tokens <= 0:
                 return
-            left = req.num_tokens - req.num_computed_tokens
+            # A decode computes its last token and the proposed tokens that follow it (speculative decoding).
+            left = req.num_tokens_with_spec - req.num_computed_tokens
+            is_decode = req.num_tokens - req.num_computed_tokens == 1
             # Preempted earlier in this step, or not this phase's kind of work.
-            if req.status is not RequestStatus.RUNNING or (left == 1) != decodes or req in budget.scheduled:
+            if req.status is not RequestStatus.RUNNING or is_decode != decodes or req in budget.scheduled:
                 continue
             num_new = budget.grant(left)
             if num_new <= 0:
@@ -257,7 +259,7 @@ class SLALanesScheduler(Scheduler):
             return False  # it made room for another this step; it cannot run in the same one
         if req.num_computed_tokens == 0:
             req.num_computed_tokens = self.kv_cache.lookup_prefix(req)
-        left = req.num_tokens - req.num_computed_tokens
+        left = req.num_tokens_with_spec - req.num_computed_tokens
         num_new = budget.grant(left)
         if num_new <= 0 or (num_new < left and not self.config.enable_chunked_prefill) \
                 or not self._make_room(lane, req, num_new, out, now):

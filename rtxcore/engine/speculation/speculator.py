@@ -1,0 +1,200 @@
+"""The engine's side of speculative decoding: ask proposers for tokens after a step, keep what the next step's
+target pass agrees with, and count it all.
+
+Verification needs no sampler of its own. A request verifying ``k`` proposed tokens gets ``k + 1`` logits rows, each
+sampled by the engine's sampler exactly as a plain step would sample it (its penalties see the proposed tokens before
+it). The proposed token of row ``j`` is accepted when row ``j`` drew it, which happens with the target's probability
+of it; on the first miss, that row's draw is the target's own token, distributed as the target's distribution without
+the refused token: rejection sampling with a point-mass proposal, so outputs keep the target's distribution and a
+greedy request gets the very tokens plain decoding would give.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from rtxcore.contracts.proposer import Proposer
+from rtxcore.contracts.sampler import SamplerOutput
+from rtxcore.engine.in_flight import select_rows
+from rtxcore.engine.output_processor import OutputProcessor
+from rtxcore.engine.outputs import RequestOutput
+from rtxcore.engine.speculation.acceptance import AcceptanceTracker
+from rtxcore.engine.speculation.config import SpeculativeConfig
+from rtxcore.kv.manager import KVCacheManager
+from rtxcore.request import Request, RequestStatus
+
+log = logging.getLogger("rtx.speculation")
+
+# The proposer of requests that bring their own tokens.
+ASSISTED = "assisted"
+# Largest accepted length the histogram counts separately.
+MAX_RUN = 16
+
+
+@dataclass(slots=True)
+class ProposerStats:
+    """Counters per proposer since start-up (what the rtx_spec_* metrics export)."""
+
+    num_proposed_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verifications: int = 0
+    # accepted_runs[n]: verifications that accepted n proposed tokens.
+    accepted_runs: list[int] = field(default_factory=lambda: [0] * (MAX_RUN + 1))
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_proposed_tokens if self.num_proposed_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verification: accepted proposals plus the target's own token."""
+        return 1 + self.num_accepted_tokens / self.num_verifications if self.num_verifications else 0.0
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, proposers: dict[str, Proposer], kv_cache: KVCacheManager,
+                 vocab_size: int, max_model_len: int, allowed: Callable[[], bool] = lambda: True):
+        """:param proposers: by name: the configured method's (if any) and ``assisted``.
+        :param allowed: False while speculation is off for everyone (brownout)."""
+        self.config = config
+        self.proposers = proposers
+        self.kv_cache = kv_cache
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.allowed = allowed
+        self.tracker = AcceptanceTracker(config.num_speculative_tokens, config.min_acceptance, config.adaptive)
+        self.stats: dict[str, ProposerStats] = {name: ProposerStats() for name in proposers}
+        # Which proposer each request's pending proposal came from.
+        self._proposed_by: dict[str, str] = {}
+        # Running requests that bring their own tokens: with none and no method, nothing speculates.
+        self.num_assisted = 0
+
+    @property
+    def active(self) -> bool:
+        """Whether any request may speculate now."""
+        return self.config.method is not None or self.num_assisted > 0
+
+    def on_add(self, req: Request) -> None:
+        if req.draft_token_ids:
+            self.num_assisted += 1
+
+    def on_finish(self, req: Request) -> None:
+        if req.draft_token_ids:
+            self.num_assisted -= 1
+        name = self._proposed_by.pop(req.req_id, None) or self._proposer_name(req)
+        if name is not None:
+            self.proposers[name].finish(req)
+        self.tracker.forget(req.req_id)
+
+    # -- after a step: propose --------------------------------------------------------------------------------------
+
+    def propose(self, reqs: Sequence[Request], num_running: int) -> None:
+        """Give each running request of ``reqs`` (those that just sampled) its proposed tokens for the next step."""
+        for req in reqs:
+            req.spec_token_ids = []  # a proposal left unverified (the step had no room for it) is stale now
+        if not self.allowed() or (self.config.disable_batch_size is not None
+                                  and num_running >= self.config.disable_batch_size):
+            return
+        groups: dict[str, tuple[list[Request], list[int]]] = {}
+        for req in reqs:
+            if req.status is not RequestStatus.RUNNING or not req.speculative:
+                continue
+            name = self._proposer_name(req)
+            if name is None:
+                continue
+            k = min(self.tracker.k(req.req_id),
+                    req.params.max_tokens - req.num_output_tokens - 1,  # the target's own token comes on top
+                    self.max_model_len - req.num_tokens)
+            if k <= 0:
+                continue
+            if self.proposers[name].writes_target_kv and not self.kv_cache.allocate(req, 1 + k):
+                continue  # no room in the target's cache for the proposed positions: decode plainly
+            group = groups.setdefault(name, ([], []))
+            group[0].append(req)
+            group[1].append(k)
+        for name, (group_reqs, ks) in groups.items():
+            proposals = self.proposers[name].propose(group_reqs, ks)
+            for req, k, tokens in zip(group_reqs, ks, proposals):
+                tokens = self._valid_prefix(tokens[:k])
+                if tokens:
+                    req.spec_token_ids = tokens
+                    self._proposed_by[req.req_id] = name
+
+    def _proposer_name(self, req: Request) -> str | None:
+        return ASSISTED if req.draft_token_ids else self.config.method
+
+    def _valid_prefix(self, tokens: list[int]) -> list[int]:
+        for i, token in enumerate(tokens):
+            if not (isinstance(token, int) and 0 <= token < self.vocab_size):
+                return tokens[:i]
+        return list(tokens)
+
+    # -- in the step: verify -----------------------------------------------------------------------------------------
+
+    def verify(self, reqs: list[Request], num_rows: list[int], sampled: SamplerOutput,
+               output_processor: OutputProcessor) -> list[RequestOutput]:
+        """Apply a verification step's samples: each request keeps its accepted proposed tokens and the target's
+        next token, as far as its stop conditions let it; the KV of refused positions is given back.
+
+        :param num_rows: logits rows per request (1 + proposed tokens verified), in row order."""
+        token_ids = sampled.token_ids.tolist()
+        runs: list[list[int]] = []  # per request, the rows whose tokens it emits
+        row = 0
+        for req, m in zip(reqs, num_rows):
+            proposed = req.spec_token_ids[:m - 1]
+            accepted = 0
+            while accepted < len(proposed) and token_ids[row + accepted] == proposed[accepted]:
+                accepted += 1
+            runs.append(list(range(row, row + accepted + 1)))
+            if proposed:
+                # The refused positions' KV stays in the blocks until later steps overwrite it.
+                req.num_computed_tokens -= len(proposed) - accepted
+                self._record(req, len(proposed), accepted)
+            req.spec_token_ids = []
+            row += m
+        return _apply_runs(reqs, runs, sampled, output_processor)
+
+    def _record(self, req: Request, num_proposed: int, num_accepted: int) -> None:
+        name = self._proposed_by.get(req.req_id) or self._proposer_name(req)
+        if name is None:
+            return
+        stats = self.stats[name]
+        stats.num_proposed_tokens += num_proposed
+        stats.num_accepted_tokens += num_accepted
+        stats.num_verifications += 1
+        stats.accepted_runs[min(num_accepted, MAX_RUN)] += 1
+        self.tracker.record(req.req_id, num_proposed, num_accepted)
+
+
+def _apply_runs(reqs: list[Request], runs: list[list[int]], sampled: SamplerOutput,
+                output_processor: OutputProcessor) -> list[RequestOutput]:
+    """Feed each request its run of tokens one position at a time (a request that stops inside its run drops the
+    rest), then merge each request's outputs into one."""
+    host = SamplerOutput(sampled.token_ids.cpu(), *(t.cpu() if t is not None else None for t in
+                                                    (sampled.logprobs, sampled.top_token_ids, sampled.top_logprobs)))
+    merged: dict[str, list[RequestOutput]] = {}
+    live = list(range(len(reqs)))
+    position = 0
+    while live:
+        rows = [runs[i][position] for i in live]
+        outs = output_processor.process([reqs[i] for i in live], select_rows(host, rows))
+        for out in outs:
+            merged.setdefault(out.req_id, []).append(out)
+        live = [i for i, out in zip(live, outs) if not out.finished and position + 1 < len(runs[i])]
+        position += 1
+    return [_merge(parts) for parts in merged.values()]
+
+
+def _merge(parts: list[RequestOutput]) -> RequestOutput:
+    if len(parts) == 1:
+        return parts[0]
+    last = parts[-1]
+    logprobs = None
+    if last.logprobs is not None:
+        logprobs = [lp for part in parts for lp in (part.logprobs or [])]
+    return RequestOutput(last.req_id, [t for part in parts for t in part.new_token_ids],
+                         "".join(part.new_text for part in parts), last.finished, last.finish_reason,
+                         last.stop_reason, logprobs, last.num_prompt_tokens, last.num_output_tokens,
+                         last.num_cached_tokens, last.timings)

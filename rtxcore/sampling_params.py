@@ -28,6 +28,10 @@ class SamplingParams:
     # Number of most likely alternatives returned with each sampled token's log-probability; None returns none.
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Early exit (with a proposer that drafts through the model's first layers, --speculative layer-skip): a drafted
+    # token whose probability at the exit layer reaches this is emitted as it is, without the full model's say.
+    # Trades quality for speed (docs/speculative.md measures the cost); None (the default) keeps the full model's.
+    early_exit_threshold: float | None = None
 
     @property
     def needs_output_history(self) -> bool:
@@ -57,6 +61,9 @@ class SamplingParams:
                "stop_token_ids must be non-negative integers", "stop_token_ids")
         _check(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                f"logprobs must be an integer in [0, 20], got {self.logprobs!r}", "logprobs")
+        _check(self.early_exit_threshold is None or (_is_number(self.early_exit_threshold)
+                                                     and 0 < self.early_exit_threshold <= 1),
+               f"early_exit_threshold must be in (0, 1], got {self.early_exit_threshold!r}", "early_exit_threshold")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             value = getattr(self, name)
             _check(isinstance(value, bool), f"{name} must be true or false, got {value!r}", name)

@@ -8,6 +8,9 @@ values, so the cache ends as plain decoding would leave it.
 Option ``layers``: the layers the draft runs, as ranges and indices (``"0-11,15,20-29"``); or ``exit_layer`` N: the
 first N layers, an early exit. Default: every other layer of the middle half and every layer outside it, which keeps
 the first and last layers that matter most to the final norm and LM head.
+
+With this proposer, a request's ``early_exit_threshold`` emits the drafted tokens the draft is that sure of as they
+are: early exit as a decoding strategy, faster at a measured cost in quality (docs/speculative.md).
 """
 
 from __future__ import annotations
@@ -76,6 +79,8 @@ class LayerSkipProposer(Proposer):
             self.layers = list(range(n))
         else:
             self.layers = parse_layers(spec, num_layers) if spec is not None else default_layers(num_layers)
+        # Per request: the draft's probability of each token of its latest proposal (for early exit).
+        self._confidences: dict[str, list[float]] = {}
 
     @classmethod
     def describe(cls) -> dict[str, Any]:
@@ -91,6 +96,9 @@ class LayerSkipProposer(Proposer):
         positions = [len(req.all_token_ids) - 1 for req in reqs]
         block_tables = self.context.block_table_of([req.req_id for req in reqs])
         block_size = self.context.block_size
+        # Early exit needs the draft's probability of each token it proposes; plain self-speculation does not.
+        want_confidence = any(req.params.early_exit_threshold is not None for req in reqs)
+        confidences: list[list[float]] = [[] for _ in reqs]
         while active:
             ids = [inputs[i] for i in active]
             pos = torch.tensor([positions[i] for i in active], dtype=torch.int64)
@@ -101,7 +109,14 @@ class LayerSkipProposer(Proposer):
                 input_ids=torch.tensor(ids, dtype=torch.int64), positions=pos,
                 query_start_loc=list(range(len(active) + 1)), seq_lens=(pos + 1).tolist(), block_tables=table,
                 slot_mapping=slots, logits_indices=rows, block_size=block_size, num_decodes=len(active))
-            tokens = self.context.backend.execute_layers(batch, self.layers).argmax(dim=-1).tolist()
+            logits = self.context.backend.execute_layers(batch, self.layers)
+            if want_confidence:
+                best, top = logits.softmax(dim=-1).max(dim=-1)
+                tokens = top.tolist()
+                for i, p in zip(active, best.tolist()):
+                    confidences[i].append(p)
+            else:
+                tokens = logits.argmax(dim=-1).tolist()
             still = []
             for i, token in zip(active, tokens):
                 proposals[i].append(token)
@@ -109,7 +124,18 @@ class LayerSkipProposer(Proposer):
                 if len(proposals[i]) < num_tokens[i]:
                     still.append(i)
             active = still
+        for req, conf in zip(reqs, confidences):
+            if conf:
+                self._confidences[req.req_id] = conf
+            else:
+                self._confidences.pop(req.req_id, None)
         return proposals
+
+    def confidences(self, req: Request) -> list[float] | None:
+        return self._confidences.get(req.req_id)
+
+    def finish(self, req: Request) -> None:
+        self._confidences.pop(req.req_id, None)
 
 
 @hookimpl

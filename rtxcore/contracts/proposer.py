@@ -65,5 +65,11 @@ class Proposer(ABC):
         """For each request, at most ``num_tokens[i]`` (>= 1) token ids guessed to follow its ``all_token_ids``;
         an empty list proposes nothing. Ids outside the vocabulary end a proposal where they appear."""
 
+    def confidences(self, req: Request) -> list[float] | None:
+        """The proposer's own probability of each token of its latest proposal for ``req``, or None when it has
+        none. A proposer that gives them supports early exit: a request with ``early_exit_threshold`` keeps a
+        proposed token whose probability reaches the threshold even where the target would have chosen another."""
+        return None
+
     def finish(self, req: Request) -> None:
         """Forget whatever is kept for ``req``: it finished, was aborted, or stopped speculating."""

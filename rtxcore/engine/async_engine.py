@@ -110,11 +110,13 @@ class AsyncEngine:
 
     async def generate(self, prompt: Prompt, params: SamplingParams, req_id: str | None = None,
                        cache_salt: str | None = None, lane: str = DEFAULT_LANE,
-                       tenant: str | None = None, output_token_ids: list[int] | None = None
+                       tenant: str | None = None, output_token_ids: list[int] | None = None,
+                       draft_token_ids: Sequence[int] | None = None, speculative: bool = True
                        ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Validation errors raise before the first output; leaving the iterator early
         (client gone, cancellation) aborts the request. ``output_token_ids`` resumes a request that had produced
-        them before a restart: only the outputs after them are streamed."""
+        them before a restart: only the outputs after them are streamed. ``draft_token_ids`` and ``speculative``
+        are :meth:`InputProcessor.make_request`'s."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         req_id = req_id or f"req-{next(self._ids)}"
@@ -123,7 +125,8 @@ class AsyncEngine:
             loop.call_soon_threadsafe(outputs.put_nowait, item)
 
         req = self.inputs.make_request(prompt, params, req_id, cache_salt=cache_salt, lane=lane, tenant=tenant,
-                                       output_token_ids=output_token_ids or ())
+                                       output_token_ids=output_token_ids or (), draft_token_ids=draft_token_ids,
+                                       speculative=speculative)
         sub = _Submission(req, sink)
         self._inbox.put(sub)
         self._wake.set()

@@ -82,6 +82,13 @@ class EngineCore:
         if req.req_id in self.requests:
             raise InvalidRequestError(f"request id {req.req_id!r} is already in use", param="request_id")
         params = req.params
+        if params.early_exit_threshold is not None and not self.speculator.supports_early_exit():
+            raise InvalidRequestError("early_exit_threshold needs a proposer that drafts through the model's first "
+                                      "layers (rtx serve --speculative layer-skip)", param="early_exit_threshold")
+        if params.early_exit_threshold is not None and params.logprobs is not None:
+            # An early-exited token is the draft's, while the logprobs a step computes are the full model's.
+            raise InvalidRequestError("early_exit_threshold cannot be combined with logprobs",
+                                      param="early_exit_threshold")
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.backend.device).manual_seed(
@@ -92,7 +99,7 @@ class EngineCore:
             self.generators[req.req_id] = generator
         self.requests[req.req_id] = req
         self.output_processor.add(req)
-        self.speculator.on_add(req)
+        self.speculator.on_add(req, self.scheduler.num_running)
         if self._overlap is not None:
             self._overlap.on_add(req)
 

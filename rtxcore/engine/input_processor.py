@@ -37,12 +37,16 @@ class InputProcessor:
 
     def make_request(self, prompt: Prompt, params: SamplingParams, req_id: str, *, cache_salt: str | None = None,
                      lane: str = DEFAULT_LANE, tenant: str | None = None,
-                     output_token_ids: Sequence[int] = ()) -> Request:
+                     output_token_ids: Sequence[int] = (), draft_token_ids: Sequence[int] | None = None,
+                     speculative: bool = True) -> Request:
         """A request ready for the engine core.
 
         :param output_token_ids: tokens this request already produced (a request resumed from the journal after a
             restart): prefilled after the prompt and counted against ``params.max_tokens``, so generation goes on
             where it stopped.
+        :param draft_token_ids: the output the caller expects (OpenAI ``prediction``): proposed to the target and
+            verified, so it changes how fast the output comes, never what it is.
+        :param speculative: False: the request never speculates, not even from ``draft_token_ids``.
         :raises InvalidRequestError: naming the problem (CapacityError when it can never fit).
         """
         check_lane_name(lane)
@@ -51,9 +55,32 @@ class InputProcessor:
         if len(outputs) >= params.max_tokens:
             raise InvalidRequestError(f"{len(outputs)} output tokens already reach max_tokens ({params.max_tokens}): "
                                       "nothing is left to generate", param="output_token_ids")
+        drafts = self._check_draft_token_ids(draft_token_ids or ())
         self._check_fits(len(token_ids), params.max_tokens)
+        # Checked even when unused, so a bad value is refused whatever the flag. Dropped when the request may not
+        # speculate: the engine counts requests with draft tokens as speculating (an overlapped engine runs serial
+        # steps while it has any), and this one never will.
         return Request(req_id, token_ids, params, all_token_ids=token_ids + outputs, cache_salt=cache_salt,
-                       lane=lane, tenant=tenant)
+                       lane=lane, tenant=tenant, draft_token_ids=(drafts or None) if speculative else None,
+                       speculative=speculative)
+
+    def encode_prediction(self, text: str) -> list[int]:
+        """Token ids of a predicted output given as text (OpenAI ``prediction``), for ``draft_token_ids``.
+
+        Encoded without special tokens: the prediction continues the prompt, it does not start a sequence (a BOS
+        in front would be refused by the first verification and waste it).
+
+        :raises InvalidRequestError: naming ``prediction``: the model has no tokenizer, or the prediction is longer
+            than the context.
+        """
+        if self.tokenizer is None:
+            raise InvalidRequestError(f"model {self.model_name} has no tokenizer: a text prediction cannot be "
+                                      "encoded", param="prediction")
+        token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if len(token_ids) > self.limits.max_model_len:
+            raise InvalidRequestError(f"prediction is {len(token_ids)} tokens, longer than the model's context of "
+                                      f"{self.limits.max_model_len} tokens", param="prediction")
+        return token_ids
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -113,6 +140,14 @@ class InputProcessor:
         if -(-total // limits.block_size) * limits.block_size > limits.max_cache_tokens:
             raise CapacityError(f"request needs up to {total} tokens of KV cache but the whole cache holds "
                                 f"{limits.max_cache_tokens}", param="max_tokens")
+
+    def _check_draft_token_ids(self, draft_token_ids: Sequence[int]) -> list[int]:
+        drafts = self._check_token_ids(draft_token_ids, "draft token ids", "draft_token_ids")
+        # More could never be verified: the whole sequence, prompt included, fits in the context.
+        if len(drafts) > self.limits.max_model_len:
+            raise InvalidRequestError(f"{len(drafts)} draft token ids are more than the model's context of "
+                                      f"{self.limits.max_model_len} tokens", param="draft_token_ids")
+        return drafts
 
     def _check_token_ids(self, token_ids: Sequence[int], what: str, param: str) -> list[int]:
         token_ids = list(token_ids)

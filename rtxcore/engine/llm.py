@@ -35,7 +35,8 @@ class LLM:
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, req_id: str | None = None, *,
                     cache_salt: str | None = None, lane: str = DEFAULT_LANE, tenant: str | None = None,
-                    output_token_ids: Sequence[int] = ()) -> str:
+                    output_token_ids: Sequence[int] = (), draft_token_ids: Sequence[int] | None = None,
+                    speculative: bool = True) -> str:
         """Check and queue a request for :meth:`step`; returns its id.
 
         :raises InvalidRequestError: naming the problem. :raises AdmissionRefused: the scheduler will not take it.
@@ -43,7 +44,8 @@ class LLM:
         req = self.inputs.make_request(prompt, params or SamplingParams(),
                                        req_id if req_id is not None else f"req-{next(self._ids)}",
                                        cache_salt=cache_salt, lane=lane, tenant=tenant,
-                                       output_token_ids=output_token_ids)
+                                       output_token_ids=output_token_ids, draft_token_ids=draft_token_ids,
+                                       speculative=speculative)
         self.core.add_request(req)
         return req.req_id
 

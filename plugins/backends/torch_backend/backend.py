@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -73,6 +75,8 @@ class TorchBackend(ExecutionBackend):
         self._triton = kernels == "triton" or (
             kernels == "auto" and self._device.type == "cuda" and importlib.util.find_spec("triton") is not None)
         self._graphs = None
+        # Decode graphs of layer subsets (self-speculative drafts), by the layers they run.
+        self._subset_graphs: dict[tuple[int, ...], Any] = {}
         # Piecewise graphs for steps that carry prefill tokens (everything but attention captured).
         self._mixed = None
         if self._triton:
@@ -207,7 +211,20 @@ class TorchBackend(ExecutionBackend):
 
     @torch.inference_mode()
     def execute_layers(self, batch: ForwardBatch, layers: Sequence[int]) -> torch.Tensor:
-        # Eager: a draft's subset of layers is a different graph from the captured full decode.
+        if self._graphs is not None:
+            # A draft decodes one token per request per round, many rounds a step: its own ladder of graphs (up to
+            # the batch size where speculation still pays), captured the first time a subset is asked for.
+            key = tuple(layers)
+            graphs = self._subset_graphs.get(key)
+            if graphs is None:
+                cfg = self.model_config
+                graphs = self._graph_module.DecodeGraphs(
+                    functools.partial(self._decode_logits, layers=key), min(self.options.max_batch_size, 32),
+                    self._graphs.max_model_len, self.block_size, cfg.num_kv_heads, self._device)
+                graphs.capture()
+                self._subset_graphs[key] = graphs
+            if graphs.can_run(batch):
+                return graphs.run(batch)
         if self._triton:
             gpu, cfg = self._gpu_attention, self.model_config
             meta = gpu.TritonAttentionMetadata.from_batch(batch, self._device, cfg.num_kv_heads, cfg.num_heads,
@@ -225,9 +242,10 @@ class TorchBackend(ExecutionBackend):
         # Whole prompts with no cache: the torch path's attention over the fresh K/V serves every device.
         return self._torch_hidden_states(batch).float()
 
-    def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+    def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
+                       layers: Sequence[int] | None = None) -> torch.Tensor:
         hidden = self.model.hidden_states(input_ids, positions, self.kv_caches, meta,
-                                          self._gpu_attention.triton_paged_attention)
+                                          self._gpu_attention.triton_paged_attention, layers=layers)
         return self.model.compute_logits(hidden).float()
 
     def _torch_hidden_states(self, batch: ForwardBatch) -> torch.Tensor:

@@ -12,9 +12,10 @@ fits while shed settles at its level instead of flapping; a calm spell at level 
 engine (no request waiting or running): with no load left there is nothing to flap about, and a server that has
 drained must not keep shedding for minutes because an earlier load once flapped.
 
-The ladder stops at shrinking the prefill chunk. Turning off optional work would come next, but this server has
-none to turn off (no speculative decoding); shedding the standard lane as well would refuse work that admission
-control can still place, so it is not a brownout step.
+The ladder ends by pausing speculative decoding, where the engine speculates: verifying proposals spends compute
+on tokens that may be refused, which an overloaded engine needs for accepted work (without a proposer the ladder
+stops at shrinking the prefill chunk). Shedding the standard lane as well would refuse work that admission control
+can still place, so it is not a brownout step.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from rtxcore.errors import ConfigError
 log = logging.getLogger("rtx.brownout")
 
 # The ladder, in the order it is climbed. Each level adds the next step.
-STEPS = ("shed_new_bulk", "cap_bulk_max_tokens", "shrink_prefill_chunk")
+STEPS = ("shed_new_bulk", "cap_bulk_max_tokens", "shrink_prefill_chunk", "pause_speculation")
 # Most the exit hold grows to, as a multiple of exit_after_s.
 _MAX_EXIT_BACKOFF = 8
 

@@ -79,7 +79,10 @@ class SLALanesScheduler(Scheduler):
         super().__init__(config, kv_cache)
         options = dict(config.options)
         self.merge_window_s = float(options.pop("merge_window_s", 0.002))
-        self.brownout = BrownoutController(BrownoutConfig.from_options(options.pop("brownout", None)))
+        brownout = BrownoutConfig.from_options(options.pop("brownout", None))
+        if not config.speculative:  # nothing to pause: the ladder ends a step earlier
+            brownout.max_level = min(brownout.max_level, STEPS.index("pause_speculation"))
+        self.brownout = BrownoutController(brownout)
         if options:
             raise ConfigError(f"unknown sla-lanes option {sorted(options)[0]!r} "
                               "(options: merge_window_s, brownout)")
@@ -120,6 +123,9 @@ class SLALanesScheduler(Scheduler):
     @property
     def num_running(self) -> int:
         return sum(len(lane.running) for lane in self.lanes)
+
+    def allows_speculation(self) -> bool:
+        return not self.brownout.active("pause_speculation")
 
     def status(self) -> SchedulerStatus:
         # Also the idle engine's tick: brownout must be able to leave its level when no step runs.

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+import torch
 
 from rtxcore.contracts.proposer import Proposer
 from rtxcore.contracts.sampler import SamplerOutput
@@ -23,7 +25,7 @@ from rtxcore.engine.outputs import RequestOutput
 from rtxcore.engine.speculation.acceptance import AcceptanceTracker
 from rtxcore.engine.speculation.config import SpeculativeConfig
 from rtxcore.kv.manager import KVCacheManager
-from rtxcore.request import Request, RequestStatus
+from rtxcore.request import Request
 
 log = logging.getLogger("rtx.speculation")
 
@@ -70,15 +72,20 @@ class Speculator:
         self._proposed_by: dict[str, str] = {}
         # Running requests that bring their own tokens: with none and no method, nothing speculates.
         self.num_assisted = 0
+        # Tokens emitted by early exit since start-up (and in the step being verified).
+        self.num_early_exits = 0
+        self._num_overridden = 0
 
     @property
     def active(self) -> bool:
         """Whether any request may speculate now."""
         return self.config.method is not None or self.num_assisted > 0
 
-    def on_add(self, req: Request) -> None:
+    def on_add(self, req: Request, num_running: int) -> None:
         if req.draft_token_ids:
             self.num_assisted += 1
+            # Verified with the prompt itself: the first output token can already come with predicted ones.
+            self.propose([req], num_running)
 
     def on_finish(self, req: Request) -> None:
         if req.draft_token_ids:
@@ -99,7 +106,7 @@ class Speculator:
             return
         groups: dict[str, tuple[list[Request], list[int]]] = {}
         for req in reqs:
-            if req.status is not RequestStatus.RUNNING or not req.speculative:
+            if req.status.finished or not req.speculative:
                 continue
             name = self._proposer_name(req)
             if name is None:
@@ -147,6 +154,12 @@ class Speculator:
             accepted = 0
             while accepted < len(proposed) and token_ids[row + accepted] == proposed[accepted]:
                 accepted += 1
+            exited = self._exited_early(req, proposed, accepted)
+            if exited:
+                # Early exit: the confident drafted tokens stand; the row after the last of them gives the next.
+                for i in range(accepted, accepted + exited):
+                    token_ids[row + i] = proposed[i]
+                accepted += exited
             runs.append(list(range(row, row + accepted + 1)))
             if proposed:
                 # The refused positions' KV stays in the blocks until later steps overwrite it.
@@ -154,7 +167,32 @@ class Speculator:
                 self._record(req, len(proposed), accepted)
             req.spec_token_ids = []
             row += m
+        if self._num_overridden:
+            sampled = replace(sampled, token_ids=torch.tensor(token_ids, dtype=sampled.token_ids.dtype))
+            self._num_overridden = 0
         return _apply_runs(reqs, runs, sampled, output_processor)
+
+    def _exited_early(self, req: Request, proposed: list[int], accepted: int) -> int:
+        """How many proposed tokens after the ``accepted`` ones stand by early exit: those the draft was at least
+        ``early_exit_threshold`` sure of, up to the first it was not."""
+        threshold = req.params.early_exit_threshold
+        if threshold is None or accepted == len(proposed):
+            return 0
+        name = self._proposed_by.get(req.req_id)
+        confidences = self.proposers[name].confidences(req) if name is not None else None
+        if not confidences:
+            return 0
+        n = 0
+        while accepted + n < min(len(proposed), len(confidences)) and confidences[accepted + n] >= threshold:
+            n += 1
+        self._num_overridden += n
+        self.num_early_exits += n
+        return n
+
+    def supports_early_exit(self) -> bool:
+        """Whether the configured proposer gives its confidences (layer-skip does)."""
+        method = self.config.method
+        return method is not None and type(self.proposers[method]).confidences is not Proposer.confidences
 
     def _record(self, req: Request, num_proposed: int, num_accepted: int) -> None:
         name = self._proposed_by.get(req.req_id) or self._proposer_name(req)

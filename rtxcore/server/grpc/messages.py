@@ -6,6 +6,7 @@ from rtxcore.engine.outputs import RequestOutput
 from rtxcore.errors import InvalidRequestError
 from rtxcore.sampling_params import SamplingParams
 from rtxcore.server.grpc.codegen import ensure_generated
+from rtxcore.server.serving.generation import Speculation
 
 ensure_generated()
 from rtxcore._generated import rtx_pb2  # noqa: E402
@@ -37,6 +38,12 @@ def sampling_params_from(request: rtx_pb2.GenerateRequest) -> SamplingParams:
     fields = {name: getattr(request, name) for name in OPTIONAL_SAMPLING_FIELDS if request.HasField(name)}
     return SamplingParams(stop=list(request.stop), stop_token_ids=list(request.stop_token_ids),
                           ignore_eos=request.ignore_eos, **fields)
+
+
+def speculation_from(request: rtx_pb2.GenerateRequest) -> Speculation:
+    # An empty repeated field is "no prediction"; proto3 cannot tell it from an empty list, nor needs to.
+    return Speculation(list(request.draft_token_ids) or None,
+                       request.speculative if request.HasField("speculative") else True)
 
 
 def response_from_output(out: RequestOutput, request_id: str) -> rtx_pb2.GenerateResponse:

@@ -19,7 +19,12 @@ import grpc
 from rtxcore.errors import ErrorCode, InvalidRequestError, RequestError
 from rtxcore.metrics.timeline import TraceHeaders
 from rtxcore.server.grpc.codegen import ensure_generated
-from rtxcore.server.grpc.messages import prompt_from, response_from_event, sampling_params_from
+from rtxcore.server.grpc.messages import (
+    prompt_from,
+    response_from_event,
+    sampling_params_from,
+    speculation_from,
+)
 from rtxcore.server.grpc.statuses import abort_with, statuses_for
 from rtxcore.server.serving.embedding import embed
 from rtxcore.server.serving.formats import ResponseSpec
@@ -63,7 +68,7 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
             # tenant find out or block another's ids.
             client_id = request.request_id
             gen = await Generation.start(runtime, client_id or f"grpc-{secrets.token_hex(12)}", prompts, params,
-                                         trace, where, protocol="grpc")
+                                         trace, where, protocol="grpc", speculation=speculation_from(request))
             spec = ResponseSpec("grpc", True, {"id": gen.req_id, "model": runtime.model_name},
                                 logprobs=params.logprobs is not None)
             entry = await begin(runtime, Started(gen, spec, prompts, params))

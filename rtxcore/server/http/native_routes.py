@@ -23,7 +23,7 @@ from rtxcore.server.http.responses import serve_generation
 from rtxcore.server.http.sse import EventStreamResponse
 from rtxcore.server.serving.embedding import embed
 from rtxcore.server.serving.formats import ResponseSpec, openai_error_body
-from rtxcore.server.serving.generation import Generation, tokenize
+from rtxcore.server.serving.generation import Generation, Speculation, tokenize
 from rtxcore.server.serving.lifecycle import Started
 from rtxcore.server.serving.runtime import ServingRuntime
 
@@ -52,7 +52,9 @@ class NativeRoutes:
         where = request_route(self.runtime, request, req.routing)
         prompts = await tokenize(self.runtime.engine().inputs, [req.prompt])
         params = make_sampling_params(req.params)
-        gen = await Generation.start(self.runtime, request_id(request), prompts, params, trace_headers(request), where)
+        speculation = Speculation(req.speculation.draft_token_ids, req.speculation.speculative)
+        gen = await Generation.start(self.runtime, request_id(request), prompts, params, trace_headers(request), where,
+                                     speculation=speculation)
         spec = ResponseSpec("native", req.stream, {"id": gen.req_id, "model": self.runtime.model_name},
                             logprobs=params.logprobs is not None)
         return Started(gen, spec, prompts, params)

@@ -23,6 +23,7 @@ from rtxcore.server.http.common import (
 )
 from rtxcore.server.http.protocol import (
     DEFAULT_CHAT_MAX_TOKENS,
+    SpeculationFields,
     make_sampling_params,
     parse_chat,
     parse_completion,
@@ -32,7 +33,7 @@ from rtxcore.server.http.responses import serve_generation
 from rtxcore.server.http.sse import EventStreamResponse
 from rtxcore.server.serving.embedding import embed
 from rtxcore.server.serving.formats import ResponseSpec
-from rtxcore.server.serving.generation import Generation, tokenize
+from rtxcore.server.serving.generation import Generation, Speculation, encode_prediction, tokenize
 from rtxcore.server.serving.lifecycle import Started
 from rtxcore.server.serving.runtime import ServingRuntime
 
@@ -62,7 +63,9 @@ class OpenAIRoutes:
         where = request_route(self.runtime, request, req.routing)
         prompts = await tokenize(inputs, req.prompts)
         params = make_sampling_params(req.params)
-        gen = await Generation.start(self.runtime, request_id(request), prompts, params, trace_headers(request), where)
+        speculation = await _speculation(inputs, req.speculation)
+        gen = await Generation.start(self.runtime, request_id(request), prompts, params, trace_headers(request), where,
+                                     speculation=speculation)
         header = {"id": f"cmpl-{gen.req_id}", "object": "text_completion", "created": int(time.time()),
                   "model": self.runtime.model_name}
         spec = ResponseSpec("completion", req.stream, header, req.include_usage, params.logprobs is not None)
@@ -84,8 +87,9 @@ class OpenAIRoutes:
         params = dict(req.params)
         params["max_tokens"] = req.max_tokens if req.max_tokens is not None else _room_left(inputs, len(prompts[0]))
         sampling = make_sampling_params(params)
+        speculation = await _speculation(inputs, req.speculation)
         gen = await Generation.start(self.runtime, request_id(request), prompts, sampling, trace_headers(request),
-                                     where)
+                                     where, speculation=speculation)
         header = {"id": f"chatcmpl-{gen.req_id}", "object": "chat.completion.chunk" if req.stream else
                   "chat.completion", "created": int(time.time()), "model": self.runtime.model_name}
         spec = ResponseSpec("chat", req.stream, header, req.include_usage, sampling.logprobs is not None)
@@ -120,6 +124,12 @@ class OpenAIRoutes:
         core = self.runtime.engine().core
         return {"id": self.runtime.model_name, "object": "model", "created": self.runtime.started_at,
                 "owned_by": "rtx-serve", "root": core.source.name, "max_model_len": core.max_model_len}
+
+
+async def _speculation(inputs: InputProcessor, fields: SpeculationFields) -> Speculation:
+    """The request's ``prediction`` as draft token ids (encoded even when ``speculative`` is false, so a bad one is
+    refused whatever the flag)."""
+    return Speculation(await encode_prediction(inputs, fields.prediction), fields.speculative)
 
 
 def _room_left(inputs: InputProcessor, num_prompt_tokens: int) -> int:

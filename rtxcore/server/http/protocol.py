@@ -20,6 +20,8 @@ Prompt = str | list[int]
 # Chat's default max_tokens is what is left of the context, but no more than this.
 DEFAULT_CHAT_MAX_TOKENS = 4096
 _SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
+# Every field /generate takes; it refuses any other.
+GENERATE_FIELDS = _SAMPLING_FIELDS | {"prompt", "stream", "lane", "cache_salt", "draft_token_ids", "speculative"}
 
 
 @dataclass(slots=True, frozen=True)
@@ -32,6 +34,18 @@ class RoutingFields:
     cache_salt: str | None = None
 
 
+@dataclass(slots=True, frozen=True)
+class SpeculationFields:
+    """What a request asks of speculative decoding, as its body says it (one of the first two, or neither)."""
+
+    # OpenAI's ``prediction``: the expected output as text (its text parts joined), encoded before submission.
+    prediction: str | None = None
+    # /generate's ``draft_token_ids``: the expected output as token ids (checked against the vocabulary later).
+    draft_token_ids: list[int] | None = None
+    # ``speculative: false`` (an extension): the request never speculates.
+    speculative: bool = True
+
+
 @dataclass(slots=True)
 class CompletionRequest:
     model: str | None
@@ -42,6 +56,7 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     routing: RoutingFields
+    speculation: SpeculationFields
 
 
 @dataclass(slots=True)
@@ -54,6 +69,7 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     routing: RoutingFields
+    speculation: SpeculationFields
 
 
 @dataclass(slots=True)
@@ -72,6 +88,7 @@ class GenerateRequest:
     params: dict[str, Any]
     stream: bool
     routing: RoutingFields
+    speculation: SpeculationFields
 
 
 # -- OpenAI ------------------------------------------------------------------------------------------------------
@@ -93,7 +110,7 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
     params["max_tokens"] = 16 if max_tokens is None else max_tokens
     stream = _bool(body.get("stream", False), "stream")
     return CompletionRequest(_model(body), parse_prompts(body["prompt"], "prompt"), params, stream,
-                             _include_usage(body, stream), parse_routing(body))
+                             _include_usage(body, stream), parse_routing(body), _openai_speculation(body))
 
 
 def parse_chat(body: dict[str, Any]) -> ChatRequest:
@@ -121,7 +138,7 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
             break
     stream = _bool(body.get("stream", False), "stream")
     return ChatRequest(_model(body), [_message(m, i) for i, m in enumerate(messages)], params, max_tokens, stream,
-                       _include_usage(body, stream), parse_routing(body))
+                       _include_usage(body, stream), parse_routing(body), _openai_speculation(body))
 
 
 def parse_embedding(body: dict[str, Any]) -> EmbeddingRequest:
@@ -163,7 +180,7 @@ def parse_prompts(value: Any, param: str) -> list[Prompt]:
 
 
 def parse_generate(body: dict[str, Any]) -> GenerateRequest:
-    unknown = sorted(set(body) - _SAMPLING_FIELDS - {"prompt", "stream", "lane", "cache_salt"})
+    unknown = sorted(set(body) - GENERATE_FIELDS)
     if unknown:
         raise InvalidRequestError(f"unknown field {unknown[0]!r}", param=unknown[0])
     if "prompt" not in body:
@@ -173,7 +190,14 @@ def parse_generate(body: dict[str, Any]) -> GenerateRequest:
         raise InvalidRequestError("prompt must be one string or one list of token ids", param="prompt")
     params = {k: v for k, v in body.items() if k in _SAMPLING_FIELDS}
     _check_lists(params)
-    return GenerateRequest(prompts[0], params, _bool(body.get("stream", True), "stream"), parse_routing(body))
+    draft_token_ids = body.get("draft_token_ids")
+    if draft_token_ids is not None and not (isinstance(draft_token_ids, list) and all(is_int(t) for t in
+                                                                                       draft_token_ids)):
+        raise InvalidRequestError("draft_token_ids must be a list of token ids", param="draft_token_ids")
+    speculation = SpeculationFields(draft_token_ids=draft_token_ids,
+                                    speculative=_bool(body.get("speculative", True), "speculative"))
+    return GenerateRequest(prompts[0], params, _bool(body.get("stream", True), "stream"), parse_routing(body),
+                           speculation)
 
 
 def parse_embed(body: dict[str, Any]) -> list[Prompt]:
@@ -241,6 +265,28 @@ def _check_lists(params: dict[str, Any]) -> None:
     for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
         if name in params:
             _bool(params[name], name)
+
+
+def _openai_speculation(body: dict[str, Any]) -> SpeculationFields:
+    # null is "not given", as for OpenAI's other optional fields.
+    speculative = body.get("speculative")
+    return SpeculationFields(prediction=_prediction(body.get("prediction")),
+                             speculative=True if speculative is None else _bool(speculative, "speculative"))
+
+
+def _prediction(value: Any) -> str | None:
+    """OpenAI's predicted output, ``{"type": "content", "content": text or [{"type": "text", "text": ...}]}``, as
+    its text."""
+    if value is None:
+        return None
+    content = value.get("content") if isinstance(value, dict) and value.get("type") == "content" else None
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text" and
+                                         isinstance(part.get("text"), str) for part in content):
+        return "".join(part["text"] for part in content)
+    raise InvalidRequestError("prediction must be {'type': 'content', 'content': <a string or a list of "
+                              "{'type': 'text', 'text': <a string>} parts>}", param="prediction")
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:

@@ -13,6 +13,7 @@ import itertools
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from rtxcore.engine.input_processor import InputProcessor, Prompt
 from rtxcore.engine.outputs import RequestOutput, TokenLogprob
@@ -26,6 +27,31 @@ from rtxcore.server.serving.tenants import Lease, RateLimited
 from rtxcore.tokenizer import Tokenizer
 
 _submissions = itertools.count()
+
+
+@dataclass(slots=True, frozen=True)
+class Speculation:
+    """What a request asks of speculative decoding: the same for each of its prompts, and journaled with it so a
+    request resumed after a restart keeps it."""
+
+    # The output the caller expects (OpenAI ``prediction``, ``draft_token_ids``), proposed to the engine and
+    # verified: it changes how fast the output comes, never what it is. None: no prediction.
+    draft_token_ids: list[int] | None = None
+    # False: the request never speculates (the per-request opt-out).
+    enabled: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        return {"draft_token_ids": self.draft_token_ids, "speculative": self.enabled}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Speculation:
+        """From :meth:`to_json`'s keys in ``data``; a record written before they existed gives the defaults."""
+        draft_token_ids = data.get("draft_token_ids")
+        return cls(list(draft_token_ids) if draft_token_ids is not None else None,
+                   bool(data.get("speculative", True)))
+
+
+NO_SPECULATION = Speculation()
 
 
 @dataclass(slots=True)
@@ -59,18 +85,31 @@ async def tokenize(inputs: InputProcessor, prompts: Sequence[Prompt], param: str
     return await asyncio.to_thread(inputs.encode_batch, prompts, param)
 
 
+async def encode_prediction(inputs: InputProcessor, text: str | None) -> list[int] | None:
+    """Draft token ids of a predicted output given as text (None or empty: none), encoded off the event loop: a
+    prediction is typically a whole document.
+
+    :raises InvalidRequestError: naming ``prediction``."""
+    if not text:
+        return None
+    return await asyncio.to_thread(inputs.encode_prediction, text)
+
+
 class Generation:
     def __init__(self, runtime: ServingRuntime, req_id: str, prompts: list[list[int]], params: SamplingParams,
                  trace: TraceHeaders, route: Route, lease: Lease, resumed: list[Choice] | None = None,
-                 resumed_token_ids: list[list[int]] | None = None, protocol: str = "http"):
+                 resumed_token_ids: list[list[int]] | None = None, protocol: str = "http",
+                 speculation: Speculation = NO_SPECULATION):
         """:param resumed: the choices as a journal left them (a request resumed after a restart); finished ones
             are not run again, the others go on after ``resumed_token_ids``, their tokens so far.
-        :param protocol: "http" or "grpc", for the requests' traces."""
+        :param protocol: "http" or "grpc", for the requests' traces.
+        :param speculation: applies to every prompt."""
         assert runtime.async_engine is not None
         self.runtime = runtime
         self.req_id = req_id
         self.route = route
         self.trace = trace
+        self.speculation = speculation
         self._lease = lease
         self.choices = resumed or [Choice(i, len(p)) for i, p in enumerate(prompts)]
         outputs_so_far = resumed_token_ids or [[] for _ in prompts]
@@ -92,7 +131,8 @@ class Generation:
 
     @classmethod
     async def start(cls, runtime: ServingRuntime, req_id: str, prompts: list[list[int]], params: SamplingParams,
-                    trace: TraceHeaders, route: Route, protocol: str = "http") -> Generation:
+                    trace: TraceHeaders, route: Route, protocol: str = "http",
+                    speculation: Speculation = NO_SPECULATION) -> Generation:
         """Admit and submit; returns once the engine has accepted every prompt (so errors are still 4xx).
 
         :raises RequestError: RESOURCE_EXHAUSTED when the server, the tenant's limits or the lane are full,
@@ -110,7 +150,7 @@ class Generation:
             runtime.tenants.release(lease, 0)
             metrics.record_rejection("overloaded", lane=route.lane, tenant=route.tenant_name)
             raise overloaded(runtime.settings.max_active_requests)
-        gen = cls(runtime, req_id, prompts, params, trace, route, lease, protocol=protocol)
+        gen = cls(runtime, req_id, prompts, params, trace, route, lease, protocol=protocol, speculation=speculation)
         try:
             await gen._wait_accepted()
         except AdmissionRefused as exc:
@@ -129,7 +169,7 @@ class Generation:
     @classmethod
     async def resume(cls, runtime: ServingRuntime, req_id: str, prompts: list[list[int]], params: SamplingParams,
                      route: Route, choices: list[Choice], token_ids: list[list[int]], trace: TraceHeaders,
-                     protocol: str = "http") -> Generation:
+                     protocol: str = "http", speculation: Speculation = NO_SPECULATION) -> Generation:
         """Go on with a request accepted before a restart. It was admitted then: tenant limits and the server's
         request limit do not refuse it now (it counts towards them, not against them). It is traced under the trace
         it came with.
@@ -140,7 +180,7 @@ class Generation:
         runtime.force_admit(len(prompts))
         # Reserved as a new request would be: the whole of each prompt plus max_tokens (the buckets started anew).
         lease = runtime.tenants.take(route.tenant, len(prompts), sum(len(p) + params.max_tokens for p in prompts))
-        gen = cls(runtime, req_id, prompts, params, trace, route, lease, choices, token_ids, protocol)
+        gen = cls(runtime, req_id, prompts, params, trace, route, lease, choices, token_ids, protocol, speculation)
         try:
             await gen._wait_accepted()
         except BaseException:
@@ -200,10 +240,12 @@ class Generation:
     async def _pump(self, index: int, prompt: list[int], params: SamplingParams, token_ids: list[int]) -> None:
         req_id = self._req_ids[index]
         try:
-            route = self.route
+            route, speculation = self.route, self.speculation
             async for out in self._engine.generate(prompt, params, req_id=req_id, cache_salt=route.cache_salt,
                                                    lane=route.lane, tenant=route.tenant_name,
-                                                   output_token_ids=token_ids):
+                                                   output_token_ids=token_ids,
+                                                   draft_token_ids=speculation.draft_token_ids,
+                                                   speculative=speculation.enabled):
                 self._queue.put_nowait((index, out))
         except asyncio.CancelledError:
             raise  # generate() aborts what it submitted, also when cancelled before the engine took it

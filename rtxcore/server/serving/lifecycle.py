@@ -171,7 +171,7 @@ def accept_record(entry: ServedRequest, started: Started) -> dict[str, Any]:
     return {"t": "accept", "id": entry.req_id, "time": entry.accepted_at, "spec": started.spec.to_json(),
             "gen_id": gen.req_id, "prompts": started.prompts, "params": dataclasses.asdict(started.params),
             "lane": route.lane, "tenant": route.tenant_name, "cache_salt": route.cache_salt, "stream": entry.stream,
-            "trace": dataclasses.asdict(gen.trace),
+            "trace": dataclasses.asdict(gen.trace), **gen.speculation.to_json(),
             "idempotency": dataclasses.asdict(entry.idempotency) if entry.idempotency is not None else None}
 
 

@@ -21,7 +21,7 @@ from rtxcore.server.serving.durable.journal import Journal
 from rtxcore.server.serving.durable.registry import DurableRequests
 from rtxcore.server.serving.durable.replay import JournaledRequest, group_records
 from rtxcore.server.serving.formats import FORMATS, ResponseSpec, event_text, make_format
-from rtxcore.server.serving.generation import Choice, Generation
+from rtxcore.server.serving.generation import Choice, Generation, Speculation
 from rtxcore.server.serving.lifecycle import conclude, produce
 from rtxcore.server.serving.routing import Route
 from rtxcore.server.serving.runtime import ServingRuntime
@@ -87,6 +87,7 @@ async def _resume(runtime: ServingRuntime, durable: DurableRequests, entry: Serv
         prompts: list[list[int]] = accept["prompts"]
         params = SamplingParams(**accept["params"])
         trace = TraceHeaders.from_json(accept.get("trace"))
+        speculation = Speculation.from_json(accept)
         choices = [Choice(i, len(p)) for i, p in enumerate(prompts)]
         token_ids: list[list[int]] = [[] for _ in prompts]
         for output in journaled.outputs:
@@ -102,7 +103,7 @@ async def _resume(runtime: ServingRuntime, durable: DurableRequests, entry: Serv
     while True:
         try:
             gen = await Generation.resume(runtime, accept["gen_id"], prompts, params, route, choices, token_ids, trace,
-                                          "grpc" if spec.kind == "grpc" else "http")
+                                          "grpc" if spec.kind == "grpc" else "http", speculation)
             break
         except AdmissionRefused as exc:  # the scheduler is full for now: it was accepted once, so it waits its turn
             await asyncio.sleep(max(0.05, exc.retry_after_s or 0.0))

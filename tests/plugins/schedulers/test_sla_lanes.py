@@ -85,10 +85,11 @@ class Sim:
         return out
 
 
-def make_sim(max_num_seqs=4, budget=64, num_blocks=64, lanes=None, options=None) -> Sim:
+def make_sim(max_num_seqs=4, budget=64, num_blocks=64, lanes=None, options=None, speculative=False) -> Sim:
     clock = FakeClock()
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                             lanes=lanes or dict(DEFAULT_LANES), options={"merge_window_s": 0.0, **(options or {})})
+                             lanes=lanes or dict(DEFAULT_LANES), options={"merge_window_s": 0.0, **(options or {})},
+                             speculative=speculative)
     return Sim(SLALanesScheduler(config, make_manager(num_blocks, block_size=4), clock=clock), clock)
 
 
@@ -342,8 +343,8 @@ def test_merge_window_is_bounded_by_the_tightest_deadline():
     assert [r.req_id for r in out.scheduled] == ["rt", "std"]
 
 
-def test_brownout_ladder_sheds_caps_and_shrinks():
-    sim = make_sim(max_num_seqs=4, budget=256, num_blocks=400,
+def test_brownout_ladder_sheds_caps_shrinks_and_pauses_speculation():
+    sim = make_sim(max_num_seqs=4, budget=256, num_blocks=400, speculative=True,
                    options={"brownout": {"enter_after_s": 0.0, "interval_s": 0.0, "bulk_max_tokens": 5,
                                          "prefill_chunk": 16}})
     scheduler = sim.scheduler
@@ -355,6 +356,12 @@ def test_brownout_ladder_sheds_caps_and_shrinks():
     assert scheduler.brownout.level == len(STEPS)
     scheduler._update_brownout(sim.clock.now)  # applies the cap to running bulk work
     assert scheduler.status().brownout_steps == STEPS
+    assert not scheduler.allows_speculation()
+    plain = make_sim(options={"brownout": {"enter_after_s": 0.0, "interval_s": 0.0}}).scheduler
+    for _ in range(len(STEPS) + 1):
+        plain.brownout.update(sim.clock.now, 5.0, "test")
+        sim.clock.now += 1.0
+    assert plain.brownout.level == len(STEPS) - 1  # without a proposer there is no speculation to pause
     assert not sim.add("bulk-new", "bulk", 8, 4) and sim.refused[-1].reason == "brownout"
     assert sim.refused[-1].retry_after_s >= 1
     assert sim.add("std-new", "standard", 8, 4)  # standard is left to admission control

@@ -7,6 +7,7 @@ A restart is simulated by what a crash leaves: the journal of a finished run cut
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -356,3 +357,45 @@ def test_an_unfinished_request_with_unreadable_outputs_ends_with_an_error_event(
     with serving(make_runtime(crashed)) as client:
         rest = events(client.get(f"/v1/streams/{req_id}", headers={"Last-Event-ID": "4"}).text)
     assert [i for i, _ in rest] == [5] and "could not be resumed" in rest[0][1]
+
+
+def assisted_counts(runtime: ServingRuntime) -> tuple[int, int]:
+    """(proposed, accepted) tokens of the proposer of caller-supplied tokens, read on the engine thread."""
+
+    def read(core) -> tuple[int, int]:
+        stats = core.speculator.stats["assisted"]
+        return stats.num_proposed_tokens, stats.num_accepted_tokens
+
+    return asyncio.run(runtime.async_engine.run_on_engine(read))
+
+
+@pytest.mark.parametrize("old_record", [False, True])
+def test_a_resumed_request_keeps_its_draft_token_ids(tmp_path, old_record):
+    with serving(make_runtime(tmp_path / "first")) as client:
+        tokens = [t for _, data in events(client.post("/generate", json=STREAM).text)
+                  for t in json.loads(data)["token_ids"]]
+        drafted = client.post("/generate", json={**STREAM, "draft_token_ids": tokens})
+    req_id = drafted.headers["x-rtx-request-id"]
+    (accept,) = [r for r in records(tmp_path / "first") if r["id"] == req_id and r["t"] == "accept"]
+    assert accept["draft_token_ids"] == tokens and accept["speculative"] is True
+
+    sent = events(drafted.text)
+    assert len(sent) < len(tokens)  # tokens came several per event: proposed from the draft and accepted
+
+    def keep(record, index):
+        if old_record and record["t"] == "accept":  # as a journal written before these fields existed
+            record.pop("draft_token_ids")
+            record.pop("speculative")
+        return record["id"] == req_id and record["t"] != "finish" and record.get("seq", 0) <= 2
+
+    runtime = make_runtime(crash_copy(tmp_path / "first", tmp_path / "crashed", keep))
+    with serving(runtime) as client:
+        rest = events(client.get(f"/v1/streams/{req_id}", headers={"Last-Event-ID": "2"}).text)
+        proposed, accepted = assisted_counts(runtime)
+    # The same tokens, in as many events as the resumed engine's steps gave them.
+    assert [t for _, data in sent[:2] + rest for t in json.loads(data)["token_ids"]] == tokens
+    # Resumed with its draft, the rest of the output is proposed from it; resumed from an old record, nothing is.
+    if old_record:
+        assert (proposed, accepted) == (0, 0)
+    else:
+        assert accepted > 0

@@ -27,6 +27,18 @@ def test_openapi_spec_lists_every_route():
     assert documented == served
 
 
+def test_openapi_spec_lists_the_fields_generate_takes():
+    import yaml
+
+    from rtxcore.server.http.protocol import GENERATE_FIELDS
+
+    schemas = yaml.safe_load((REPO / "spec" / "openapi.yaml").read_text())["components"]["schemas"]
+    # /generate refuses any field it does not take: the spec must list exactly those.
+    assert set(schemas["GenerateRequest"]["properties"]) == GENERATE_FIELDS
+    # The OpenAI routes ignore unknown fields, so only the extensions they do read are checked.
+    assert {"prediction", "speculative", "lane", "cache_salt"} <= set(schemas["SamplingOptions"]["properties"])
+
+
 def test_traceparent_and_request_id_parsing():
     from rtxcore.server.http.middleware import (
         TraceContext,

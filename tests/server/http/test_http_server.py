@@ -314,6 +314,9 @@ def test_disconnect_while_waiting_for_a_full_response_aborts(server):
     ("/v1/embeddings", {"input": "hi", "model": "nope"}, 404, "model"),
     ("/generate", {"prompt": "hi", "bogus": 1}, 400, "bogus"),
     ("/generate", {"prompt": "hi", "top_k": -3}, 400, "top_k"),
+    ("/generate", {"prompt": "hi", "draft_token_ids": [10**9]}, 400, "draft_token_ids"),
+    ("/v1/chat/completions", {"messages": CHAT, "prediction": {"type": "content", "content": 1}}, 400, "prediction"),
+    ("/v1/completions", {"prompt": "hi", "speculative": "no"}, 400, "speculative"),
     ("/embed", {"inputs": ""}, 400, "inputs"),
 ])
 def test_bad_input_gets_its_status_and_a_json_error(http, path, body, status, param):

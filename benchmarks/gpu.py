@@ -105,6 +105,27 @@ def _tiers(tree: Tree, out: Path, suffix: str, hf: bool) -> list[Command]:
                                 "--max-num-batched-tokens", "2048", "--json", str(path)), "w4_tiers.log", path)]
 
 
+# The default model's weights on this machine (--model-file): its GGUF, carried over in parts.
+MODEL_FILE: list[str] = []
+
+
+def _spec(tree: Tree, out: Path, suffix: str, hf: bool) -> list[Command]:
+    commands = [Command(tree.pytest("tests/engine/test_speculative.py", "-k", "rejection or garbage or early"),
+                        "spec_tests.log")]
+    if MODEL_FILE:
+        for name, extra in (("w6_default_bf16", []), ("w6_default_fp32", ["--dtype", "float32", "--temperatures",
+                                                                          "0"])):
+            path = out / f"{name}.json"
+            commands.append(Command(tree.script("w6_speculative.py", "--model", MODEL_FILE[0], "--dtype", "bfloat16",
+                                                *extra, "--json", str(path)), f"{name}.log", path))
+        path = out / "early_exit_quality.json"
+        commands.append(Command(tree.script("early_exit_quality.py", "--model", MODEL_FILE[0], "--json", str(path)),
+                                "early_exit_quality.log", path))
+    path = out / "spec_overhead.json"
+    commands.append(Command(tree.script("spec_overhead.py", "--json", str(path)), "spec_overhead.log", path))
+    return commands
+
+
 STEPS: dict[str, Step] = {s.name: s for s in (
     Step("install", "nothing more than the install every call starts with (for commands run by hand afterwards)",
          lambda tree, out, suffix, hf: []),
@@ -125,6 +146,8 @@ STEPS: dict[str, Step] = {s.name: s for s in (
     Step("quant", "quantized kernel tests, then W3 and W1 on llama-8b for bf16, int4, int8, int8-sq and fp8 "
                   "(quant_speed.py, medians of three)", _quant),
     Step("tiers", "the KV tier tests, then W4 with KV tiers on llama-1b (w4_tiers.py)", _tiers),
+    Step("spec", "speculative decoding: its engine tests, W6 on the default model's weights (--model-file), early-"
+                 "exit quality, and a verification step's cost for k = 1..8 on llama-8b with a llama-1b draft", _spec),
 )}
 DEFAULT_STEPS = ["tests", "greedy", "w3", "w1", "cb", "w8b"]
 
@@ -139,6 +162,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "plain folder); each step runs on it and on this tree alternately")
     p.add_argument("--runs", type=int, default=2, help="A/B mode: runs of each step on each tree (default 2)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline of w1, w3 and w8b")
+    p.add_argument("--model-file", default=None, help="the default model's GGUF on this machine (step spec)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or ROOT / "gpu-out"),
                    help="results folder (default: $OUT, else ./gpu-out)")
     args = p.parse_args(argv)
@@ -330,6 +354,8 @@ def run_ab(step: Step, trees: dict[str, Tree], out: Path, runs: int, hf: bool) -
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.model_file:
+        MODEL_FILE[:] = [args.model_file]
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     os.environ["PYTHONUNBUFFERED"] = "1"

@@ -21,21 +21,23 @@ from rtxcore.engine.speculation.config import SpeculativeConfig
 from rtxcore.sampling_params import SamplingParams
 
 
-def run(engine, requests, temperature: float) -> tuple[float, int, float]:
-    """Seconds, output tokens, seconds to the first token of the first request."""
+def run(engine, requests, temperature: float) -> tuple[float, int, float, list[list[int]]]:
+    """Seconds, output tokens, seconds to the first token of the first request, and each request's tokens."""
     params = [SamplingParams(max_tokens=r.output_len, temperature=temperature, ignore_eos=True, seed=i)
               for i, r in enumerate(requests)]
     ids = [engine.add_request(r.prompt_token_ids, p) for r, p in zip(requests, params)]
     start = time.perf_counter()
     produced, first = 0, None
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
     while engine.core.has_unfinished_requests():
         for out in engine.core.step():
             produced += len(out.new_token_ids)
+            tokens[out.req_id] += out.new_token_ids
             if first is None and out.new_token_ids and out.req_id == ids[0]:
                 first = time.perf_counter() - start
     if engine.core.backend.device.type == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - start, produced, first or 0.0
+    return time.perf_counter() - start, produced, first or 0.0, [tokens[i] for i in ids]
 
 
 def main() -> None:
@@ -53,6 +55,7 @@ def main() -> None:
     options = dict(o.split("=", 1) for o in args.option)
     methods: list[str | None] = [None, *args.methods] + (["draft"] if args.draft_model else [])
     rows = []
+    plain_outputs: dict[tuple[str, float], list[list[int]]] = {}
     for method in methods:
         opts = {"draft_model": args.draft_model} if method == "draft" else dict(options) if method else {}
         spec = SpeculativeConfig(method=method, options=opts, num_speculative_tokens=args.num_speculative_tokens)
@@ -65,7 +68,9 @@ def main() -> None:
                 engine.core.kv_cache.reset_prefix_cache()
                 before = {k: (s.num_proposed_tokens, s.num_accepted_tokens, s.num_verifications)
                           for k, s in engine.core.speculator.stats.items()}
-                seconds, tokens, ttft = run(engine, requests, temperature)
+                seconds, tokens, ttft, outputs = run(engine, requests, temperature)
+                if method is None:
+                    plain_outputs[(workload, temperature)] = outputs
                 engine.core.kv_cache.reset_prefix_cache()
                 proposed = accepted = verifications = 0
                 if method:
@@ -76,7 +81,11 @@ def main() -> None:
                 rows.append({"method": method or "plain", "workload": workload, "temperature": temperature,
                              "tokens_per_s": tokens / seconds, "seconds": seconds, "tokens": tokens,
                              "acceptance_rate": accepted / proposed if proposed else None,
-                             "mean_accepted_length": 1 + accepted / verifications if verifications else None})
+                             "mean_accepted_length": 1 + accepted / verifications if verifications else None,
+                             # Greedy output must not change (numerics permitting: a verification computes several
+                             # positions at once, a plain step one).
+                             "same_as_plain": outputs == plain_outputs[(workload, temperature)]
+                             if temperature == 0 else None})
                 print(f"{method or 'plain':11} {workload:5} T={temperature:.1f} {tokens / seconds:9.1f} tok/s",
                       flush=True)
         del engine
@@ -88,12 +97,14 @@ def main() -> None:
         r["vs_plain"] = r["tokens_per_s"] / plain[(r["workload"], r["temperature"])]
     print(f"# python benchmarks/w6_speculative.py {' '.join(__import__('sys').argv[1:])}")
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {machine_description()}")
-    print(f"{'method':11} {'workload':8} {'temp':>4} {'tok/s':>9} {'vs plain':>8} {'accept':>7} {'mean run':>8}")
+    print(f"{'method':11} {'workload':8} {'temp':>4} {'tok/s':>9} {'vs plain':>8} {'accept':>7} {'mean run':>8} "
+          f"{'greedy same':>11}")
     for r in rows:
         rate = f"{r['acceptance_rate']:.0%}" if r["acceptance_rate"] is not None else "-"
         run_len = f"{r['mean_accepted_length']:.2f}" if r["mean_accepted_length"] is not None else "-"
+        same = {None: "-", True: "yes", False: "NO"}[r["same_as_plain"]]
         print(f"{r['method']:11} {r['workload']:8} {r['temperature']:4.1f} {r['tokens_per_s']:9.1f} "
-              f"{r['vs_plain']:7.2f}x {rate:>7} {run_len:>8}")
+              f"{r['vs_plain']:7.2f}x {rate:>7} {run_len:>8} {same:>11}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"machine": machine_description(), "rows": rows}, fh, indent=2)

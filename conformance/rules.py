@@ -46,6 +46,16 @@ RULES: dict[str, str] = {
     "backend.logits_match": "logits match the reference (Hugging Face transformers, same weights) within tolerance",
     "backend.greedy_tokens": "greedy tokens equal the reference's",
     "backend.capabilities": "capabilities() returns BackendCapabilities without building the backend",
+    # proposers
+    "proposer.builds": "cls(context) builds a Proposer from the ProposerContext of a small engine",
+    "proposer.output_shape": "propose() returns a list of one list per request, each of at most num_tokens[i] ints",
+    "proposer.request_unchanged": "propose(), confidences() and finish() leave every request as they found it",
+    "proposer.confidences": "confidences(req) is None or one probability in [0, 1] per token of the request's "
+                            "latest proposal",
+    "proposer.finish": "finish() takes any request, one never proposed for included, and a request can be proposed "
+                       "for again after it",
+    "proposer.greedy_unchanged": "greedy output with the proposer speculating equals greedy output without "
+                                 "speculation",
 }
 
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import datetime
 import json
 import platform
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +25,8 @@ from rtxcore.cli.common import (
     output_file,
     positive_int,
 )
+from rtxcore.cli.speculation import describe_stats, stats_since
+from rtxcore.engine.speculation.speculator import ProposerStats
 from rtxcore.errors import ConfigError
 from rtxcore.transfer import release_device_memory
 
@@ -74,8 +78,15 @@ def run(args: argparse.Namespace) -> int:
                              num_requests=args.num_requests)
     sys.stderr.write(f"workload {workload.name}: {workload.description} ({len(requests)} requests)\n")
     warm_up(engine, requests)
+    method = config.speculative.method
+    # The warm-up speculated too: only the timed run counts.
+    before = copy.deepcopy(engine.core.speculator.stats[method]) if method is not None else ProposerStats()
     results: list[ThroughputResult] = [run_engine(engine, requests)]
     sys.stderr.write(f"{results[0].label}: {results[0].tokens_per_s:.1f} output tok/s\n")
+    speculation = None
+    if method is not None:
+        speculation = SpeculationResult(method, results[0].label,
+                                        stats_since(before, engine.core.speculator.stats[method]))
     # Decoding one stream reads every weight once per token: no step can take less than that read.
     args.weight_bytes = _weight_bytes(engine)
     if args.serve:
@@ -85,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         served = run_served(engine_cli_args(args), requests)
         print(f"# served: {summarize(served)}")
         # The offline engine is the baseline: the ratio is served / offline tokens per second.
-        _report(args, workload.name, [served, results[0]])
+        _report(args, workload.name, [served, results[0]], speculation)
         return 0 if served.errors == 0 else 1
     if args.baseline == "unquantized":
         del engine
@@ -110,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         run_hf_static(model, [BenchRequest(r.prompt_token_ids, min(r.output_len, 16)) for r in requests]
                       if device.type != "cpu" else requests[:1])
         results.append(run_hf_static(model, requests))
-    _report(args, workload.name, results)
+    _report(args, workload.name, results, speculation)
     return 0
 
 
@@ -120,7 +131,25 @@ def _weight_bytes(engine) -> int:
     return measured() if measured else engine.core.model_config.num_params * engine.core.backend.dtype.itemsize
 
 
-def _report(args: argparse.Namespace, workload: str, results: Sequence[ThroughputResult | ServedResult]) -> None:
+@dataclass(frozen=True, slots=True)
+class SpeculationResult:
+    method: str
+    # The timed run it counts (the offline engine's, also with --serve: the server's counters stay in its process).
+    label: str
+    stats: ProposerStats
+
+    def line(self) -> str:
+        return f"{self.label}: {describe_stats(self.method, self.stats)}"
+
+    def to_json(self) -> dict:
+        s = self.stats
+        return {"method": self.method, "label": self.label, "num_proposed_tokens": s.num_proposed_tokens,
+                "num_accepted_tokens": s.num_accepted_tokens, "num_verifications": s.num_verifications,
+                "acceptance_rate": s.acceptance_rate, "mean_accepted_length": s.mean_accepted_length}
+
+
+def _report(args: argparse.Namespace, workload: str, results: Sequence[ThroughputResult | ServedResult],
+            speculation: SpeculationResult | None = None) -> None:
     ours = results[0]
     base = results[1] if len(results) > 1 else None
     lines = [f"{'system':32} {'output tok/s':>12} {'ms/token/stream':>16} {'elapsed s':>10} {'vs baseline':>12}"]
@@ -141,6 +170,8 @@ def _report(args: argparse.Namespace, workload: str, results: Sequence[Throughpu
         floor_ms = 1000 * args.weight_bytes / H200_COPY_BYTES_PER_S
         lines.append(f"weight-read floor {floor_ms:.3f} ms/token ({args.weight_bytes / 1e9:.2f} GB at 4.24 TB/s): "
                      f"the engine runs at {floor_ms / ours.ms_per_token_per_request:.0%} of it")
+    if speculation is not None:
+        lines.append(speculation.line())
     print(f"# {meta['command']}\n# {meta['date']} on {meta['machine']}")
     print("\n".join(lines))
     if args.json_path:
@@ -151,6 +182,7 @@ def _report(args: argparse.Namespace, workload: str, results: Sequence[Throughpu
              **({"ttft_p50_s": r.ttft_percentile(0.5), "ttft_p99_s": r.ttft_percentile(0.99), "errors": r.errors}
                 if isinstance(r, ServedResult) else {})} for r in results],
             "ratio_vs_baseline": ours.tokens_per_s / base.tokens_per_s if base else None,
-            "weight_read_floor_ms": floor_ms}
+            "weight_read_floor_ms": floor_ms,
+            "speculative": speculation.to_json() if speculation is not None else None}
         with open(args.json_path, "w") as fh:
             json.dump(payload, fh, indent=2)

@@ -8,9 +8,14 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rtxcore.cli.progress import Progress
+from rtxcore.cli.speculation import add_speculative_options, speculative_cli_args, speculative_config
 from rtxcore.engine.config import EngineConfig
+
+if TYPE_CHECKING:
+    from rtxcore.server.serve_config import ServeConfigFile
 
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
@@ -50,6 +55,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     t.add_argument("--kv-snapshot-interval", type=finite_float, default=60.0, metavar="SECONDS",
                    help="with --kv-disk-dir, write the prefix cache there this often for warm restarts; 0: only on "
                         "shutdown (default: 60)")
+    add_speculative_options(p)
 
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
@@ -131,10 +137,12 @@ def engine_cli_args(args: argparse.Namespace) -> list[str]:
                         ("--kv-disk-eviction-policy", args.kv_disk_eviction_policy)):
         if value is not None:
             out += [flag, value]
-    return out
+    return out + speculative_cli_args(args)
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
+def engine_config(args: argparse.Namespace, config_file: ServeConfigFile | None = None) -> EngineConfig:
+    """The engine settings of the command line, over those of ``config_file`` (``rtx serve --config``) where it has
+    them."""
     from rtxcore.contracts.scheduler import SchedulerConfig
 
     return EngineConfig(
@@ -147,6 +155,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_host_eviction_policy=args.kv_host_eviction_policy, kv_disk_eviction_policy=args.kv_disk_eviction_policy,
         kv_snapshot_interval_s=args.kv_snapshot_interval,
         scheduling=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs),
+        speculative=speculative_config(args, config_file),
     )
 
 

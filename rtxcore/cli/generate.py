@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from rtxcore.cli.common import add_engine_options, engine_config, finite_float, load_engine
+from rtxcore.cli.speculation import describe_stats
 from rtxcore.sampling_params import SamplingParams
 
 
@@ -37,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
         from rtxcore.errors import InvalidRequestError
 
         raise InvalidRequestError("prompt is empty")
-    engine = load_engine(engine_config(args))
+    config = engine_config(args)
+    engine = load_engine(config)
     prompt = args.prompt
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
@@ -48,4 +50,7 @@ def run(args: argparse.Namespace) -> int:
         if out.finished:
             sys.stdout.write("\n")
             sys.stderr.write(f"[{out.num_output_tokens} tokens, finish reason: {out.finish_reason}]\n")
+    method = config.speculative.method
+    if method is not None:
+        sys.stderr.write(f"[{describe_stats(method, engine.core.speculator.stats[method])}]\n")
     return 0

@@ -34,7 +34,8 @@ def add_parser(sub) -> None:
     g.add_argument("--shutdown-grace", type=finite_float, default=d.shutdown_grace_s,
                    help=f"seconds running requests get to finish on SIGINT/SIGTERM (default: {d.shutdown_grace_s:g})")
     g.add_argument("--config", default=None, metavar="FILE",
-                   help="TOML file with [lanes], [scheduler], [brownout] and [tenants] (docs/serving.md)")
+                   help="TOML file with [lanes], [scheduler], [brownout], [tenants] (docs/serving.md) and "
+                        "[speculative] (docs/plugins.md); flags given override its settings")
     g.add_argument("--signing-public-key", default=d.signing_public_key, metavar="PEM",
                    help="EC public key models are verified against (`rtx sign`); an unsigned model then loads "
                         "with a warning, a wrongly signed one is refused")
@@ -72,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         journal_retention_s=args.journal_retention)
     config_file = load_serve_config(args.config)
     tenants = TenantRegistry.from_config(config_file.tenants)
-    config = engine_config(args)
+    config = engine_config(args, config_file)
     if args.state_dir and config.kv_disk_dir is None and config.enable_prefix_caching:
         # Durable state includes the prefix cache: a restart starts warm from the disk tier's snapshot.
         config.kv_disk_dir = os.path.join(args.state_dir, "kv")

@@ -18,6 +18,7 @@ from rtxcore.engine.core import EngineCore
 from rtxcore.engine.outputs import RequestOutput
 from rtxcore.lanes import DEFAULT_LANE
 from rtxcore.metrics.prometheus import Families
+from rtxcore.metrics.speculation import SpeculationMetrics
 from rtxcore.metrics.timeline import AttributeValue, RequestTimeline
 from rtxcore.request import Request
 
@@ -51,6 +52,7 @@ class EngineMetrics:
         self.timeline = RequestTimeline(model_name)
         self._families = Families(self.registry)
         self._m = self._families.bind(model_name)
+        self._speculation = SpeculationMetrics(self._families, model_name)
         # Requests in the engine, by req_id (engine thread only).
         self._live: dict[str, _LiveRequest] = {}
         # KV-cache counters at the previous step, to turn the manager's totals into counter increments.
@@ -79,6 +81,7 @@ class EngineMetrics:
         self._families.clear()
         self.model_name = self.timeline.model_name = name
         self._m = self._families.bind(name)
+        self._speculation.relabel(name)
 
     def record_rejection(self, reason: str, lane: str | None = None, tenant: str | None = None) -> None:
         """A request the server or scheduler refused (e.g. ``"overloaded"`` for a 429), with its lane and tenant
@@ -228,6 +231,7 @@ class EngineMetrics:
         if evictions:
             m.kv_cache_evictions.inc(evictions)
         self._update_kv_tiers(engine, first=new_engine)
+        self._speculation.update(engine.speculator)
 
     def _update_kv_tiers(self, engine: EngineCore, first: bool) -> None:
         f, model, kv = self._families, self.model_name, engine.kv_cache

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 MODEL_LABEL = "model"
 LANE_LABEL = "lane"
 TENANT_LABEL = "tenant"
+PROPOSER_LABEL = "proposer"
 
 # Seconds, from sub-millisecond GPU decode steps to multi-minute CPU generations.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
@@ -26,6 +27,8 @@ STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.
 MERGE_WAIT_BUCKETS = (0.00001, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                       0.5, 1.0, 2.5, 5.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024)
+# Proposed tokens a verification accepted: one bucket per count up to the most a request may propose (16).
+ACCEPTED_LENGTH_BUCKETS = tuple(float(n) for n in range(17))
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -173,6 +176,19 @@ class Families:
             "rtx_kv_tier_corrupt_blocks", "KV blocks found damaged when read back from a tier, and dropped.", tier)
         self.kv_snapshot_blocks = counter(
             "rtx_kv_snapshot_blocks", "KV blocks written to disk by warm-restart snapshots.")
+
+        proposer = (PROPOSER_LABEL,)
+        self.spec_proposed_tokens = counter(
+            "rtx_spec_proposed_tokens", "Tokens proposed by speculative decoding and verified, per proposer.", proposer)
+        self.spec_accepted_tokens = counter(
+            "rtx_spec_accepted_tokens", "Of the proposed tokens verified, those the model accepted, per proposer.",
+            proposer)
+        self.spec_verifications = counter(
+            "rtx_spec_verifications", "Verifications: a request's proposed tokens checked in one step, per proposer.",
+            proposer)
+        self.spec_accepted_length = histogram(
+            "rtx_spec_accepted_length", "Proposed tokens each verification accepted, per proposer.",
+            ACCEPTED_LENGTH_BUCKETS, proposer)
 
     def bind(self, model: str) -> BoundFamilies:
         return BoundFamilies(

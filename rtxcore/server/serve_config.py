@@ -1,4 +1,5 @@
-"""The serving config file (``rtx serve --config FILE``, TOML): lanes, scheduler options, brownout and tenants.
+"""The serving config file (``rtx serve --config FILE``, TOML): lanes, scheduler options, brownout, tenants and
+speculative decoding.
 
     [lanes.realtime]            # any field of rtxcore.lanes.LaneSpec; unnamed lanes keep their defaults
     ttft_target_s = 0.5
@@ -13,6 +14,16 @@
     key_env = "ACME_KEY"
     lanes = ["standard", "bulk"]
     requests_per_second = 5
+
+    [speculative]               # see SpeculativeConfig; flags (--speculative, ...) override these
+    method = "ngram"
+    num_speculative_tokens = 4
+    adaptive = true
+    min_acceptance = 0.1
+    disable_batch_size = 32     # false: no limit
+
+    [speculative.options]       # the proposer's own settings (--speculative-option KEY=VALUE)
+    prompt_lookup_max = 3
 """
 
 from __future__ import annotations
@@ -22,10 +33,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rtxcore.engine.speculation.config import SpeculativeConfig
 from rtxcore.errors import ConfigError
 from rtxcore.lanes import DEFAULT_LANES, LaneSpec, parse_lanes
 
-_SECTIONS = ("lanes", "scheduler", "brownout", "tenants")
+_SECTIONS = ("lanes", "scheduler", "brownout", "tenants", "speculative")
+# [speculative] settings (SpeculativeConfig's fields): the types TOML may give each, and those in words.
+_SPECULATIVE_SETTINGS: dict[str, tuple[tuple[type, ...], str]] = {
+    "method": ((str,), "a proposer name (a string)"),
+    "num_speculative_tokens": ((int,), "an integer"),
+    "adaptive": ((bool,), "true or false"),
+    "min_acceptance": ((int, float), "a number"),
+    "disable_batch_size": ((int,), "an integer or false"),
+    "options": ((dict,), "a table ([speculative.options])"),
+}
 
 
 @dataclass(slots=True)
@@ -35,6 +56,10 @@ class ServeConfigFile:
     scheduler_options: dict[str, Any] = field(default_factory=dict)
     # The [tenants] tables, read by TenantRegistry.from_config.
     tenants: dict[str, Any] = field(default_factory=dict)
+    # The [speculative] table; None without one. Command-line flags override it (rtxcore.cli.speculation).
+    speculative: SpeculativeConfig | None = None
+    # The file these settings came from, for messages; None without one.
+    path: str | None = None
 
 
 def load_serve_config(path: str | Path | None) -> ServeConfigFile:
@@ -56,4 +81,27 @@ def load_serve_config(path: str | Path | None) -> ServeConfigFile:
     options = dict(data.get("scheduler", {}))
     if "brownout" in data:
         options["brownout"] = data["brownout"]
-    return ServeConfigFile(parse_lanes(data.get("lanes")), options, data.get("tenants", {}))
+    speculative = _parse_speculative(data["speculative"], path) if "speculative" in data else None
+    return ServeConfigFile(parse_lanes(data.get("lanes")), options, data.get("tenants", {}), speculative, str(path))
+
+
+def _parse_speculative(table: dict[str, Any], path: str | Path) -> SpeculativeConfig:
+    unknown = set(table) - set(_SPECULATIVE_SETTINGS)
+    if unknown:
+        raise ConfigError(f"unknown setting {sorted(unknown)[0]!r} in [speculative] of {path} "
+                          f"(settings: {', '.join(_SPECULATIVE_SETTINGS)})")
+    settings = dict(table)
+    # TOML has no null: false turns the batch-size limit off.
+    if settings.get("disable_batch_size") is False:
+        settings["disable_batch_size"] = None
+    for name, value in settings.items():
+        types, expected = _SPECULATIVE_SETTINGS[name]
+        if value is None:
+            continue
+        # bool is an int to Python, never to a reader of the file.
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            raise ConfigError(f"[speculative] {name} in {path} must be {expected}, got {value!r}")
+    try:
+        return SpeculativeConfig(**settings)
+    except ConfigError as exc:
+        raise ConfigError(f"[speculative] in {path}: {exc}") from None

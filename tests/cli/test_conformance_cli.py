@@ -13,7 +13,8 @@ import pytest
 from tests.helpers.cli import assert_one_line_error, rtx
 
 BUILTINS = {("scheduler", "fcfs"), ("eviction_policy", "lru"), ("eviction_policy", "lfu"), ("sampler", "default"),
-            ("backend", "torch"), ("backend", "onnxruntime")}
+            ("backend", "torch"), ("backend", "onnxruntime"), ("proposer", "ngram"), ("proposer", "layer-skip"),
+            ("proposer", "draft"), ("proposer", "assisted")}
 EXAMPLE = {("eviction_policy", "2q"), ("sampler", "typical")}
 
 
@@ -66,6 +67,14 @@ def test_gates_show_figures_and_junit_parses(tmp_path):
     properties = {p.get("name"): p.get("value") for c in gate_cases for p in c.iter("property")}
     assert float(properties["hit_rate"]) >= 0.85 and float(properties["p99_itl_ms"]) > 0
     assert len(list(root.iter("failure"))) == len(failed)
+
+
+def test_builtin_proposers_pass_by_name():
+    proc = rtx("plugins", "test", "ngram", "layer-skip")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {line.split()[0]: line for line in proc.stdout.splitlines()[1:] if line.strip()}
+    assert rows.keys() == {"ngram", "layer-skip"}
+    assert all("proposer" in row and "pass (4/4)" in row for row in rows.values()), proc.stdout
 
 
 @pytest.mark.parametrize("args, fragment", [

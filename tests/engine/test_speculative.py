@@ -5,6 +5,7 @@ keep working with it on."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from rtxcore.contracts.proposer import Proposer
 from rtxcore.engine.speculation.config import SpeculativeConfig
+from rtxcore.errors import InvalidRequestError
 from rtxcore.hookspecs import hookimpl
 from rtxcore.registry import load_plugins
 from rtxcore.sampling_params import SamplingParams
@@ -25,6 +27,11 @@ PASSAGE = (
     "the sea in the notebook, as his father had done for forty years before him."
 )
 REPEAT = f"Copy the following text exactly.\n\nText: {PASSAGE}\n\nCopy: "
+
+
+# Exact comparisons run in float32: in bfloat16 a verification (several positions in one pass) and a plain step (one)
+# may round a near-tie differently on an accelerator.
+EXACT = {"dtype": "float32"}
 
 
 def _params(**kwargs) -> SamplingParams:
@@ -132,9 +139,9 @@ def _tiny_batch():
 def test_garbage_proposals_cost_no_correctness():
     registry = load_plugins(extra=[("garbage", GarbagePlugin())])
     prompts, params = _tiny_batch()
-    expected = _run(make_engine(registry=registry), prompts, params)
+    expected = _run(make_engine(registry=registry, **EXACT), prompts, params)
     llm = make_engine(registry=registry, speculative=SpeculativeConfig(method="garbage", adaptive=False,
-                                                                        min_acceptance=0.0))
+                                                                        min_acceptance=0.0), **EXACT)
     assert _run(llm, prompts, params) == expected
     assert llm.core.speculator.stats["garbage"].num_verifications > 0
 
@@ -149,11 +156,11 @@ def test_speculation_keeps_engine_features_working(setting):
     prompts, params = _tiny_batch()
     prompts = prompts + prompts  # the second half hits the prefix cache
     params = params + params
-    expected = _run(make_engine(**setting), prompts, params)
+    expected = _run(make_engine(**setting, **EXACT), prompts, params)
     # The tiny random model accepts little of prompt lookup: the plain outputs as predictions make sure runs of
     # accepted tokens (and their KV) are exercised alongside rejections.
     for method in ("ngram", None):
-        llm = make_engine(speculative=SpeculativeConfig(method=method), **setting)
+        llm = make_engine(speculative=SpeculativeConfig(method=method), **setting, **EXACT)
         kwargs = {i: {"draft_token_ids": out} for i, (out, _) in enumerate(expected) if method is None and i % 2}
         assert _run(llm, prompts, params, kwargs) == expected
         core = llm.core
@@ -198,7 +205,8 @@ def _top_distribution(llm, prompt, params) -> dict[int, float]:
     """The target's distribution of the next token under ``params`` (temperature 1, top-k): its top-k raw
     logprobs, renormalized."""
     rid = llm.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, logprobs=params.top_k))
-    out = next(o for o in llm.core.step() if o.req_id == rid)
+    # With overlapped steps (an accelerator) a step's outputs come back with the next one.
+    out = next(o for _ in range(3) for o in llm.core.step() if o.req_id == rid)
     alternatives = out.logprobs[0].top[:params.top_k]
     total = sum(math.exp(lp) for _, lp in alternatives)
     return {token: math.exp(lp) / total for token, lp in alternatives}
@@ -214,3 +222,29 @@ def _chi_square_ok(samples: list[int], expected: dict[int, float]) -> None:
     counts = {t: samples.count(t) for t in expected}
     statistic = sum((counts[t] - n * p) ** 2 / (n * p) for t, p in expected.items())
     assert statistic < _CHI2_CRITICAL_0_001[len(expected) - 1], (statistic, counts, expected)
+
+
+def test_early_exit_emits_confident_drafted_tokens_and_is_refused_where_it_cannot_run():
+    prompts, params = _tiny_batch()
+    spec = SpeculativeConfig(method="layer-skip", options={"exit_layer": 1}, adaptive=False, min_acceptance=0.0)
+    llm = make_engine(speculative=spec, **EXACT)
+    expected = _run(make_engine(**EXACT), prompts, params)
+    # A threshold no draft reaches keeps the full model's tokens.
+    strict = [replace(p, early_exit_threshold=1.0) for p in params]
+    assert _run(llm, prompts, strict) == expected
+    assert llm.core.speculator.num_early_exits == 0
+    # One every draft reaches: each drafted token stands, so every run is accepted in full.
+    stats = llm.core.speculator.stats["layer-skip"]
+    proposed, accepted = stats.num_proposed_tokens, stats.num_accepted_tokens
+    loose = [replace(p, early_exit_threshold=1e-9) for p in params]
+    outs = _run(llm, prompts, loose)
+    assert [len(tokens) for tokens, _ in outs] == [p.max_tokens for p in params]
+    assert stats.num_accepted_tokens - accepted == stats.num_proposed_tokens - proposed > 0
+    assert llm.core.speculator.num_early_exits > 0 and outs != expected
+    llm.core.kv_cache.check_invariants()
+    with pytest.raises(InvalidRequestError, match="logprobs"):
+        llm.add_request(prompts[0], replace(params[0], early_exit_threshold=0.5, logprobs=1))
+    with pytest.raises(InvalidRequestError, match="layer-skip") as err:
+        make_engine().add_request(prompts[0], replace(params[0], early_exit_threshold=0.5))
+    assert err.value.param == "early_exit_threshold"
+    assert stats.num_verifications > 0

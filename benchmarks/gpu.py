@@ -110,14 +110,18 @@ MODEL_FILE: list[str] = []
 
 
 def _spec(tree: Tree, out: Path, suffix: str, hf: bool) -> list[Command]:
-    commands = [Command(tree.pytest("tests/engine/test_speculative.py", "-k", "rejection or garbage or early"),
-                        "spec_tests.log")]
+    # The tests that need no default model, but preemption's only: each engine captures its graphs.
+    tests = tree.pytest("tests/engine/test_speculative.py", "-k", "rejection or garbage or early or setting0")
+    commands = [Command(tests, "spec_tests.log")]
     if MODEL_FILE:
         for name, extra in (("w6_default_bf16", []), ("w6_default_fp32", ["--dtype", "float32", "--temperatures",
                                                                           "0"])):
             path = out / f"{name}.json"
             commands.append(Command(tree.script("w6_speculative.py", "--model", MODEL_FILE[0], "--dtype", "bfloat16",
                                                 *extra, "--json", str(path)), f"{name}.log", path))
+        for workload in ("W6", "W6x8"):
+            commands += _bench(f"{workload}_ngram", workload, ["--model", MODEL_FILE[0], "--speculative", "ngram"],
+                               "plain")(tree, out, suffix, hf)
         path = out / "early_exit_quality.json"
         commands.append(Command(tree.script("early_exit_quality.py", "--model", MODEL_FILE[0], "--json", str(path)),
                                 "early_exit_quality.log", path))

@@ -64,7 +64,8 @@ def main() -> None:
         for workload in args.workloads:
             requests = make_requests(workload, engine.core.model_config.vocab_size, tokenizer=tokenizer)
             for temperature in args.temperatures:
-                run(engine, requests[:1], temperature)  # warm-up (and kernels compiled for these shapes)
+                # Warm-up: on an accelerator the workload itself, so kernels are compiled for its shapes.
+                run(engine, requests if engine.core.backend.device.type != "cpu" else requests[:1], temperature)
                 engine.core.kv_cache.reset_prefix_cache()
                 before = {k: (s.num_proposed_tokens, s.num_accepted_tokens, s.num_verifications)
                           for k, s in engine.core.speculator.stats.items()}

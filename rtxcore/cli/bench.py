@@ -26,6 +26,7 @@ from rtxcore.cli.common import (
     positive_int,
 )
 from rtxcore.cli.speculation import describe_stats, stats_since
+from rtxcore.engine.speculation.config import SpeculativeConfig
 from rtxcore.engine.speculation.speculator import ProposerStats
 from rtxcore.errors import ConfigError
 from rtxcore.transfer import release_device_memory
@@ -39,9 +40,10 @@ def add_parser(sub) -> None:
     p.add_argument("--workload", default="cpu", choices=sorted(WORKLOADS), help="workload name (default: cpu)")
     p.add_argument("--num-requests", type=positive_int, default=None, help="override the workload's request count")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and lengths")
-    p.add_argument("--baseline", choices=["none", "hf", "static", "unquantized"], default="none",
+    p.add_argument("--baseline", choices=["none", "hf", "static", "unquantized", "plain"], default="none",
                    help="hf: HF transformers eager generate with static batching; static: this engine with static "
-                        "batching; unquantized: this engine on the same weights without --quantization")
+                        "batching; unquantized: this engine on the same weights without --quantization; plain: "
+                        "this engine without --speculative")
     p.add_argument("--serve", action="store_true",
                    help="also serve the same requests through `rtx serve` to concurrent streaming clients and "
                         "compare served with offline tokens/s (reports TTFT p50/p99)")
@@ -73,9 +75,11 @@ def run(args: argparse.Namespace) -> int:
     config = engine_config(args)
     if args.baseline == "unquantized" and not config.quantization:
         raise ConfigError("--baseline unquantized compares against --quantization METHOD: give one")
+    if args.baseline == "plain" and not config.speculative.method:
+        raise ConfigError("--baseline plain compares against --speculative METHOD: give one")
     engine = load_engine(config)
     requests = make_requests(workload, engine.core.model_config.vocab_size, seed=args.seed,
-                             num_requests=args.num_requests)
+                             num_requests=args.num_requests, tokenizer=engine.core.tokenizer)
     sys.stderr.write(f"workload {workload.name}: {workload.description} ({len(requests)} requests)\n")
     warm_up(engine, requests)
     method = config.speculative.method
@@ -105,6 +109,13 @@ def run(args: argparse.Namespace) -> int:
         warm_up(baseline, requests)
         results.append(run_engine(baseline, requests, label=f"rtx engine ({baseline.core.backend.dtype}, unquantized)"))
         results[0].label = f"rtx engine ({config.quantization})"
+    elif args.baseline == "plain":
+        del engine
+        release_device_memory()
+        baseline = load_engine(dataclasses.replace(config, speculative=SpeculativeConfig()))
+        warm_up(baseline, requests)
+        results.append(run_engine(baseline, requests, label="rtx engine (plain decoding)"))
+        results[0].label = f"rtx engine ({method})"
     elif args.baseline == "static":
         engine.core.kv_cache.reset_prefix_cache()
         results.append(run_engine(engine, requests, label="rtx engine (static batching)", static_batching=True))

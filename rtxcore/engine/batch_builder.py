@@ -45,6 +45,10 @@ def build_step(sched: SchedulerOutput, block_table_of: Callable[[list[str]], np.
     # Decodes first, shortest context first: backends attend over them in batches of similar length. Here and in
     # the loop below num_tokens is written out: a property call costs as much as the rest of the work on a request.
     scheduled, counts = sched.scheduled, sched.num_scheduled_tokens
+    offsets: list[int] | None = None
+    if any(req.spec_token_ids for req in scheduled):
+        scheduled, counts, offsets = _split_verifications(scheduled, counts)
+    # Sorted stably: the rows of a split verification share their key and stay together, in order.
     keys = [len(req.all_token_ids) + req.num_pending_tokens if n == 1 else _PREFILL
             for req, n in zip(scheduled, counts)]
     order = sorted(range(len(scheduled)), key=keys.__getitem__)
@@ -53,6 +57,9 @@ def build_step(sched: SchedulerOutput, block_table_of: Callable[[list[str]], np.
 
     # The only per-request Python: token ids, starts and which rows sample. Per-token work is numpy's.
     starts = [req.num_computed_tokens for req in reqs]
+    if offsets is not None:
+        offsets = [offsets[i] for i in order]
+        starts = [start + max(offset, 0) for start, offset in zip(starts, offsets)]
     input_ids: list[int] = []
     sampling_rows: list[int] = []
     pending_rows: list[int] = []
@@ -64,6 +71,13 @@ def build_step(sched: SchedulerOutput, block_table_of: Callable[[list[str]], np.
         token_ids = req.all_token_ids
         num_known = len(token_ids)
         end = start + n
+        if offsets is not None and offsets[row] >= 0:
+            # One row of a verification split into single-token rows; the request's last row samples them all.
+            input_ids.append(token_ids[start] if start < num_known else req.spec_token_ids[start - num_known])
+            if row + 1 == len(reqs) or reqs[row + 1] is not req:
+                sampling_rows.append(row)
+                rows_of.append(offsets[row] + 1)
+            continue
         if req.spec_token_ids and end > num_known:
             # Proposed tokens to verify (no token is pending then: speculation runs the serial step): every
             # position from the last known token on gives a logits row.
@@ -92,7 +106,10 @@ def build_step(sched: SchedulerOutput, block_table_of: Callable[[list[str]], np.
     if num_decodes == num_reqs:  # decodes only, the usual step: one token per request, at its start
         token_rows = np.arange(num_reqs)
         positions = np.array(starts, dtype=np.int64)
-        logits_indices = np.array(sampling_rows, dtype=np.int64)
+        if offsets is None:
+            logits_indices = np.array(sampling_rows, dtype=np.int64)
+        else:  # split verifications: every row of one samples
+            logits_indices = np.concatenate([np.arange(row + 1 - m, row + 1) for row, m in zip(sampling_rows, rows_of)])
     else:
         token_rows = np.repeat(np.arange(num_reqs), counts)
         positions = np.arange(num_tokens) + np.repeat(np.subtract(starts, query_start_loc[:-1]), counts)
@@ -128,6 +145,29 @@ def build_step(sched: SchedulerOutput, block_table_of: Callable[[list[str]], np.
         return StepPlan(batch, reqs, counts, sampling_reqs, sampling, pending_rows, pending_src)
     return StepPlan(batch, reqs, counts, sampling_reqs, _verification_batch(sampling_reqs, rows_of, generators),
                     pending_rows, pending_src, rows_of)
+
+
+def _split_verifications(scheduled: list[Request], counts: list[int]
+                         ) -> tuple[list[Request], list[int], list[int]]:
+    """Each request that only verifies (its last known token and the proposed ones, nothing of its prompt) becomes
+    one single-token row per position, every row with the request's block table and its own context length: a
+    verification is then a batch of decodes, which backends run from their decode paths (CUDA graphs, the CPU
+    decode kernel) instead of as a prefill. Each row sees the earlier rows' K/V, as a forward pass writes every new
+    token's K/V of a layer before that layer attends. Returns the rows, their token counts and each split row's
+    offset from its request's first computed token (-1 for a row left whole)."""
+    reqs: list[Request] = []
+    out_counts: list[int] = []
+    offsets: list[int] = []
+    for req, n in zip(scheduled, counts):
+        if n > 1 and req.spec_token_ids and req.num_computed_tokens == len(req.all_token_ids) - 1:
+            reqs += [req] * n
+            out_counts += [1] * n
+            offsets += range(n)
+        else:
+            reqs.append(req)
+            out_counts.append(n)
+            offsets.append(-1)
+    return reqs, out_counts, offsets
 
 
 def _verification_batch(reqs: list[Request], rows_of: list[int],

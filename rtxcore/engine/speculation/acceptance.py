@@ -43,7 +43,8 @@ class AcceptanceTracker:
             return 0
         return state.k
 
-    def record(self, req_id: str, num_proposed: int, num_accepted: int) -> None:
+    def record(self, req_id: str, num_proposed: int, num_accepted: int) -> bool:
+        """Count one verification; returns True when it stops the request's speculation for a pause."""
         state = self._states.get(req_id)
         if state is None:
             state = self._states[req_id] = _State(self.max_k)
@@ -55,6 +56,8 @@ class AcceptanceTracker:
             state.paused_for, state.next_pause = state.next_pause, 2 * state.next_pause
             state.rate, state.num_verifications = 1.0, 0
             state.k = 1 if self.adaptive else self.max_k  # probe again from one token
+            return True
+        return False
 
     def forget(self, req_id: str) -> None:
         self._states.pop(req_id, None)

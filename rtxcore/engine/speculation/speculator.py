@@ -203,7 +203,9 @@ class Speculator:
         stats.num_accepted_tokens += num_accepted
         stats.num_verifications += 1
         stats.accepted_runs[min(num_accepted, MAX_RUN)] += 1
-        self.tracker.record(req.req_id, num_proposed, num_accepted)
+        if self.tracker.record(req.req_id, num_proposed, num_accepted):
+            # Plain decoding for a while: what the proposer keeps for the request (a draft's cache) is freed now.
+            self.proposers[name].finish(req)
 
 
 def _apply_runs(reqs: list[Request], runs: list[list[int]], sampled: SamplerOutput,

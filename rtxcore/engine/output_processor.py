@@ -37,7 +37,17 @@ class OutputProcessor:
     def process(self, reqs: list[Request], out: SamplerOutput) -> list[RequestOutput]:
         """:param reqs: the requests that sampled, in logits-row order (the step's only host sync happens here)."""
         token_ids = out.token_ids.tolist()
-        logprobs = self._logprobs(reqs, token_ids, out) if out.logprobs is not None else None
+        return self.apply(reqs, token_ids, self.row_logprobs(reqs, token_ids, out))
+
+    def row_logprobs(self, reqs: list[Request], token_ids: list[int], out: SamplerOutput
+                     ) -> list[list[TokenLogprob] | None] | None:
+        """Each row's logprobs as its request asked for them (``reqs``: the request of each row), or None when no
+        row asked."""
+        return self._logprobs(reqs, token_ids, out) if out.logprobs is not None else None
+
+    def apply(self, reqs: list[Request], token_ids: list[int],
+              logprobs: list[list[TokenLogprob] | None] | None) -> list[RequestOutput]:
+        """Append one token to each request (host values), check its stop conditions and build its output."""
         now = time.monotonic()
         eos_token_ids, max_model_len, detokenizers = self.eos_token_ids, self.max_model_len, self._detokenizers
         outputs = []
@@ -51,7 +61,8 @@ class OutputProcessor:
             p = req.params
             detok = detokenizers.get(req.req_id) if detokenizers else None
             text = ""
-            status = stop_reason = None
+            status: RequestStatus | None = None
+            stop_reason: str | int | None = None
             if token in p.stop_token_ids:
                 status, stop_reason = RequestStatus.FINISHED_STOPPED, token
             elif not p.ignore_eos and token in eos_token_ids:

@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-
-import torch
+from dataclasses import dataclass, field
 
 from rtxcore.contracts.proposer import Proposer
 from rtxcore.contracts.sampler import SamplerOutput
-from rtxcore.engine.in_flight import select_rows
 from rtxcore.engine.output_processor import OutputProcessor
-from rtxcore.engine.outputs import RequestOutput
+from rtxcore.engine.outputs import RequestOutput, TokenLogprob
 from rtxcore.engine.speculation.acceptance import AcceptanceTracker
 from rtxcore.engine.speculation.config import SpeculativeConfig
 from rtxcore.kv.manager import KVCacheManager
@@ -72,9 +69,8 @@ class Speculator:
         self._proposed_by: dict[str, str] = {}
         # Running requests that bring their own tokens: with none and no method, nothing speculates.
         self.num_assisted = 0
-        # Tokens emitted by early exit since start-up (and in the step being verified).
+        # Tokens emitted by early exit since start-up.
         self.num_early_exits = 0
-        self._num_overridden = 0
 
     @property
     def active(self) -> bool:
@@ -167,10 +163,9 @@ class Speculator:
                 self._record(req, len(proposed), accepted)
             req.spec_token_ids = []
             row += m
-        if self._num_overridden:
-            sampled = replace(sampled, token_ids=torch.tensor(token_ids, dtype=sampled.token_ids.dtype))
-            self._num_overridden = 0
-        return _apply_runs(reqs, runs, sampled, output_processor)
+        row_reqs = [req for req, m in zip(reqs, num_rows) for _ in range(m)]
+        logprobs = output_processor.row_logprobs(row_reqs, token_ids, sampled)
+        return _apply_runs(reqs, runs, token_ids, logprobs, output_processor)
 
     def _exited_early(self, req: Request, proposed: list[int], accepted: int) -> int:
         """How many proposed tokens after the ``accepted`` ones stand by early exit: those the draft was at least
@@ -185,7 +180,6 @@ class Speculator:
         n = 0
         while accepted + n < min(len(proposed), len(confidences)) and confidences[accepted + n] >= threshold:
             n += 1
-        self._num_overridden += n
         self.num_early_exits += n
         return n
 
@@ -208,18 +202,18 @@ class Speculator:
             self.proposers[name].finish(req)
 
 
-def _apply_runs(reqs: list[Request], runs: list[list[int]], sampled: SamplerOutput,
+def _apply_runs(reqs: list[Request], runs: list[list[int]], token_ids: list[int],
+                logprobs: list[list[TokenLogprob] | None] | None,
                 output_processor: OutputProcessor) -> list[RequestOutput]:
     """Feed each request its run of tokens one position at a time (a request that stops inside its run drops the
-    rest), then merge each request's outputs into one."""
-    host = SamplerOutput(sampled.token_ids.cpu(), *(t.cpu() if t is not None else None for t in
-                                                    (sampled.logprobs, sampled.top_token_ids, sampled.top_logprobs)))
+    rest), then merge each request's outputs into one. Host lists only: this runs once per position of a run."""
     merged: dict[str, list[RequestOutput]] = {}
     live = list(range(len(reqs)))
     position = 0
     while live:
         rows = [runs[i][position] for i in live]
-        outs = output_processor.process([reqs[i] for i in live], select_rows(host, rows))
+        outs = output_processor.apply([reqs[i] for i in live], [token_ids[row] for row in rows],
+                                      [logprobs[row] for row in rows] if logprobs is not None else None)
         for out in outs:
             merged.setdefault(out.req_id, []).append(out)
         live = [i for i, out in zip(live, outs) if not out.finished and position + 1 < len(runs[i])]

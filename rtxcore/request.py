@@ -60,6 +60,10 @@ class Request:
     draft_token_ids: list[int] | None = None
     # False: this request never speculates (a per-request opt-out).
     speculative: bool = True
+    # Of the caller's tokens proposed so far: those the model accepted and those it refused (OpenAI's usage
+    # accepted_prediction_tokens and rejected_prediction_tokens).
+    num_accepted_draft_tokens: int = 0
+    num_rejected_draft_tokens: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -128,4 +128,6 @@ class OutputProcessor:
             num_output_tokens=req.num_output_tokens,
             num_cached_tokens=req.num_cached_tokens,
             timings=timings,
+            num_accepted_prediction_tokens=req.num_accepted_draft_tokens,
+            num_rejected_prediction_tokens=req.num_rejected_draft_tokens,
         )

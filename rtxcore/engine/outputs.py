@@ -48,6 +48,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # Set on the final output only (``finished``).
     timings: RequestTimings | None = None
+    # Final output only: the caller's predicted tokens the model accepted and refused (speculative decoding).
+    num_accepted_prediction_tokens: int = 0
+    num_rejected_prediction_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -280,6 +280,19 @@ def test_a_prediction_of_the_answer_is_accepted_and_changes_nothing(model_runtim
 
 
 @pytest.mark.model
+def test_usage_counts_the_prediction_tokens_accepted_and_refused(model_runtime, client, greedy_answer):
+    right = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=32, temperature=0,
+                                           prediction={"type": "content", "content": greedy_answer})
+    details = right.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 0 and details.rejected_prediction_tokens <= 1
+    wrong = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=32, temperature=0,
+                                           prediction={"type": "content", "content": "Nothing like the answer."})
+    assert wrong.usage.completion_tokens_details.rejected_prediction_tokens > 0
+    plain = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=32, temperature=0)
+    assert plain.usage.completion_tokens_details is None
+
+
+@pytest.mark.model
 def test_a_wrong_prediction_changes_nothing(model_runtime, client, greedy_answer):
     wrong = "def subtract(x, y):\n    return x - y\n\nThis function subtracts one number from another."
     before = assisted_counts(model_runtime)

@@ -192,6 +192,9 @@ class Speculator:
         name = self._proposed_by.get(req.req_id) or self._proposer_name(req)
         if name is None:
             return
+        if name == ASSISTED:
+            req.num_accepted_draft_tokens += num_accepted
+            req.num_rejected_draft_tokens += num_proposed - num_accepted
         stats = self.stats[name]
         stats.num_proposed_tokens += num_proposed
         stats.num_accepted_tokens += num_accepted
@@ -231,4 +234,5 @@ def _merge(parts: list[RequestOutput]) -> RequestOutput:
     return RequestOutput(last.req_id, [t for part in parts for t in part.new_token_ids],
                          "".join(part.new_text for part in parts), last.finished, last.finish_reason,
                          last.stop_reason, logprobs, last.num_prompt_tokens, last.num_output_tokens,
-                         last.num_cached_tokens, last.timings)
+                         last.num_cached_tokens, last.timings, last.num_accepted_prediction_tokens,
+                         last.num_rejected_prediction_tokens)

@@ -66,6 +66,9 @@ class Choice:
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Of the caller's prediction: tokens the model accepted and refused (known once finished).
+    num_accepted_prediction_tokens: int = 0
+    num_rejected_prediction_tokens: int = 0
 
     def add(self, out: RequestOutput) -> None:
         # A request resumed after a restart prefills its earlier output too: only the prompt's part counts here.
@@ -76,6 +79,8 @@ class Choice:
             self.logprobs.extend(out.logprobs)
         if out.finished:
             self.finish_reason = out.finish_reason
+            self.num_accepted_prediction_tokens = out.num_accepted_prediction_tokens
+            self.num_rejected_prediction_tokens = out.num_rejected_prediction_tokens
 
 
 async def tokenize(inputs: InputProcessor, prompts: Sequence[Prompt], param: str = "prompt") -> list[list[int]]:
@@ -200,8 +205,15 @@ class Generation:
         prompt = sum(c.num_prompt_tokens for c in self.choices)
         completion = sum(c.num_tokens for c in self.choices)
         cached = sum(c.num_cached_tokens for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        usage: dict[str, object] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                                    "total_tokens": prompt + completion,
+                                    "prompt_tokens_details": {"cached_tokens": cached}}
+        if self.speculation.draft_token_ids:
+            # OpenAI's Predicted Outputs fields: how much of the prediction the model kept and refused.
+            usage["completion_tokens_details"] = {
+                "accepted_prediction_tokens": sum(c.num_accepted_prediction_tokens for c in self.choices),
+                "rejected_prediction_tokens": sum(c.num_rejected_prediction_tokens for c in self.choices)}
+        return usage
 
     def timeout_error(self) -> RequestError:
         self.runtime.metrics.record_timeout()

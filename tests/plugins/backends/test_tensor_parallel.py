@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import random
 
 import pytest
@@ -57,3 +58,25 @@ def test_size_that_does_not_divide_the_heads_is_refused():
 def test_size_below_one_is_refused():
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
         make_engine(tensor_parallel_size=0)
+
+
+def test_a_dead_worker_makes_rank_0_raise(registry):
+    engine = make_engine(registry=registry, tensor_parallel_size=2, device="cpu", num_kv_blocks=16)
+    try:
+        [worker] = [p for p in multiprocessing.active_children() if p.name == "rtx-tp-rank1"]
+        worker.kill()
+        worker.join(10)
+        engine.add_request([5, 6, 7], SamplingParams(max_tokens=4))
+        with pytest.raises(RuntimeError, match="worker rank 1 .* exited"):
+            engine.step()
+    finally:
+        engine.core.backend.close()
+
+
+def test_cli_refuses_a_bad_size_in_one_line(capsys):
+    from rtxcore.cli.main import EXIT_USAGE, main
+
+    assert main(["generate", "--model", "dummy:tiny", "--device", "cpu", "--tensor-parallel-size", "3", "1 2 3"]) \
+        == EXIT_USAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "rtx: error: tensor_parallel_size 3 does not divide the model's attention heads (4)"

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import random
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
 from rtxcore.errors import ConfigError
 from rtxcore.sampling_params import SamplingParams
+from tests.helpers import REPO
 from tests.helpers.engines import make_engine
 
 # Chunked prefill (a 32-token budget), preemption (12 blocks of 16 tokens for six requests growing to 90 tokens)
@@ -80,3 +85,27 @@ def test_cli_refuses_a_bad_size_in_one_line(capsys):
         == EXIT_USAGE
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == "rtx: error: tensor_parallel_size 3 does not divide the model's attention heads (4)"
+
+
+TORCHRUN_SCRIPT = """
+from rtxcore.sampling_params import SamplingParams
+from tests.helpers.engines import make_engine
+
+engine = make_engine(tensor_parallel_size={tp}, device="cpu", num_kv_blocks=32)
+out = engine.generate([[5, 6, 7, 8], list(range(10, 50))], SamplingParams(max_tokens=10, temperature=0.0,
+                                                                          ignore_eos=True))
+print("TOKENS", [r.token_ids for r in out], flush=True)
+"""
+
+
+def test_ranks_started_by_torchrun(tmp_path):
+    # Every rank runs the same script: rank 0 prints the tokens, rank 1's backend.load() serves and exits.
+    script = tmp_path / "tp.py"
+    outputs = []
+    for tp, launcher in ((1, []), (2, ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"])):
+        script.write_text(textwrap.dedent(TORCHRUN_SCRIPT.format(tp=tp)))
+        done = subprocess.run([sys.executable, *launcher, str(script)], capture_output=True, text=True, timeout=120,
+                              cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert done.returncode == 0, done.stderr[-2000:]
+        outputs.append([line for line in done.stdout.splitlines() if line.startswith("TOKENS")])
+    assert len(outputs[1]) == 1 and outputs[1] == outputs[0]

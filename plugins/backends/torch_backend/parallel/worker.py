@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
@@ -16,6 +17,9 @@ if TYPE_CHECKING:
 def main(rank: int, world_size: int, backend: str, init_method: str, options: BackendOptions,
          source: ModelSource) -> None:
     """Entry point of a spawned worker process."""
+    # Ctrl-C reaches the whole process group; rank 0 alone decides when its workers stop (SHUTDOWN, or its exit
+    # closing their connections), so they do not die with a traceback each first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=launch.COLLECTIVE_TIMEOUT)
     try:

@@ -100,6 +100,7 @@ def start(options: BackendOptions, source: ModelSource, device: torch.device) ->
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
                                 timeout=COLLECTIVE_TIMEOUT)
         if rank != 0:
+            # Imported here: the worker imports this module (and the backend, which imports this module too).
             from rtx_plugins.backends.torch_backend.parallel import worker
 
             worker.serve(rank, worker_options(options, device, local_rank), source)
@@ -107,7 +108,7 @@ def start(options: BackendOptions, source: ModelSource, device: torch.device) ->
             raise SystemExit(0)
         return TensorParallelGroup(rank_device(device, local_rank), [])
     init_method = f"tcp://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT') or _free_port()}"
-    from rtx_plugins.backends.torch_backend.parallel import worker
+    from rtx_plugins.backends.torch_backend.parallel import worker  # see above: imported late, to avoid a cycle
 
     # Spawned, not forked: a forked child would inherit rank 0's threads and CUDA state.
     ctx = mp.get_context("spawn")

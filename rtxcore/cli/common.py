@@ -31,6 +31,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default=None, metavar="METHOD",
                    help="quantize the float weights as they load, by plain rounding (int8, int4, fp8 or an installed "
                         "quantizer plugin); a checkpoint written by `rtx quantize` needs none")
+    g.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N",
+                   help="split the model across N ranks on this node (tensor parallelism; default: 1)")
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output accepted")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks (default: sized from memory)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -119,7 +121,7 @@ def engine_cli_args(args: argparse.Namespace) -> list[str]:
     out = ["--backend", args.backend, "--scheduler", args.scheduler, "--sampler", args.sampler,
            "--eviction-policy", args.eviction_policy, "--device", args.device, "--dtype", args.dtype,
            "--block-size", str(args.block_size), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-           "--max-num-seqs", str(args.max_num_seqs)]
+           "--max-num-seqs", str(args.max_num_seqs), "--tensor-parallel-size", str(args.tensor_parallel_size)]
     for flag, value in (("--model", args.model), ("--max-model-len", args.max_model_len),
                         ("--num-kv-blocks", args.num_kv_blocks), ("--quantization", args.quantization)):
         if value is not None:
@@ -148,7 +150,8 @@ def engine_config(args: argparse.Namespace, config_file: ServeConfigFile | None 
     return EngineConfig(
         model=args.model, backend=args.backend, scheduler=args.scheduler, sampler=args.sampler,
         eviction_policy=args.eviction_policy, device=args.device, dtype=args.dtype, quantization=args.quantization,
-        max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
+        tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
+        num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
         async_scheduling=False if args.no_async_scheduling else None,
         kv_host_bytes=args.kv_host_bytes, kv_disk_dir=args.kv_disk_dir, kv_disk_bytes=args.kv_disk_bytes,

@@ -35,6 +35,8 @@ class BackendCapabilities:
     kv_offload: bool = False
     # Whether it can run a subset of the decoder's layers (execute_layers), which self-speculation needs.
     layer_subset: bool = False
+    # Whether it can split the model across ranks (BackendOptions.tensor_parallel_size > 1).
+    tensor_parallel: bool = False
     # Largest batch (requests per step) it can run; None for no limit of its own.
     max_batch_size: int | None = None
     # False when a runtime it needs is missing; ``unavailable_reason`` then says why.
@@ -72,6 +74,8 @@ class BackendOptions:
     verify_artifact: Callable[[Path], object] | None = None
     # The quantizers that run a pre-quantized checkpoint's layers, by method name (the checkpoint's methods).
     quantizers: dict[str, Quantizer] = field(default_factory=dict)
+    # Ranks the model is split across (tensor parallelism); the backend starts and drives the other ranks itself.
+    tensor_parallel_size: int = 1
 
 
 @dataclass(slots=True)

@@ -78,7 +78,8 @@ def build_components(config: EngineConfig, registry: PluginRegistry | None, sour
 
 def _load_draft(config: EngineConfig, registry: PluginRegistry, name: str) -> ExecutionBackend:
     """A draft model, by the names --model takes, run by the target's backend on its device in its dtype."""
-    draft_config = replace(config, model=name, quantization=None)
+    # The draft is small and runs on rank 0 alone, unsplit, beside a tensor-parallel target.
+    draft_config = replace(config, model=name, quantization=None, tensor_parallel_size=1)
     source = resolve_model(name)
     backend = make_backend(draft_config, registry, source)
     backend.load(source)
@@ -94,6 +95,9 @@ def make_backend(config: EngineConfig, registry: PluginRegistry, source: ModelSo
     caps = backend_cls.capabilities()
     if not caps.available:
         raise PluginError(f"backend {config.backend!r} is unavailable: {caps.unavailable_reason}")
+    if config.tensor_parallel_size > 1 and not caps.tensor_parallel:
+        raise ConfigError(f"backend {config.backend!r} does not support tensor parallelism "
+                          f"(tensor_parallel_size {config.tensor_parallel_size})")
     methods = source.quantization_methods()
     if config.quantization and methods:
         raise ConfigError(f"{source.name} is already quantized ({', '.join(methods)}): drop --quantization")
@@ -108,7 +112,8 @@ def make_backend(config: EngineConfig, registry: PluginRegistry, source: ModelSo
         "backend", config.backend,
         BackendOptions(config.device, config.dtype, quantizer, max_batch_size=config.scheduling.max_num_seqs,
                        max_model_len=config.max_model_len, enforce_eager=config.enforce_eager,
-                       verify_artifact=config.verify_artifact, quantizers=quantizers))
+                       verify_artifact=config.verify_artifact, quantizers=quantizers,
+                       tensor_parallel_size=config.tensor_parallel_size))
 
 
 def _num_blocks_from_memory(config: EngineConfig, backend: ExecutionBackend, max_model_len: int) -> int:

@@ -23,6 +23,8 @@ class EngineConfig:
     quantization: str | None = None
     device: str = "auto"
     dtype: str = "auto"
+    # Ranks the model's layers are split across (Megatron-style tensor parallelism, one node); 1 runs unsplit.
+    tensor_parallel_size: int = 1
     # Tokens per KV block.
     block_size: int = 16
     # KV blocks to allocate; None sizes the cache from kv_cache_bytes or what the backend can spare.
@@ -54,6 +56,10 @@ class EngineConfig:
     verify_artifact: Callable[[Path], object] | None = None
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and (self.kv_host_bytes or self.kv_disk_dir):
+            raise ConfigError("KV tiers (kv_host_bytes, kv_disk_dir) are not supported with tensor parallelism yet")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:

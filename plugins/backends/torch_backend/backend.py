@@ -1,9 +1,15 @@
-"""The torch execution backend ("Triton eager"): a Llama-family model in torch over a preallocated paged KV cache."""
+"""The torch execution backend ("Triton eager"): a Llama-family model in torch over a preallocated paged KV cache.
+
+With ``tensor_parallel_size > 1`` the model and the KV cache are split across ranks (see the ``parallel`` package):
+this backend is then rank 0, which forwards every step to the others. KV tiers (``read_kv_blocks`` /
+``write_kv_blocks``), ``execute_layers``, ``embed`` and CUDA graphs are not supported with tensor parallelism yet.
+"""
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,9 +18,10 @@ import torch
 from rtx_kernels.cpu_ops import paged_decode_kernel
 from rtx_plugins.backends.torch_backend.attention import AttentionMetadata, paged_attention
 from rtx_plugins.backends.torch_backend.cpu_tuning import tune_allocator
-from rtx_plugins.backends.torch_backend.layers import RotaryEmbedding
+from rtx_plugins.backends.torch_backend.layers import ParallelContext, RotaryEmbedding
 from rtx_plugins.backends.torch_backend.model import LlamaForCausalLM
 from rtx_plugins.backends.torch_backend.ops import torch_ops, triton_ops
+from rtx_plugins.backends.torch_backend.parallel import launch
 from rtx_plugins.backends.torch_backend.quantized import to_device
 from rtxcore import envs
 from rtxcore.contracts.backend import (
@@ -43,9 +50,11 @@ class TorchBackend(ExecutionBackend):
         devices = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
         # Any quantizer: a quantized layer runs through its quantizer's own linear().
         return BackendCapabilities(devices=devices, dtypes=tuple(_DTYPES), paged_kv=True, kv_offload=True,
-                                   quantization_formats=(ANY_QUANTIZATION,), layer_subset=True)
+                                   quantization_formats=(ANY_QUANTIZATION,), layer_subset=True,
+                                   tensor_parallel=True)
 
-    def __init__(self, options: BackendOptions):
+    def __init__(self, options: BackendOptions, tp_rank: int | None = None):
+        """:param tp_rank: set by a tensor-parallel worker for its own rank; None in the engine's process."""
         super().__init__(options)
         device = options.device
         if device == "auto":
@@ -93,6 +102,19 @@ class TorchBackend(ExecutionBackend):
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._kv_pool: torch.Tensor | None = None
         self.block_size = 0
+        self._tp_rank = tp_rank
+        self._ctx = ParallelContext()
+        # Rank 0's link to the other ranks (tensor_parallel_size > 1 in the engine's process), else None.
+        self._tp_group: launch.TensorParallelGroup | None = None
+        self._shutdown_ranks: weakref.finalize | None = None
+        # This rank's share of the heads (all of them without tensor parallelism).
+        self._num_heads = self._num_kv_heads = 0
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks now rather than when this backend is collected (nothing to do
+        without them). The backend cannot execute afterwards."""
+        if self._shutdown_ranks is not None:
+            self._shutdown_ranks()
 
     @property
     def device(self) -> torch.device:
@@ -106,10 +128,21 @@ class TorchBackend(ExecutionBackend):
 
     def load(self, source: ModelSource, progress=None) -> None:
         cfg = source.config
+        tp_size = self.options.tensor_parallel_size
+        if tp_size > 1:
+            # Checked before any process starts, so a bad size is one clear error rather than one per rank.
+            launch.check_divisible(cfg, tp_size)
+            if self._tp_rank is None:
+                self._tp_group = launch.start(self.options, source, self._device)
+                # Workers hear SHUTDOWN when this backend goes away, or at interpreter exit at the latest.
+                self._shutdown_ranks = weakref.finalize(self, self._tp_group.shutdown)
+                self._device = self._tp_group.device
+            self._ctx = ParallelContext(self._tp_rank or 0, tp_size)
+        self._num_heads, self._num_kv_heads = cfg.num_heads // tp_size, cfg.num_kv_heads // tp_size
         with torch.device("meta"):
             # RTX_TORCH_GEMV=0 keeps small-batch projections on cuBLAS (to compare the two).
             ops = triton_ops(gemv=envs.RTX_TORCH_GEMV.get()) if self._triton else torch_ops()
-            model = LlamaForCausalLM(cfg, ops=ops)
+            model = LlamaForCausalLM(cfg, self._ctx, ops=ops)
         model = model.to(self.dtype).to_empty(device=self._device)
         # Buffers (rotary tables) are not in checkpoints: rebuild them, in float32, on the real device.
         for module in model.modules():
@@ -162,23 +195,27 @@ class TorchBackend(ExecutionBackend):
         return total
 
     def kv_cache_bytes_per_token(self) -> int:
-        return self.model_config.kv_cache_bytes_per_token(self.dtype.itemsize)
+        # This rank's share: each rank holds the K/V of its own KV heads, so memory sizes the cache per rank.
+        return self.model_config.kv_cache_bytes_per_token(self.dtype.itemsize) // self._ctx.tp_size
 
     def available_kv_cache_bytes(self) -> int:
         return default_kv_cache_bytes(self._device, _CUDA_KV_FRACTION)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         cfg = self.model_config
+        if self._tp_group is not None:
+            self._tp_group.allocate_kv_cache(num_blocks, block_size)
         # One tensor [layers, K/V, kv_heads, blocks, block_size, head_dim], each layer's K and V a contiguous view:
         # copying blocks to and from the KV tiers is then one gather or scatter for all layers, not one per cache.
-        self._kv_pool = torch.zeros((cfg.num_layers, 2, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim),
+        self._kv_pool = torch.zeros((cfg.num_layers, 2, self._num_kv_heads, num_blocks, block_size, cfg.head_dim),
                                     dtype=self.dtype, device=self._device)
         self.kv_caches = [(layer[0], layer[1]) for layer in self._kv_pool]
         self.block_size = block_size
-        if self._triton and self._device.type == "cuda" and not self.options.enforce_eager:
+        # Graphs are not captured with tensor parallelism: every rank would have to capture in step with rank 0.
+        if self._triton and self._device.type == "cuda" and not self.options.enforce_eager and self._ctx.tp_size == 1:
             max_len = min(cfg.max_position, self.options.max_model_len or cfg.max_position)
             self._graphs = self._graph_module.DecodeGraphs(
-                self._decode_logits, self.options.max_batch_size, max_len, block_size, cfg.num_kv_heads, self._device)
+                self._decode_logits, self.options.max_batch_size, max_len, block_size, self._num_kv_heads, self._device)
             self._mixed = self._piecewise_module.PiecewiseGraphs(self.model, self.kv_caches, self._device)
             with torch.inference_mode():
                 self._graphs.capture()
@@ -186,18 +223,22 @@ class TorchBackend(ExecutionBackend):
 
     # A block's bytes are layer by layer, K then V, each [kv_heads, block_size, head_dim]: the pool's own order.
     def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        self._refuse_with_tensor_parallelism("KV tiers")
         return read_blocks([self._kv_pool], 3, block_ids)
 
     def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        self._refuse_with_tensor_parallelism("KV tiers")
         write_blocks([self._kv_pool], 3, block_ids, data)
 
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
+        if self._tp_group is not None:
+            self._tp_group.execute(batch)
         if self._graphs is not None and self._graphs.can_run(batch):
             return self._graphs.run(batch)
         if self._triton:
             gpu, cfg = self._gpu_attention, self.model_config
-            meta = gpu.TritonAttentionMetadata.from_batch(batch, self._device, cfg.num_kv_heads, cfg.num_heads,
+            meta = gpu.TritonAttentionMetadata.from_batch(batch, self._device, self._num_kv_heads, self._num_heads,
                                                           cfg.head_dim)
             if self._mixed is not None and self._mixed.can_run(batch):
                 hidden = self._mixed.hidden_states(batch, meta)
@@ -211,6 +252,7 @@ class TorchBackend(ExecutionBackend):
 
     @torch.inference_mode()
     def execute_layers(self, batch: ForwardBatch, layers: Sequence[int]) -> torch.Tensor:
+        self._refuse_with_tensor_parallelism("running a subset of the layers (self-speculation)")
         if self._graphs is not None:
             # A draft decodes one token per request per round, many rounds a step: its own ladder of graphs (up to
             # the batch size where speculation still pays), captured the first time a subset is asked for.
@@ -220,14 +262,14 @@ class TorchBackend(ExecutionBackend):
                 cfg = self.model_config
                 graphs = self._graph_module.DecodeGraphs(
                     functools.partial(self._decode_logits, layers=key), min(self.options.max_batch_size, 32),
-                    self._graphs.max_model_len, self.block_size, cfg.num_kv_heads, self._device)
+                    self._graphs.max_model_len, self.block_size, self._num_kv_heads, self._device)
                 graphs.capture()
                 self._subset_graphs[key] = graphs
             if graphs.can_run(batch):
                 return graphs.run(batch)
         if self._triton:
             gpu, cfg = self._gpu_attention, self.model_config
-            meta = gpu.TritonAttentionMetadata.from_batch(batch, self._device, cfg.num_kv_heads, cfg.num_heads,
+            meta = gpu.TritonAttentionMetadata.from_batch(batch, self._device, self._num_kv_heads, self._num_heads,
                                                           cfg.head_dim)
             attention = gpu.triton_paged_attention
         else:
@@ -239,6 +281,7 @@ class TorchBackend(ExecutionBackend):
 
     @torch.inference_mode()
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
+        self._refuse_with_tensor_parallelism("embeddings")
         # Whole prompts with no cache: the torch path's attention over the fresh K/V serves every device.
         return self._torch_hidden_states(batch).float()
 
@@ -252,6 +295,12 @@ class TorchBackend(ExecutionBackend):
         meta = AttentionMetadata.from_batch(batch, self._device, self._decode_kernel)
         return self.model.hidden_states(self._to_device(batch.input_ids), self._to_device(batch.positions),
                                         self.kv_caches, meta, paged_attention)
+
+    def _refuse_with_tensor_parallelism(self, what: str) -> None:
+        # The other ranks run only what execute() sends them; these would leave them behind.
+        if self._ctx.tp_size > 1:
+            raise ConfigError(f"{what}: not supported with tensor parallelism yet (tensor_parallel_size "
+                              f"{self._ctx.tp_size})")
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return to_device_async(t, self._device)

@@ -35,7 +35,7 @@ EXACT = {"dtype": "float32"}
 
 
 def _params(**kwargs) -> SamplingParams:
-    return SamplingParams(**{"temperature": 0.0, "max_tokens": 40, **kwargs})
+    return SamplingParams(**{"temperature": 0.0, "max_tokens": 28, **kwargs})
 
 
 def _run(llm, prompts, params, per_request=None):
@@ -66,7 +66,7 @@ def mixed_batch(plain_default):
     text = tokenizer.decode(copy)
     stop = text[len(text) // 2:len(text) // 2 + 6]
     prompts = [REPEAT, REPEAT, REPEAT, "Q: What is the capital of France?\nA:"]
-    params = [_params(), _params(stop=[stop]), _params(max_tokens=7), _params(max_tokens=24)]
+    params = [_params(), _params(stop=[stop]), _params(max_tokens=7), _params(max_tokens=16)]
     return prompts, params, _run(plain_default, prompts, params), copy
 
 
@@ -78,7 +78,9 @@ def mixed_batch(plain_default):
 ])
 def test_greedy_output_is_unchanged_by_each_proposer(mixed_batch, method, options):
     prompts, params, expected, _ = mixed_batch
-    llm = make_engine(None, speculative=SpeculativeConfig(method=method, options=options))
+    # The draft is the whole target: two proposals a step keep its share of the test's time small.
+    k = 2 if method == "draft" else 4
+    llm = make_engine(None, speculative=SpeculativeConfig(method=method, options=options, num_speculative_tokens=k))
     assert _run(llm, prompts, params) == expected
     stats = llm.core.speculator.stats[method]
     assert stats.num_verifications > 0

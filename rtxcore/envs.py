@@ -67,6 +67,13 @@ def _str(raw: str) -> str:
     return raw
 
 
+def _positive_int(raw: str) -> int:
+    value = int(raw)  # a ValueError names the text
+    if value < 1:
+        raise ValueError("use an integer of at least 1")
+    return value
+
+
 def _path(raw: str) -> Path:
     return Path(raw).expanduser()
 
@@ -130,6 +137,13 @@ RTX_GRAPH_CACHE: Switch[Path | None] = Switch(
     "`~/.cache/rtx-serve/graphs`); point it at a volume that outlives the container.",
     _path)
 
+RTX_PP_MICRO_BATCH_TOKENS: Switch[int] = Switch(
+    "RTX_PP_MICRO_BATCH_TOKENS", "int", 256,
+    "With pipeline parallelism, a step is cut into micro-batches (at most one per stage) of at least this many "
+    "tokens, so stages overlap on large steps; smaller steps go through whole, since a memory-bound decode step "
+    "costs each stage nearly as much per micro-batch as for the whole batch. Read by rank 0 only.",
+    _positive_int)
+
 # Kernels.
 RTX_CPU_KERNELS = _bool_switch(
     "RTX_CPU_KERNELS", True,
@@ -147,5 +161,5 @@ RTX_PDL = _bool_switch(
 SWITCHES: dict[str, Switch[object]] = {
     switch.name: switch
     for switch in (RTX_PLUGINS, RTX_API_KEYS, RTX_TORCH_KERNELS, RTX_TORCH_GEMV, RTX_LAUNCH_CACHE,
-                   RTX_ORT_PROVIDER, RTX_GRAPH_CACHE, RTX_CPU_KERNELS, RTX_INT4_MMA, RTX_PDL)
+                   RTX_ORT_PROVIDER, RTX_PP_MICRO_BATCH_TOKENS, RTX_GRAPH_CACHE, RTX_CPU_KERNELS, RTX_INT4_MMA, RTX_PDL)
 }

@@ -32,7 +32,17 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="quantize the float weights as they load, by plain rounding (int8, int4, fp8 or an installed "
                         "quantizer plugin); a checkpoint written by `rtx quantize` needs none")
     g.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N",
-                   help="split the model across N ranks on this node (tensor parallelism; default: 1)")
+                   help="split every layer across N ranks (tensor parallelism; default: 1)")
+    g.add_argument("--pipeline-parallel-size", type=positive_int, default=1, metavar="M",
+                   help="split the layers into M stages, each on its own ranks (pipeline parallelism; default: 1); "
+                        "the model then runs on N x M processes")
+    n = p.add_argument_group("several nodes (node 0 runs the engine; start the same command on every node)")
+    n.add_argument("--nnodes", type=positive_int, default=1, metavar="N",
+                   help="nodes the tensor x pipeline ranks are spread over, the same number on each (default: 1)")
+    n.add_argument("--node-rank", type=int, default=0, metavar="I",
+                   help="this node's index, 0..N-1; node 0 serves, the others only run their ranks (default: 0)")
+    n.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
+                   help="where the ranks of every node meet: a free port on node 0, reachable from the others")
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output accepted")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks (default: sized from memory)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -121,8 +131,11 @@ def engine_cli_args(args: argparse.Namespace) -> list[str]:
     out = ["--backend", args.backend, "--scheduler", args.scheduler, "--sampler", args.sampler,
            "--eviction-policy", args.eviction_policy, "--device", args.device, "--dtype", args.dtype,
            "--block-size", str(args.block_size), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-           "--max-num-seqs", str(args.max_num_seqs), "--tensor-parallel-size", str(args.tensor_parallel_size)]
+           "--max-num-seqs", str(args.max_num_seqs), "--tensor-parallel-size", str(args.tensor_parallel_size),
+           "--pipeline-parallel-size", str(args.pipeline_parallel_size), "--nnodes", str(args.nnodes),
+           "--node-rank", str(args.node_rank)]
     for flag, value in (("--model", args.model), ("--max-model-len", args.max_model_len),
+                        ("--dist-init-addr", args.dist_init_addr),
                         ("--num-kv-blocks", args.num_kv_blocks), ("--quantization", args.quantization)):
         if value is not None:
             out += [flag, str(value)]
@@ -150,8 +163,9 @@ def engine_config(args: argparse.Namespace, config_file: ServeConfigFile | None 
     return EngineConfig(
         model=args.model, backend=args.backend, scheduler=args.scheduler, sampler=args.sampler,
         eviction_policy=args.eviction_policy, device=args.device, dtype=args.dtype, quantization=args.quantization,
-        tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
-        num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
+        tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+        nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr,
+        max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
         async_scheduling=False if args.no_async_scheduling else None,
         kv_host_bytes=args.kv_host_bytes, kv_disk_dir=args.kv_disk_dir, kv_disk_bytes=args.kv_disk_bytes,
@@ -162,8 +176,27 @@ def engine_config(args: argparse.Namespace, config_file: ServeConfigFile | None 
     )
 
 
+def run_worker_node(config: EngineConfig) -> int:
+    """``--node-rank`` above 0: run this node's ranks for node 0 until it shuts down, then exit with their status."""
+    from rtxcore.engine.components import run_worker_node as run_node
+
+    per_node = config.world_size // config.nnodes
+    first = config.node_rank * per_node
+    sys.stderr.write(f"node {config.node_rank} of {config.nnodes}: running ranks {first}..{first + per_node - 1} "
+                     f"for node 0 at {config.dist_init_addr}\n")
+    try:
+        run_node(config)
+    except SystemExit as done:
+        return int(done.code or 0)
+    return 0
+
+
 def load_engine(config: EngineConfig, quiet: bool = False):
     from rtxcore.engine.llm import LLM
+
+    if config.node_rank > 0:
+        # Not an engine: this node only runs ranks (generate and bench start here on every node).
+        raise SystemExit(run_worker_node(config))
 
     start = time.monotonic()
     name = config.model or "smollm2-135m"

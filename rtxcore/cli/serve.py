@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from rtxcore.cli.common import add_engine_options, engine_config, finite_float
+from rtxcore.cli.common import add_engine_options, engine_config, finite_float, run_worker_node
 
 
 def add_parser(sub) -> None:
@@ -74,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
     config_file = load_serve_config(args.config)
     tenants = TenantRegistry.from_config(config_file.tenants)
     config = engine_config(args, config_file)
+    if config.node_rank > 0:
+        return run_worker_node(config)  # this node only runs ranks: node 0 serves
     if args.state_dir and config.kv_disk_dir is None and config.enable_prefix_caching:
         # Durable state includes the prefix cache: a restart starts warm from the disk tier's snapshot.
         config.kv_disk_dir = os.path.join(args.state_dir, "kv")

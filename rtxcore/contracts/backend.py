@@ -37,6 +37,8 @@ class BackendCapabilities:
     layer_subset: bool = False
     # Whether it can split the model across ranks (BackendOptions.tensor_parallel_size > 1).
     tensor_parallel: bool = False
+    # Whether it can split the layers into stages on several ranks (BackendOptions.pipeline_parallel_size > 1).
+    pipeline_parallel: bool = False
     # Largest batch (requests per step) it can run; None for no limit of its own.
     max_batch_size: int | None = None
     # False when a runtime it needs is missing; ``unavailable_reason`` then says why.
@@ -76,6 +78,12 @@ class BackendOptions:
     quantizers: dict[str, Quantizer] = field(default_factory=dict)
     # Ranks the model is split across (tensor parallelism); the backend starts and drives the other ranks itself.
     tensor_parallel_size: int = 1
+    # Stages the layers are split across (pipeline parallelism), each stage tensor_parallel_size ranks.
+    pipeline_parallel_size: int = 1
+    # Several nodes (see EngineConfig): this process's node, how many, and where the ranks meet ("host:port").
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
 
 
 @dataclass(slots=True)

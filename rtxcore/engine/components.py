@@ -78,12 +78,25 @@ def build_components(config: EngineConfig, registry: PluginRegistry | None, sour
 
 def _load_draft(config: EngineConfig, registry: PluginRegistry, name: str) -> ExecutionBackend:
     """A draft model, by the names --model takes, run by the target's backend on its device in its dtype."""
-    # The draft is small and runs on rank 0 alone, unsplit, beside a tensor-parallel target.
-    draft_config = replace(config, model=name, quantization=None, tensor_parallel_size=1)
+    # The draft is small and runs on rank 0 alone, unsplit, beside a tensor- or pipeline-parallel target.
+    draft_config = replace(config, model=name, quantization=None, tensor_parallel_size=1, pipeline_parallel_size=1,
+                           nnodes=1, node_rank=0, dist_init_addr=None)
     source = resolve_model(name)
     backend = make_backend(draft_config, registry, source)
     backend.load(source)
     return backend
+
+
+def run_worker_node(config: EngineConfig, registry: PluginRegistry | None = None) -> None:
+    """Be node ``config.node_rank`` (not 0) of a multi-node engine: start this node's ranks, which load their share
+    of the model and run the steps node 0 sends, until node 0 shuts down. Ends the process (SystemExit)."""
+    if config.node_rank == 0:
+        raise ConfigError("node 0 runs the engine itself, not a worker node")
+    source = resolve_model(config.model)
+    backend = make_backend(config, registry or load_plugins(), source)
+    backend.load(source)  # a parallel backend's load on another node raises SystemExit when its ranks end
+    raise ConfigError(f"backend {config.backend!r} returned from loading on node {config.node_rank}: it does not "
+                      "run worker nodes")
 
 
 def make_backend(config: EngineConfig, registry: PluginRegistry, source: ModelSource) -> ExecutionBackend:
@@ -98,6 +111,9 @@ def make_backend(config: EngineConfig, registry: PluginRegistry, source: ModelSo
     if config.tensor_parallel_size > 1 and not caps.tensor_parallel:
         raise ConfigError(f"backend {config.backend!r} does not support tensor parallelism "
                           f"(tensor_parallel_size {config.tensor_parallel_size})")
+    if config.pipeline_parallel_size > 1 and not caps.pipeline_parallel:
+        raise ConfigError(f"backend {config.backend!r} does not support pipeline parallelism "
+                          f"(pipeline_parallel_size {config.pipeline_parallel_size})")
     methods = source.quantization_methods()
     if config.quantization and methods:
         raise ConfigError(f"{source.name} is already quantized ({', '.join(methods)}): drop --quantization")
@@ -113,7 +129,9 @@ def make_backend(config: EngineConfig, registry: PluginRegistry, source: ModelSo
         BackendOptions(config.device, config.dtype, quantizer, max_batch_size=config.scheduling.max_num_seqs,
                        max_model_len=config.max_model_len, enforce_eager=config.enforce_eager,
                        verify_artifact=config.verify_artifact, quantizers=quantizers,
-                       tensor_parallel_size=config.tensor_parallel_size))
+                       tensor_parallel_size=config.tensor_parallel_size,
+                       pipeline_parallel_size=config.pipeline_parallel_size, nnodes=config.nnodes,
+                       node_rank=config.node_rank, dist_init_addr=config.dist_init_addr))
 
 
 def _num_blocks_from_memory(config: EngineConfig, backend: ExecutionBackend, max_model_len: int) -> int:

@@ -25,6 +25,13 @@ class EngineConfig:
     dtype: str = "auto"
     # Ranks the model's layers are split across (Megatron-style tensor parallelism, one node); 1 runs unsplit.
     tensor_parallel_size: int = 1
+    # Stages the decoder layers are split across (pipeline parallelism); the world is tensor x pipeline ranks.
+    pipeline_parallel_size: int = 1
+    # Several nodes: this process's node among nnodes, and rank 0's rendezvous "host:port" (every node's ranks
+    # connect there). Node 0 runs the engine; any other node only runs its share of the ranks.
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
     # Tokens per KV block.
     block_size: int = 16
     # KV blocks to allocate; None sizes the cache from kv_cache_bytes or what the backend can spare.
@@ -55,11 +62,34 @@ class EngineConfig:
     # See BackendOptions.verify_artifact: set by a server that checks signed models.
     verify_artifact: Callable[[Path], object] | None = None
 
+    @property
+    def world_size(self) -> int:
+        """Processes that run the model together: one per tensor-parallel rank of every pipeline stage."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def _check_nodes(self) -> None:
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"node_rank must be in 0..nnodes-1 and nnodes at least 1, got node_rank "
+                              f"{self.node_rank} of nnodes {self.nnodes}")
+        if self.world_size % self.nnodes:
+            raise ConfigError(f"nnodes {self.nnodes} does not divide the {self.world_size} ranks "
+                              f"(tensor_parallel_size x pipeline_parallel_size): every node runs as many")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ConfigError("nnodes above 1 needs dist_init_addr, the host:port of node 0 where the ranks meet")
+        if self.dist_init_addr:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"dist_init_addr {self.dist_init_addr!r} is not host:port")
+
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and (self.kv_host_bytes or self.kv_disk_dir):
-            raise ConfigError("KV tiers (kv_host_bytes, kv_disk_dir) are not supported with tensor parallelism yet")
+        if self.pipeline_parallel_size < 1:
+            raise ConfigError(f"pipeline_parallel_size must be at least 1, got {self.pipeline_parallel_size}")
+        self._check_nodes()
+        if self.world_size > 1 and (self.kv_host_bytes or self.kv_disk_dir):
+            raise ConfigError("KV tiers (kv_host_bytes, kv_disk_dir) are not supported with tensor or pipeline "
+                              "parallelism yet")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:

@@ -1,8 +1,9 @@
 """The torch execution backend ("Triton eager"): a Llama-family model in torch over a preallocated paged KV cache.
 
-With ``tensor_parallel_size > 1`` the model and the KV cache are split across ranks (see the ``parallel`` package):
-this backend is then rank 0, which forwards every step to the others. KV tiers (``read_kv_blocks`` /
-``write_kv_blocks``), ``execute_layers``, ``embed`` and CUDA graphs are not supported with tensor parallelism yet.
+With ``tensor_parallel_size`` or ``pipeline_parallel_size`` above 1 the model and the KV cache are split across
+ranks (see the ``parallel`` package): this backend is then rank 0, which forwards every step to the others. KV tiers
+(``read_kv_blocks`` / ``write_kv_blocks``), ``execute_layers``, ``embed`` and CUDA graphs are not supported with
+either yet.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from rtx_plugins.backends.torch_backend.cpu_tuning import tune_allocator
 from rtx_plugins.backends.torch_backend.layers import ParallelContext, RotaryEmbedding
 from rtx_plugins.backends.torch_backend.model import LlamaForCausalLM
 from rtx_plugins.backends.torch_backend.ops import torch_ops, triton_ops
-from rtx_plugins.backends.torch_backend.parallel import launch
+from rtx_plugins.backends.torch_backend.parallel import launch, pipeline
 from rtx_plugins.backends.torch_backend.quantized import to_device
 from rtxcore import envs
 from rtxcore.contracts.backend import (
@@ -51,10 +52,11 @@ class TorchBackend(ExecutionBackend):
         # Any quantizer: a quantized layer runs through its quantizer's own linear().
         return BackendCapabilities(devices=devices, dtypes=tuple(_DTYPES), paged_kv=True, kv_offload=True,
                                    quantization_formats=(ANY_QUANTIZATION,), layer_subset=True,
-                                   tensor_parallel=True)
+                                   tensor_parallel=True, pipeline_parallel=True)
 
-    def __init__(self, options: BackendOptions, tp_rank: int | None = None):
-        """:param tp_rank: set by a tensor-parallel worker for its own rank; None in the engine's process."""
+    def __init__(self, options: BackendOptions, rank: int | None = None):
+        """:param rank: set by a parallel worker (tensor or pipeline) for its own rank; None in the engine's
+        process."""
         super().__init__(options)
         device = options.device
         if device == "auto":
@@ -102,11 +104,13 @@ class TorchBackend(ExecutionBackend):
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._kv_pool: torch.Tensor | None = None
         self.block_size = 0
-        self._tp_rank = tp_rank
+        self._rank = rank
         self._ctx = ParallelContext()
-        # Rank 0's link to the other ranks (tensor_parallel_size > 1 in the engine's process), else None.
-        self._tp_group: launch.TensorParallelGroup | None = None
+        # Rank 0's link to the other ranks (a parallel size above 1, in the engine's process), else None.
+        self._ranks: launch.ParallelRanks | None = None
         self._shutdown_ranks: weakref.finalize | None = None
+        # This rank's part of the pipeline (pipeline_parallel_size > 1), else None.
+        self._pipeline: pipeline.PipelineStage | None = None
         # This rank's share of the heads (all of them without tensor parallelism).
         self._num_heads = self._num_kv_heads = 0
 
@@ -128,16 +132,19 @@ class TorchBackend(ExecutionBackend):
 
     def load(self, source: ModelSource, progress=None) -> None:
         cfg = source.config
-        tp_size = self.options.tensor_parallel_size
-        if tp_size > 1:
+        tp_size, pp_size = self.options.tensor_parallel_size, self.options.pipeline_parallel_size
+        if tp_size * pp_size > 1:
             # Checked before any process starts, so a bad size is one clear error rather than one per rank.
-            launch.check_divisible(cfg, tp_size)
-            if self._tp_rank is None:
-                self._tp_group = launch.start(self.options, source, self._device)
+            launch.check_divisible(cfg, tp_size, pp_size)
+            if self._rank is None:
+                self._ranks = launch.start(self.options, source, self._device)
                 # Workers hear SHUTDOWN when this backend goes away, or at interpreter exit at the latest.
-                self._shutdown_ranks = weakref.finalize(self, self._tp_group.shutdown)
-                self._device = self._tp_group.device
-            self._ctx = ParallelContext(self._tp_rank or 0, tp_size)
+                self._shutdown_ranks = weakref.finalize(self, self._ranks.shutdown)
+                self._device = self._ranks.device
+            self._ctx = launch.parallel_context(self._rank or 0, tp_size, pp_size)
+            if pp_size > 1:
+                self._pipeline = pipeline.PipelineStage(self._ctx, cfg.hidden_size, cfg.vocab_size, self.dtype,
+                                                        self._device)
         self._num_heads, self._num_kv_heads = cfg.num_heads // tp_size, cfg.num_kv_heads // tp_size
         with torch.device("meta"):
             # RTX_TORCH_GEMV=0 keeps small-batch projections on cuBLAS (to compare the two).
@@ -195,24 +202,31 @@ class TorchBackend(ExecutionBackend):
         return total
 
     def kv_cache_bytes_per_token(self) -> int:
-        # This rank's share: each rank holds the K/V of its own KV heads, so memory sizes the cache per rank.
-        return self.model_config.kv_cache_bytes_per_token(self.dtype.itemsize) // self._ctx.tp_size
+        # This rank's share: each rank holds the K/V of its own KV heads in its own stage's layers, so memory sizes
+        # the cache per rank.
+        ctx = self._ctx
+        return self.model_config.kv_cache_bytes_per_token(self.dtype.itemsize) // ctx.tp_size // ctx.pp_size
 
     def available_kv_cache_bytes(self) -> int:
         return default_kv_cache_bytes(self._device, _CUDA_KV_FRACTION)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         cfg = self.model_config
-        if self._tp_group is not None:
-            self._tp_group.allocate_kv_cache(num_blocks, block_size)
+        if self._ranks is not None:
+            self._ranks.allocate_kv_cache(num_blocks, block_size)
         # One tensor [layers, K/V, kv_heads, blocks, block_size, head_dim], each layer's K and V a contiguous view:
         # copying blocks to and from the KV tiers is then one gather or scatter for all layers, not one per cache.
-        self._kv_pool = torch.zeros((cfg.num_layers, 2, self._num_kv_heads, num_blocks, block_size, cfg.head_dim),
+        # A pipeline stage holds its own layers' caches only; kv_caches stays indexed by layer (None elsewhere).
+        stage = self.model.stage_layers
+        self._kv_pool = torch.zeros((len(stage), 2, self._num_kv_heads, num_blocks, block_size, cfg.head_dim),
                                     dtype=self.dtype, device=self._device)
-        self.kv_caches = [(layer[0], layer[1]) for layer in self._kv_pool]
+        self.kv_caches = [None] * cfg.num_layers  # type: ignore[list-item]
+        for i, layer in zip(stage, self._kv_pool):
+            self.kv_caches[i] = (layer[0], layer[1])
         self.block_size = block_size
-        # Graphs are not captured with tensor parallelism: every rank would have to capture in step with rank 0.
-        if self._triton and self._device.type == "cuda" and not self.options.enforce_eager and self._ctx.tp_size == 1:
+        # Graphs are not captured with parallelism: every rank would have to capture in step with rank 0.
+        if (self._triton and self._device.type == "cuda" and not self.options.enforce_eager
+                and self._ctx.tp_size * self._ctx.pp_size == 1):
             max_len = min(cfg.max_position, self.options.max_model_len or cfg.max_position)
             self._graphs = self._graph_module.DecodeGraphs(
                 self._decode_logits, self.options.max_batch_size, max_len, block_size, self._num_kv_heads, self._device)
@@ -223,17 +237,32 @@ class TorchBackend(ExecutionBackend):
 
     # A block's bytes are layer by layer, K then V, each [kv_heads, block_size, head_dim]: the pool's own order.
     def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        self._refuse_with_tensor_parallelism("KV tiers")
+        self._refuse_when_split("KV tiers")
         return read_blocks([self._kv_pool], 3, block_ids)
 
     def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        self._refuse_with_tensor_parallelism("KV tiers")
+        self._refuse_when_split("KV tiers")
         write_blocks([self._kv_pool], 3, block_ids, data)
 
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
-        if self._tp_group is not None:
-            self._tp_group.execute(batch)
+        num_micro = 1
+        if self._pipeline is not None:
+            num_micro = pipeline.num_micro_batches(batch, self._ctx.pp_size, envs.RTX_PP_MICRO_BATCH_TOKENS.get())
+        if self._ranks is not None:
+            self._ranks.execute(batch, num_micro)
+        logits = self.run_step(batch, num_micro)
+        assert logits is not None  # rank 0 is in the first stage, which computes the logits
+        return logits
+
+    @torch.inference_mode()
+    def run_step(self, batch: ForwardBatch, num_micro_batches: int = 1) -> torch.Tensor | None:
+        """This rank's share of a step: rank 0 after sending the step to the others, a worker when it arrives.
+
+        :returns: the logits; None on a pipeline stage other than the first.
+        """
+        if self._pipeline is not None:
+            return self._pipeline.execute(batch, num_micro_batches, self._run_stage, self._logits)
         if self._graphs is not None and self._graphs.can_run(batch):
             return self._graphs.run(batch)
         if self._triton:
@@ -252,14 +281,13 @@ class TorchBackend(ExecutionBackend):
 
     @torch.inference_mode()
     def execute_layers(self, batch: ForwardBatch, layers: Sequence[int]) -> torch.Tensor:
-        self._refuse_with_tensor_parallelism("running a subset of the layers (self-speculation)")
+        self._refuse_when_split("running a subset of the layers (self-speculation)")
         if self._graphs is not None:
             # A draft decodes one token per request per round, many rounds a step: its own ladder of graphs (up to
             # the batch size where speculation still pays), captured the first time a subset is asked for.
             key = tuple(layers)
             graphs = self._subset_graphs.get(key)
             if graphs is None:
-                cfg = self.model_config
                 graphs = self._graph_module.DecodeGraphs(
                     functools.partial(self._decode_logits, layers=key), min(self.options.max_batch_size, 32),
                     self._graphs.max_model_len, self.block_size, self._num_kv_heads, self._device)
@@ -267,21 +295,14 @@ class TorchBackend(ExecutionBackend):
                 self._subset_graphs[key] = graphs
             if graphs.can_run(batch):
                 return graphs.run(batch)
-        if self._triton:
-            gpu, cfg = self._gpu_attention, self.model_config
-            meta = gpu.TritonAttentionMetadata.from_batch(batch, self._device, self._num_kv_heads, self._num_heads,
-                                                          cfg.head_dim)
-            attention = gpu.triton_paged_attention
-        else:
-            meta = AttentionMetadata.from_batch(batch, self._device, self._decode_kernel)
-            attention = paged_attention
+        meta, attention = self._attention(batch)
         hidden = self.model.hidden_states(self._to_device(batch.input_ids), self._to_device(batch.positions),
                                           self.kv_caches, meta, attention, layers=layers)
         return self.model.compute_logits(hidden[self._to_device(batch.logits_indices)]).float()
 
     @torch.inference_mode()
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
-        self._refuse_with_tensor_parallelism("embeddings")
+        self._refuse_when_split("embeddings")
         # Whole prompts with no cache: the torch path's attention over the fresh K/V serves every device.
         return self._torch_hidden_states(batch).float()
 
@@ -296,11 +317,27 @@ class TorchBackend(ExecutionBackend):
         return self.model.hidden_states(self._to_device(batch.input_ids), self._to_device(batch.positions),
                                         self.kv_caches, meta, paged_attention)
 
-    def _refuse_with_tensor_parallelism(self, what: str) -> None:
+    def _run_stage(self, batch: ForwardBatch, inputs: torch.Tensor) -> torch.Tensor:
+        meta, attention = self._attention(batch)
+        return self.model.stage_forward(inputs, self._to_device(batch.positions), self.kv_caches, meta, attention)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden).float()
+
+    def _attention(self, batch: ForwardBatch) -> tuple[object, Any]:
+        """The step's attention metadata and the attention function that reads it."""
+        if self._triton:
+            gpu, cfg = self._gpu_attention, self.model_config
+            return (gpu.TritonAttentionMetadata.from_batch(batch, self._device, self._num_kv_heads, self._num_heads,
+                                                           cfg.head_dim), gpu.triton_paged_attention)
+        return AttentionMetadata.from_batch(batch, self._device, self._decode_kernel), paged_attention
+
+    def _refuse_when_split(self, what: str) -> None:
         # The other ranks run only what execute() sends them; these would leave them behind.
-        if self._ctx.tp_size > 1:
-            raise ConfigError(f"{what}: not supported with tensor parallelism yet (tensor_parallel_size "
-                              f"{self._ctx.tp_size})")
+        ctx = self._ctx
+        if ctx.tp_size * ctx.pp_size > 1:
+            raise ConfigError(f"{what}: not supported with tensor or pipeline parallelism yet (tensor_parallel_size "
+                              f"{ctx.tp_size}, pipeline_parallel_size {ctx.pp_size})")
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return to_device_async(t, self._device)

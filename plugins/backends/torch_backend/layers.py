@@ -3,7 +3,10 @@
 Linear layers are column- or row-parallel in the Megatron sense: a column-parallel layer holds ``1/tp_size`` of
 the output features, a row-parallel one ``1/tp_size`` of the input features followed by an all-reduce. Each
 parameter carries a ``weight_loader`` that copies its own shard out of a full checkpoint tensor, so the loading code
-is the same for any parallel size (1 today).
+is the same for any parallel size.
+
+With pipeline parallelism each rank also belongs to one stage, which holds a contiguous run of the decoder layers
+(``ParallelContext.stage_layers``); the tensor-parallel collectives then run inside that stage's own group.
 """
 
 from __future__ import annotations
@@ -21,18 +24,45 @@ from rtxcore.models.config import RopeScaling
 
 @dataclass(frozen=True, slots=True)
 class ParallelContext:
+    """Where this rank sits: its tensor-parallel rank inside its stage, and its pipeline stage."""
+
     tp_rank: int = 0
     tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    # The process group of this rank's stage (its tensor-parallel peers); None: the default (whole-world) group.
+    tp_group: object = None
 
     def shard(self, size: int, what: str) -> int:
         if size % self.tp_size:
             raise ValueError(f"{what} ({size}) is not divisible by the tensor-parallel size {self.tp_size}")
         return size // self.tp_size
 
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def stage_layers(self, num_layers: int) -> range:
+        """The decoder layers this rank's stage runs: an equal, contiguous share (the size divides the layers)."""
+        per_stage = num_layers // self.pp_size
+        return range(self.pp_rank * per_stage, (self.pp_rank + 1) * per_stage)
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size > 1:
-            torch.distributed.all_reduce(x)
+            torch.distributed.all_reduce(x, group=self.tp_group)
         return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """The stage's ranks' ``x`` side by side along the last dimension, in rank order."""
+        if self.tp_size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.tp_size)]
+        torch.distributed.all_gather(parts, x, group=self.tp_group)
+        return torch.cat(parts, dim=-1)
 
 
 def check_shape(full: torch.Tensor, expected: tuple[int, ...]) -> None:
@@ -122,12 +152,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project hidden states onto the vocabulary (tied or separate LM head)."""
-        local = self.ops.linear(hidden, self.weight, None)
-        if self.ctx.tp_size == 1:
-            return local
-        parts = [torch.empty_like(local) for _ in range(self.ctx.tp_size)]
-        torch.distributed.all_gather(parts, local)
-        return torch.cat(parts, dim=-1)
+        return self.ctx.all_gather(self.ops.linear(hidden, self.weight, None))
 
 
 class RMSNorm(nn.Module):

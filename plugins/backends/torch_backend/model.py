@@ -95,6 +95,10 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+class _OtherStagesLayer(nn.Module):
+    """Stands in the layer list for a decoder layer another pipeline stage runs: no weights, never called."""
+
+
 class LlamaForCausalLM(nn.Module):
     # Checkpoint names (Hugging Face layout) that land in a merged parameter: name -> (merged name, shard index).
     packed_modules = {
@@ -105,26 +109,56 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext = ParallelContext(), ops: Ops | None = None):
         super().__init__()
         self.config = cfg
+        self.ctx = ctx
         ops = ops or torch_ops()
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling, ops)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, ops)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, ctx, rotary, ops) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else VocabParallelEmbedding(
-            cfg.vocab_size, cfg.hidden_size, ctx, ops)
+        # A pipeline stage builds only its own layers; the others are empty placeholders, so that layer i keeps
+        # its checkpoint name (model.layers.i) on every stage. The first stage holds the embedding and the LM head
+        # (tied or not: the last stage ships the final hidden states back to it), the last one the final norm.
+        self.stage_layers = ctx.stage_layers(cfg.num_layers)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ctx, rotary, ops) if i in self.stage_layers
+                                    else _OtherStagesLayer() for i in range(cfg.num_layers))
+        if ctx.first_stage:
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, ops)
+            self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else VocabParallelEmbedding(
+                cfg.vocab_size, cfg.hidden_size, ctx, ops)
+        if ctx.last_stage:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta: object,
                       attention: AttentionFn, layers: Sequence[int] | None = None) -> torch.Tensor:
-        """:param layers: run only these decoder layers, in order (a self-speculative draft); None runs all."""
-        x = self.embed_tokens(input_ids)
-        residual = None
-        if layers is None:
-            for layer, kv_cache in zip(self.layers, kv_caches):
-                x, residual = layer(x, residual, positions, kv_cache, meta, attention)
-        else:
-            for i in layers:
-                x, residual = self.layers[i](x, residual, positions, kv_caches[i], meta, attention)
+        """The whole model without pipeline stages: token ids in, final (normed) hidden states out.
+
+        :param layers: run only these decoder layers, in order (a self-speculative draft); None runs all.
+        """
+        x, residual = self.run_layers(self.embed_tokens(input_ids), None, positions, kv_caches, meta, attention,
+                                      layers)
         return self.norm(x, residual)[0]
+
+    def stage_forward(self, inputs: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta: object,
+                      attention: AttentionFn) -> torch.Tensor:
+        """This pipeline stage's share of a step.
+
+        :param inputs: token ids on the first stage; on the others, what the previous stage returned.
+        :returns: on the last stage the final (normed) hidden states; on the others the hidden state and the
+            residual stacked ``[2, tokens, hidden]``, shipped as they are so that the next stage adds them exactly
+            as one process would (summing them here would round once more in bfloat16).
+        """
+        if self.ctx.first_stage:
+            x, residual = self.embed_tokens(inputs), None
+        else:
+            x, residual = inputs[0], inputs[1]
+        x, residual = self.run_layers(x, residual, positions, kv_caches, meta, attention)
+        if self.ctx.last_stage:
+            return self.norm(x, residual)[0]
+        return torch.stack((x, residual))
+
+    def run_layers(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, kv_caches: list,
+                   meta: object, attention: AttentionFn, layers: Sequence[int] | None = None):
+        """(hidden, residual) after this stage's decoder layers, or ``layers``; ``kv_caches[i]`` is layer i's."""
+        for i in self.stage_layers if layers is None else layers:
+            x, residual = self.layers[i](x, residual, positions, kv_caches[i], meta, attention)
+        return x, residual
 
     def linear_layers(self) -> dict[str, QuantizableLinear]:
         """The decoder's linear layers by module name (fused ones once): what quantization applies to."""
@@ -163,10 +197,23 @@ class LlamaForCausalLM(nn.Module):
                 break
         return name if name.startswith("lm_head.") else f"model.{name}"
 
+    def _on_this_stage(self, name: str) -> bool:
+        """Whether the checkpoint tensor ``name`` (without "model.") belongs to this rank's pipeline stage."""
+        head, _, rest = name.partition(".")
+        if head == "layers":
+            index = rest.partition(".")[0]
+            return not index.isdigit() or int(index) in self.stage_layers
+        if head in ("embed_tokens", "lm_head"):
+            return self.ctx.first_stage
+        if head == "norm":
+            return self.ctx.last_stage
+        return True
+
     def load_weight(self, name: str, tensor: torch.Tensor | QuantizedTensor,
                     quantizer: Quantizer | None = None) -> str | None:
         """Copy one checkpoint tensor (Hugging Face name) into its place. :returns: the slot it filled (see
-        :meth:`weight_slots`), "" for a tied LM head (the embedding holds it), None if the name is no parameter.
+        :meth:`weight_slots`), "" for a tied LM head (the embedding holds it) or a tensor of another pipeline stage,
+        None if the name is no parameter.
 
         A quantized linear weight comes as a :class:`QuantizedTensor` with the ``quantizer`` that runs it.
 
@@ -175,6 +222,8 @@ class LlamaForCausalLM(nn.Module):
         full_name = name
         name = name.removeprefix("model.")
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return ""
+        if not self._on_this_stage(name):
             return ""
         shard_index = 0
         for ckpt_name, (merged, index) in self.packed_modules.items():

@@ -32,7 +32,8 @@ def serve(rank: int, options: BackendOptions, source: ModelSource) -> None:
     """Load this rank's shard, then run commands until SHUTDOWN. A collective that fails raises out of here."""
     from rtx_plugins.backends.torch_backend.backend import TorchBackend
 
-    backend = TorchBackend(options, tp_rank=rank)
+    launch.check_setup(rank, options, source)
+    backend = TorchBackend(options, rank=rank)
     backend.load(source)
     device = backend.device
     while True:
@@ -43,5 +44,6 @@ def serve(rank: int, options: BackendOptions, source: ModelSource) -> None:
         if command is messages.Command.ALLOCATE_KV:
             backend.allocate_kv_cache(header[1], header[2])
         else:
-            # The logits are rank 0's; this rank takes part in computing them (the vocabulary-parallel LM head).
-            backend.execute(messages.receive_batch(header, device))
+            # The logits are rank 0's; this rank takes part in computing them (the vocabulary-parallel LM head) or
+            # in the hidden states they come from (a pipeline stage).
+            backend.run_step(*messages.receive_batch(header, device))

@@ -19,20 +19,24 @@ class _ArgumentParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from rtxcore.cli import bench, generate, loadgen, plugins, quantize, sbom, serve, sign
+    from rtxcore.cli import bench, generate, loadgen, plugins, presets, quantize, sbom, serve, sign
 
     parser = _ArgumentParser(prog="rtx", description="rtx-serve: LLM inference runtime and serving stack")
     parser.add_argument("--version", action="version", version=f"rtx {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_ArgumentParser)
-    for module in (generate, serve, plugins, bench, loadgen, quantize, sign, sbom):
+    for module in (generate, serve, plugins, bench, loadgen, quantize, sign, sbom, presets):
         module.add_parser(sub)
+    presets.add_preset_option_to_engine_commands(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rtxcore.cli.presets import parse_with_preset
+
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        # Inside the try: a preset that cannot be read or has a wrong key is a one-line error like any other.
+        args = parse_with_preset(parser, argv)
         return args.run(args) or 0
     except RtxError as exc:
         sys.stderr.write(f"rtx: error: {exc}\n")

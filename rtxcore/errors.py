@@ -15,6 +15,12 @@ class RtxError(Exception):
     """Base class of every error rtx-serve raises on purpose."""
 
 
+class EngineFailed(RtxError):
+    """The engine loop died (a backend step raised, a parallel rank is gone): no request's fault, and nothing in
+    this process will step again. A server with a journal leaves its requests unfinished there, so the restart
+    resumes them."""
+
+
 class ErrorCode(enum.Enum):
     """What went wrong with a request, in words of no protocol (gRPC's status names, which fit any)."""
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from rtxcore.engine.core import EngineCore
 from rtxcore.engine.input_processor import InputProcessor, Prompt
 from rtxcore.engine.outputs import RequestOutput
-from rtxcore.errors import RtxError
+from rtxcore.errors import EngineFailed
 from rtxcore.lanes import DEFAULT_LANE
 from rtxcore.request import Request
 from rtxcore.sampling_params import SamplingParams
@@ -193,7 +193,7 @@ class AsyncEngine:
             self.error = exc
             log.exception("engine loop failed")
             for req_id, sink in list(self._sinks.items()):
-                self._deliver(req_id, sink, RtxError(f"engine failed: {exc!r}"))
+                self._deliver(req_id, sink, EngineFailed(f"engine failed: {exc!r}"))
             self._sinks.clear()
             raise
 

@@ -249,9 +249,15 @@ class TorchBackend(ExecutionBackend):
         num_micro = 1
         if self._pipeline is not None:
             num_micro = pipeline.num_micro_batches(batch, self._ctx.pp_size, envs.RTX_PP_MICRO_BATCH_TOKENS.get())
-        if self._ranks is not None:
-            self._ranks.execute(batch, num_micro)
-        logits = self.run_step(batch, num_micro)
+        if self._ranks is None:
+            logits = self.run_step(batch, num_micro)
+        else:
+            try:
+                self._ranks.execute(batch, num_micro)
+                logits = self.run_step(batch, num_micro)
+            except RuntimeError as exc:  # a collective or a send failed: name the rank if one of ours is gone
+                self._ranks.check_workers(grace_s=2.0)
+                raise RuntimeError(f"a parallel rank failed during a step: {exc}") from exc
         assert logits is not None  # rank 0 is in the first stage, which computes the logits
         return logits
 

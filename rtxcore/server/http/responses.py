@@ -12,12 +12,14 @@ from typing import Any, AsyncGenerator, Awaitable, Callable
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from rtxcore.errors import ErrorCode, RequestError
 from rtxcore.server.http import idempotency as http_idempotency
 from rtxcore.server.http.common import ClientGone, read_json, tenant_name, until_disconnected
 from rtxcore.server.http.errors import APIError, status_of
 from rtxcore.server.http.sse import DONE, EventStreamResponse, sse_event
 from rtxcore.server.serving import idempotency
 from rtxcore.server.serving.lifecycle import Started, begin
+from rtxcore.server.serving.limits import RETRY_AFTER_S
 from rtxcore.server.serving.runtime import ServingRuntime
 from rtxcore.server.serving.served_request import ServedRequest
 
@@ -67,6 +69,10 @@ async def answer(request: Request, entry: ServedRequest, after_seq: int, detache
     except ClientGone:
         cancel()
         raise
+    if not entry.finished:  # abandoned: the engine failed, or the server is stopping; the journal keeps it
+        raise RequestError(ErrorCode.UNAVAILABLE, f"the server stopped serving before request {entry.req_id} "
+                           "finished; it is in the journal and resumes when the server is back: send it again with "
+                           "the same Idempotency-Key to get its response", retry_after_s=RETRY_AFTER_S)
     status = status_of(entry.error) if entry.error is not None else 200
     return JSONResponse(entry.final_body, status_code=status, headers=headers)
 

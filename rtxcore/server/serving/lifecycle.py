@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable
 
 from rtxcore.engine.outputs import RequestOutput
-from rtxcore.errors import ErrorCode, RequestError, RtxError
+from rtxcore.errors import EngineFailed, ErrorCode, RequestError, RtxError
 from rtxcore.sampling_params import SamplingParams
 from rtxcore.server.serving.durable.journal import Journal, JournalClosed
 from rtxcore.server.serving.formats import FORMATS, ResponseFormat, ResponseSpec, event_text, make_format
@@ -123,7 +123,15 @@ async def produce(entry: ServedRequest, gen: Generation, fmt: ResponseFormat, jo
             error = gen.timeout_error()
         except RequestError as exc:
             error = exc
-        except RtxError as exc:  # the engine failed under this request
+        except EngineFailed as exc:
+            if journal is not None:
+                # Not this request's fault: leave it unfinished in the journal, as a crash would, and let its
+                # clients go (a stream ends without [DONE]); the restart resumes it.
+                log.error("request %s: %s; left in the journal for the restart", entry.req_id, exc)
+                entry.abandon()
+                return
+            error = RequestError(ErrorCode.INTERNAL, str(exc))
+        except RtxError as exc:  # the engine refused or failed under this request
             error = RequestError(ErrorCode.INTERNAL, str(exc))
         except JournalClosed:
             raise

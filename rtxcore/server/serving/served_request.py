@@ -93,7 +93,8 @@ class ServedRequest:
         self._wake()
 
     async def wait_finished(self) -> None:
-        while not self.finished:
+        """Until it finishes, or this process stops producing it (abandoned: the next start resumes it)."""
+        while not self.finished and not self.abandoned:
             await self._event().wait()
 
     def _event(self) -> asyncio.Event:

@@ -399,3 +399,29 @@ def test_a_resumed_request_keeps_its_draft_token_ids(tmp_path, old_record):
         assert (proposed, accepted) == (0, 0)
     else:
         assert accepted > 0
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the engine thread's error
+def test_a_failed_engine_leaves_journaled_requests_for_the_restart(tmp_path):
+    # The engine loop dies under a request (a backend step raising, as when a parallel rank is gone): not the
+    # request's fault, so it ends for its client as in a crash (503, retry) and stays unfinished in the journal.
+    state = tmp_path / "state"
+    runtime = make_runtime(state)
+    sampler = runtime.async_engine.core.sampler
+    sample, calls = sampler.sample, []
+
+    def sample_then_fail(*args):  # a few tokens first: the request is accepted and journaled
+        calls.append(1)
+        return sample(*args) if len(calls) <= 5 else 1 / 0
+
+    sampler.sample = sample_then_fail
+    with serving(runtime) as client:
+        resp = client.post("/v1/completions", json=FULL, headers={"Idempotency-Key": "k1"})
+        assert resp.status_code == 503 and resp.headers["retry-after"]
+        assert "in the journal" in resp.json()["error"]["message"]
+    records = decode_records((state / "journal" / "journal.log").read_bytes()).records
+    assert sum(r["t"] == "accept" for r in records) == 1 and not any(r["t"] == "finish" for r in records)
+    # The restart resumes it, and the same key gets its whole response.
+    with serving(make_runtime(state)) as client:
+        again = client.post("/v1/completions", json=FULL, headers={"Idempotency-Key": "k1"})
+        assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 24

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import replace
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -82,12 +83,12 @@ class ParallelRanks:
         self._closed = False
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        self._check_workers()
+        self.check_workers()
         messages.send_command(messages.Command.ALLOCATE_KV, num_blocks, block_size, device=self.device)
 
     def execute(self, batch: ForwardBatch, num_micro_batches: int) -> None:
         # A dead peer usually fails the next collective at once (its socket closes); checking first also names it.
-        self._check_workers()
+        self.check_workers()
         messages.send_batch(batch, num_micro_batches, self.device)
 
     def shutdown(self) -> None:
@@ -106,10 +107,17 @@ class ParallelRanks:
                 w.join(_JOIN_TIMEOUT_S)
         dist.destroy_process_group()
 
-    def _check_workers(self) -> None:
-        for rank, w in enumerate(self._workers, start=1):
-            if w.exitcode is not None:
-                raise RuntimeError(f"parallel worker rank {rank} (pid {w.pid}) exited with code {w.exitcode}")
+    def check_workers(self, grace_s: float = 0.0) -> None:
+        """Raise naming the first worker this process spawned that has exited, waiting up to ``grace_s`` for one
+        to (a peer's socket closes while it is still exiting: the collective fails before its exit code is in)."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            for rank, w in enumerate(self._workers, start=1):
+                if w.exitcode is not None:
+                    raise RuntimeError(f"parallel worker rank {rank} (pid {w.pid}) exited with code {w.exitcode}")
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
 
 
 def world_size(options: BackendOptions) -> int:

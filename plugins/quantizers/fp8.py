@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from rtx_kernels import quant_reference
-from rtxcore.contracts.quantizer import LayerStats, QuantizedTensor, Quantizer, require_tensor
+from rtxcore.contracts.quantizer import LayerStats, QuantizedTensor, Quantizer, narrow_inputs, require_tensor
 from rtxcore.hookspecs import hookimpl
 
 FP8 = torch.float8_e4m3fn
@@ -75,6 +75,10 @@ class FP8Quantizer(Quantizer):
     def dequantize(self, qtensor: QuantizedTensor) -> torch.Tensor:
         t = qtensor.tensors
         return (t["weight"].float() * t["weight_scale"][:, None]).to(qtensor.dtype)
+
+    def slice_inputs(self, qtensor: QuantizedTensor, start: int, size: int) -> QuantizedTensor:
+        # Per-channel weight scales stay whole; activations are scaled per token over whatever columns arrive.
+        return narrow_inputs(qtensor, start, size, {"weight": 1})
 
     def check(self, qtensor: QuantizedTensor) -> None:
         n, k = qtensor.shape

@@ -7,7 +7,7 @@ import torch
 
 from rtx_kernels import quant_reference
 from rtx_plugins.quantizers.gptq_solver import gptq_quantize
-from rtxcore.contracts.quantizer import LayerStats, QuantizedTensor, Quantizer, require_tensor
+from rtxcore.contracts.quantizer import LayerStats, QuantizedTensor, Quantizer, narrow_inputs, require_tensor
 from rtxcore.hookspecs import hookimpl
 
 _MAXQ = 15
@@ -71,6 +71,12 @@ class Int4Quantizer(Quantizer):
         t = qtensor.tensors
         return quant_reference.dequantize_int4(t["weight_packed"], t["weight_scale"], t["weight_zero_point"],
                                                qtensor.meta["group_size"], qtensor.dtype)
+
+    def slice_inputs(self, qtensor: QuantizedTensor, start: int, size: int) -> QuantizedTensor:
+        # Eight values a word, one scale and zero point a group: a cut must fall on a group boundary.
+        group = qtensor.meta["group_size"]
+        return narrow_inputs(qtensor, start, size, {"weight_packed": 8, "weight_scale": group,
+                                                    "weight_zero_point": group})
 
     def check(self, qtensor: QuantizedTensor) -> None:
         n, k = qtensor.shape

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from rtx_kernels import quant_reference
-from rtxcore.contracts.quantizer import LayerStats, QuantizedTensor, Quantizer, require_tensor
+from rtxcore.contracts.quantizer import LayerStats, QuantizedTensor, Quantizer, narrow_inputs, require_tensor
 from rtxcore.hookspecs import hookimpl
 
 _LEVELS = 127
@@ -33,6 +33,10 @@ class Int8Quantizer(Quantizer):
     def dequantize(self, qtensor: QuantizedTensor) -> torch.Tensor:
         t = qtensor.tensors
         return quant_reference.dequantize_int8(t["weight"], t["weight_scale"], qtensor.dtype)
+
+    def slice_inputs(self, qtensor: QuantizedTensor, start: int, size: int) -> QuantizedTensor:
+        # One scale per output row: a row's columns keep it.
+        return narrow_inputs(qtensor, start, size, {"weight": 1})
 
     def check(self, qtensor: QuantizedTensor) -> None:
         n, k = qtensor.shape

@@ -34,7 +34,7 @@ import torch
 
 from rtx_kernels import quant_reference
 from rtx_plugins.quantizers.int8 import Int8Quantizer
-from rtxcore.contracts.quantizer import LayerStats, QuantizedTensor, Quantizer, require_tensor
+from rtxcore.contracts.quantizer import LayerStats, QuantizedTensor, Quantizer, narrow_inputs, require_tensor
 from rtxcore.hookspecs import hookimpl
 
 ALPHA = 0.5
@@ -113,6 +113,10 @@ class Int8SmoothQuantizer(Quantizer):
     def dequantize(self, qtensor: QuantizedTensor) -> torch.Tensor:
         t = qtensor.tensors
         return (t["weight"].float() * t["weight_scale"][:, None] / t["input_smooth"][None, :]).to(qtensor.dtype)
+
+    def slice_inputs(self, qtensor: QuantizedTensor, start: int, size: int) -> QuantizedTensor:
+        # The smoothing divides each input feature: its share goes with the columns.
+        return narrow_inputs(qtensor, start, size, {"weight": 1, "input_smooth": 1})
 
     def check(self, qtensor: QuantizedTensor) -> None:
         n, k = qtensor.shape

@@ -71,6 +71,17 @@ class Quantizer(ABC):
         """Raise ValueError, naming the problem, when ``qtensor``'s tensors do not fit its shape and settings (a
         damaged checkpoint): loaders call it before a layer runs. The default trusts the tensors."""
 
+    def slice_inputs(self, qtensor: QuantizedTensor, start: int, size: int) -> QuantizedTensor:
+        """The weight's input features ``start .. start + size`` alone, in stored form: a tensor-parallel rank's
+        share of a row-parallel layer (its share of a column-parallel one is :func:`slice_rows`, the same for every
+        method). It must dequantize to those columns of the whole weight.
+
+        :raises ValueError: the stored form cannot be cut there (a group or a packed word would be split); the
+            default cannot cut any.
+        """
+        raise ValueError(f"{qtensor.method} weights cannot be split along their input features (the quantizer "
+                         "does not implement slice_inputs)")
+
     def linear(self, x: torch.Tensor, qtensor: QuantizedTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W^T + bias`` from the stored form, in ``x``'s dtype: what a backend runs for a quantized layer.
 
@@ -93,6 +104,33 @@ def concat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
                for key in first.tensors}
     return QuantizedTensor(first.method, tensors, (sum(p.shape[0] for p in parts), *first.shape[1:]), first.dtype,
                            first.meta)
+
+
+def slice_rows(qtensor: QuantizedTensor, start: int, size: int) -> QuantizedTensor:
+    """The weight's output features ``start .. start + size`` alone: every tensor cut along dimension 0, which the
+    contract makes the output features, but the ``input_*`` ones, kept whole (a column-parallel rank's share)."""
+    tensors = {key: t if key.startswith("input_") else t.narrow(0, start, size).contiguous()
+               for key, t in qtensor.tensors.items()}
+    return QuantizedTensor(qtensor.method, tensors, (size, *qtensor.shape[1:]), qtensor.dtype, qtensor.meta)
+
+
+def narrow_inputs(qtensor: QuantizedTensor, start: int, size: int, per_feature: dict[str, int]) -> QuantizedTensor:
+    """``qtensor`` cut to input features ``start .. start + size``, for :meth:`Quantizer.slice_inputs`.
+
+    :param per_feature: each tensor that runs along the input features, with how many input features one of its
+        elements covers along that dimension (1 for plain values, 8 for int4 words, the group size for group
+        scales): dimension 1 for weight-shaped tensors, dimension 0 for the ``input_*`` vectors. The others (one
+        value per output row) are kept whole.
+    :raises ValueError: a cut that would split an element.
+    """
+    tensors = dict(qtensor.tensors)
+    for key, span in per_feature.items():
+        if start % span or size % span:
+            raise ValueError(f"{qtensor.method} {key!r} covers {span} input features an element: it cannot be cut at "
+                             f"{start}..{start + size}")
+        dim = 0 if key.startswith("input_") else 1
+        tensors[key] = tensors[key].narrow(dim, start // span, size // span).contiguous()
+    return QuantizedTensor(qtensor.method, tensors, (qtensor.shape[0], size), qtensor.dtype, qtensor.meta)
 
 
 def check_stackable(parts: list[QuantizedTensor]) -> None:

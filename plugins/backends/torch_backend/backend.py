@@ -2,8 +2,8 @@
 
 With ``tensor_parallel_size`` or ``pipeline_parallel_size`` above 1 the model and the KV cache are split across
 ranks (see the ``parallel`` package): this backend is then rank 0, which forwards every step to the others. KV tiers
-(``read_kv_blocks`` / ``write_kv_blocks``), ``execute_layers``, ``embed`` and CUDA graphs are not supported with
-either yet.
+(``read_kv_blocks`` / ``write_kv_blocks``), ``execute_layers`` and ``embed`` are not supported with either yet, and
+pipeline stages run without CUDA graphs.
 """
 
 from __future__ import annotations
@@ -224,9 +224,12 @@ class TorchBackend(ExecutionBackend):
         for i, layer in zip(stage, self._kv_pool):
             self.kv_caches[i] = (layer[0], layer[1])
         self.block_size = block_size
-        # Graphs are not captured with parallelism: every rank would have to capture in step with rank 0.
+        # With tensor parallelism every rank captures its own graphs, collectives (NCCL) inside, here: all ranks
+        # allocate on the same command and capture the same sizes in the same order, so their collectives pair up;
+        # each step then takes the same decision (graph or eager) from the same batch. Pipeline stages run eagerly:
+        # their sends and receives between micro-batches are not captured.
         if (self._triton and self._device.type == "cuda" and not self.options.enforce_eager
-                and self._ctx.tp_size * self._ctx.pp_size == 1):
+                and self._ctx.pp_size == 1):
             max_len = min(cfg.max_position, self.options.max_model_len or cfg.max_position)
             self._graphs = self._graph_module.DecodeGraphs(
                 self._decode_logits, self.options.max_batch_size, max_len, block_size, self._num_kv_heads, self._device)

@@ -19,6 +19,7 @@ from torch import nn
 
 from rtx_plugins.backends.torch_backend.ops import Ops
 from rtx_plugins.backends.torch_backend.quantized import QuantizableLinear
+from rtxcore.contracts.quantizer import QuantizedTensor, Quantizer, slice_rows
 from rtxcore.models.config import RopeScaling
 
 
@@ -96,6 +97,10 @@ class ColumnParallelLinear(QuantizableLinear):
         local = _narrow(full, 0, self.ctx.tp_rank, size)
         param.data.narrow(0, self.shard_offsets[shard_index], size).copy_(local)
 
+    def local_share(self, qt: QuantizedTensor, quantizer: Quantizer) -> QuantizedTensor:
+        size = qt.shape[0] // self.ctx.tp_size
+        return slice_rows(qt, self.ctx.tp_rank * size, size)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
             return self.quantized.linear(x, self.bias)
@@ -120,6 +125,9 @@ class RowParallelLinear(QuantizableLinear):
             full = _narrow(full, 1, self.ctx.tp_rank, self.in_local)
         check_shape(full, tuple(param.shape))
         param.data.copy_(full)
+
+    def local_share(self, qt: QuantizedTensor, quantizer: Quantizer) -> QuantizedTensor:
+        return quantizer.slice_inputs(qt, self.ctx.tp_rank * self.in_local, self.in_local)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.quantized.linear(x, None) if self.quantized is not None else self.ops.linear(x, self.weight, None)

@@ -43,16 +43,24 @@ class QuantizableLinear(nn.Module):
         self._num_shards = num_shards
         self._pending: dict[int, tuple[QuantizedTensor, Quantizer]] = {}
 
+    def local_share(self, qt: QuantizedTensor, quantizer: Quantizer) -> QuantizedTensor:
+        """This rank's share of a whole checkpoint weight (tensor parallelism); the layer's class knows which."""
+        return qt
+
     def add_quantized_shard(self, qt: QuantizedTensor, quantizer: Quantizer, shard_index: int, name: str) -> None:
+        try:
+            quantizer.check(qt)  # the whole weight, as stored, before it is cut
+        except ValueError as exc:
+            raise ModelLoadError(f"{name}: damaged {qt.method} weight: {exc}") from None
         if self.ctx.tp_size > 1:
-            raise ModelLoadError(f"{name}: quantized checkpoints are not supported with tensor parallelism yet")
+            try:
+                qt = self.local_share(qt, quantizer)
+            except ValueError as exc:
+                raise ModelLoadError(f"{name}: cannot split this {qt.method} weight across "
+                                     f"{self.ctx.tp_size} tensor-parallel ranks: {exc}") from None
         expected = (self._shard_rows(shard_index), self.weight.shape[1])
         if tuple(qt.shape) != expected:
             raise ModelLoadError(f"{name}: quantized weight of shape {tuple(qt.shape)}; the model needs {expected}")
-        try:
-            quantizer.check(qt)
-        except ValueError as exc:
-            raise ModelLoadError(f"{name}: damaged {qt.method} weight: {exc}") from None
         self._pending[shard_index] = (qt, quantizer)
         if len(self._pending) == self._num_shards:
             parts = [self._pending[i] for i in range(self._num_shards)]

@@ -192,3 +192,55 @@ def test_a_second_node_joins_at_the_rendezvous_address(registry, one_process_tok
         node1.kill()
     assert got == one_process_tokens
     assert "node 1 of 2: running ranks 1..1" in node1.stderr.read()
+
+
+def test_quantized_checkpoints_are_cut_per_rank(registry):
+    # Stored forms (as rtx quantize writes them) loaded by two tensor-parallel ranks: each cuts its rows or
+    # columns out of them, and the tokens are one process's on the same checkpoint (int8 keeps activations in
+    # float, so only the order of the sums differs).
+    from tests.helpers.quantized_source import QuantizedDummySource
+
+    prompts, params = mixed_batch()
+    source = QuantizedDummySource("tiny", "int8")
+    expected, _ = run(make_engine(registry=registry, source=source, **SETTINGS), prompts, params)
+    engine = make_engine(registry=registry, source=source, tensor_parallel_size=2, **SETTINGS)
+    try:
+        got, _ = run(engine, prompts, params)
+    finally:
+        engine.core.backend.close()
+    assert got == expected
+
+
+def test_fp8_checkpoint_logits_split_in_two_stay_close(registry):
+    # fp8 also quantizes activations, per token, over the columns a rank holds: a row-parallel layer's two halves
+    # get scales of their own, so two ranks round slightly differently from one. Close, not equal.
+    from tests.helpers.quantized_source import QuantizedDummySource
+
+    source = QuantizedDummySource("tiny", "fp8")
+    prompt = list(range(5, 45))
+    batch = ForwardBatch.prefill(prompt, [0, 1, 2], 16, torch.tensor([len(prompt) - 1]))
+    logits = []
+    for tp in (1, 2):
+        engine = make_engine(registry=registry, source=source, tensor_parallel_size=tp, device="cpu", num_kv_blocks=4)
+        try:
+            logits.append(engine.core.backend.execute(batch)[0])
+        finally:
+            engine.core.backend.close()
+    one, two = logits
+    assert torch.nn.functional.cosine_similarity(one, two, dim=0) > 0.99
+    assert (one - two).norm() < 0.1 * one.norm()
+
+
+def test_int4_columns_are_cut_on_group_boundaries(registry):
+    quantizer = registry.create("quantizer", "int4")
+    weight = torch.randn(16, 256)
+    qt = quantizer.quantize(weight)  # groups of 128 input features
+    whole = quantizer.dequantize(qt)
+    assert torch.equal(quantizer.dequantize(quantizer.slice_inputs(qt, 128, 128)), whole[:, 128:])
+    with pytest.raises(ValueError, match="cannot be cut at 64..192"):
+        quantizer.slice_inputs(qt, 64, 128)
+    # A method without slice_inputs says so.
+    from rtxcore.contracts.quantizer import Quantizer
+
+    with pytest.raises(ValueError, match="cannot be split along their input features"):
+        Quantizer.slice_inputs(quantizer, qt, 0, 128)

@@ -244,3 +244,13 @@ def test_int4_columns_are_cut_on_group_boundaries(registry):
 
     with pytest.raises(ValueError, match="cannot be split along their input features"):
         Quantizer.slice_inputs(quantizer, qt, 0, 128)
+
+
+def test_more_ranks_than_gpus_is_refused(monkeypatch):
+    from rtx_plugins.backends.torch_backend.parallel import launch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    launch.check_devices(torch.device("cuda"), 2)
+    launch.check_devices(torch.device("cpu"), 8)  # CPU ranks share the host
+    with pytest.raises(ConfigError, match="is 4 ranks, one GPU each, but only 2 CUDA devices are visible"):
+        launch.check_devices(torch.device("cuda"), 4)

@@ -13,8 +13,7 @@ from typing import AbstractSet, Any, Iterable
 
 import pluggy
 
-from rtxcore import envs, hookspecs
-from rtxcore.contracts import EvictionPolicy, ExecutionBackend, Proposer, Quantizer, Sampler, Scheduler
+from rtxcore import contracts, envs, hookspecs
 from rtxcore.errors import PluginError, RtxError
 
 ENTRY_POINT_GROUP = "rtx"
@@ -25,18 +24,24 @@ BUILTIN_DISTRIBUTION = "rtx-serve"
 class PluginKind:
     name: str
     hook: str
-    contract: type
+    # The contract's name in rtxcore.contracts; resolved on use, since most contracts import torch and the kinds'
+    # names are wanted by commands (``rtx --help``) that run no plugin.
+    contract_name: str
+
+    @property
+    def contract(self) -> type:
+        return getattr(contracts, self.contract_name)
 
 
 KINDS: dict[str, PluginKind] = {
     kind.name: kind
     for kind in (
-        PluginKind("scheduler", "register_schedulers", Scheduler),
-        PluginKind("eviction_policy", "register_eviction_policies", EvictionPolicy),
-        PluginKind("sampler", "register_samplers", Sampler),
-        PluginKind("quantizer", "register_quantizers", Quantizer),
-        PluginKind("backend", "register_backends", ExecutionBackend),
-        PluginKind("proposer", "register_proposers", Proposer),
+        PluginKind("scheduler", "register_schedulers", "Scheduler"),
+        PluginKind("eviction_policy", "register_eviction_policies", "EvictionPolicy"),
+        PluginKind("sampler", "register_samplers", "Sampler"),
+        PluginKind("quantizer", "register_quantizers", "Quantizer"),
+        PluginKind("backend", "register_backends", "ExecutionBackend"),
+        PluginKind("proposer", "register_proposers", "Proposer"),
     )
 }
 

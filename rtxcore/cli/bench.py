@@ -11,11 +11,8 @@ import platform
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from rtxcore.bench.offline import ThroughputResult, run_engine, warm_up
-from rtxcore.bench.serving import ServedResult, run_served, summarize
 from rtxcore.bench.workloads import WORKLOADS, BenchRequest, get_workload, make_requests
 from rtxcore.cli.common import (
     add_engine_options,
@@ -27,9 +24,12 @@ from rtxcore.cli.common import (
 )
 from rtxcore.cli.speculation import describe_stats, stats_since
 from rtxcore.engine.speculation.config import SpeculativeConfig
-from rtxcore.engine.speculation.speculator import ProposerStats
 from rtxcore.errors import ConfigError
-from rtxcore.transfer import release_device_memory
+
+if TYPE_CHECKING:
+    from rtxcore.bench.offline import ThroughputResult
+    from rtxcore.bench.serving import ServedResult
+    from rtxcore.engine.speculation.speculator import ProposerStats
 
 # Device-to-device copy bandwidth measured on the H200 (shared/WORKLOADS.md): the floor W3 is compared with.
 H200_COPY_BYTES_PER_S = 4.24e12
@@ -54,6 +54,8 @@ def add_parser(sub) -> None:
 
 
 def machine_description() -> str:
+    import torch
+
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_name()} ({platform.machine()}, torch {torch.__version__})"
     return f"CPU {_cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
@@ -71,6 +73,12 @@ def _cpu_model() -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported here, not at the top: torch takes seconds, and `rtx --help` imports this module.
+    from rtxcore.bench.offline import run_engine, warm_up
+    from rtxcore.bench.serving import run_served, summarize
+    from rtxcore.engine.speculation.speculator import ProposerStats
+    from rtxcore.transfer import release_device_memory
+
     workload = get_workload(args.workload)
     config = engine_config(args)
     if args.baseline == "unquantized" and not config.quantization:
@@ -176,6 +184,10 @@ def _report(args: argparse.Namespace, workload: str, results: Sequence[Throughpu
         "machine": machine_description(),
         "workload": workload,
     }
+    import torch
+
+    from rtxcore.bench.serving import ServedResult
+
     floor_ms = None
     if ours.num_requests == 1 and torch.cuda.is_available() and getattr(args, "weight_bytes", None):
         floor_ms = 1000 * args.weight_bytes / H200_COPY_BYTES_PER_S

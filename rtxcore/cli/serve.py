@@ -11,7 +11,7 @@ from rtxcore.cli.common import add_engine_options, engine_config, finite_float, 
 
 
 def add_parser(sub) -> None:
-    from rtxcore.server.serving.runtime import ServeSettings
+    from rtxcore.server.serving.settings import ServeSettings
 
     d = ServeSettings()
     p = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible) and gRPC",

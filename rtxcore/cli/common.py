@@ -21,7 +21,10 @@ if TYPE_CHECKING:
 def add_engine_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and engine")
     g.add_argument("--model", default=None,
-                   help="smollm2-135m (default), a .gguf file, a Hugging Face directory, or dummy:<shape>")
+                   help="smollm2-135m (default), a .gguf file, a Hugging Face directory or Hub id (owner/name: "
+                        "from the HF cache, else downloaded; see `rtx pull`), or dummy:<shape>")
+    g.add_argument("--revision", default=None,
+                   help="a Hub id's branch, tag or commit (default: main)")
     g.add_argument("--backend", default="torch", help="execution backend plugin (default: torch)")
     g.add_argument("--scheduler", default="fcfs", help="scheduler plugin (default: fcfs)")
     g.add_argument("--sampler", default="default", help="sampler plugin (default: default)")
@@ -134,7 +137,7 @@ def engine_cli_args(args: argparse.Namespace) -> list[str]:
            "--max-num-seqs", str(args.max_num_seqs), "--tensor-parallel-size", str(args.tensor_parallel_size),
            "--pipeline-parallel-size", str(args.pipeline_parallel_size), "--nnodes", str(args.nnodes),
            "--node-rank", str(args.node_rank)]
-    for flag, value in (("--model", args.model), ("--max-model-len", args.max_model_len),
+    for flag, value in (("--model", args.model), ("--revision", args.revision), ("--max-model-len", args.max_model_len),
                         ("--dist-init-addr", args.dist_init_addr),
                         ("--num-kv-blocks", args.num_kv_blocks), ("--quantization", args.quantization)):
         if value is not None:
@@ -161,7 +164,7 @@ def engine_config(args: argparse.Namespace, config_file: ServeConfigFile | None 
     from rtxcore.contracts.scheduler import SchedulerConfig
 
     return EngineConfig(
-        model=args.model, backend=args.backend, scheduler=args.scheduler, sampler=args.sampler,
+        model=args.model, revision=args.revision, backend=args.backend, scheduler=args.scheduler, sampler=args.sampler,
         eviction_policy=args.eviction_policy, device=args.device, dtype=args.dtype, quantization=args.quantization,
         tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
         nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr,

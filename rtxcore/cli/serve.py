@@ -41,6 +41,12 @@ def add_parser(sub) -> None:
                         "with a warning, a wrongly signed one is refused")
     g.add_argument("--require-signed-models", action="store_true", default=d.require_signed_models,
                    help="refuse to load a model without a valid signature (needs --signing-public-key)")
+    g.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (repeat for several keys; tenant 'default'). Visible "
+                        "in the process list: in production prefer RTX_API_KEYS or [tenants] in --config")
+    g.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGIN",
+                   help="answer browsers from ORIGIN (CORS, with preflight); repeat or separate by commas; '*' for "
+                        "any (default: none)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log level on stderr (default: info)")
     durable = p.add_argument_group("durable restarts (docs/serving.md)")
@@ -70,9 +76,10 @@ def run(args: argparse.Namespace) -> int:
         max_active_requests=args.max_active_requests, shutdown_grace_s=args.shutdown_grace,
         served_model_name=args.served_model_name, signing_public_key=args.signing_public_key,
         require_signed_models=args.require_signed_models, state_dir=args.state_dir,
-        journal_retention_s=args.journal_retention)
+        journal_retention_s=args.journal_retention,
+        allowed_origins=tuple(o.strip() for item in args.allowed_origins or () for o in item.split(",") if o.strip()))
     config_file = load_serve_config(args.config)
-    tenants = TenantRegistry.from_config(config_file.tenants)
+    tenants = TenantRegistry.from_config(config_file.tenants, api_keys=args.api_key or ())
     config = engine_config(args, config_file)
     if config.node_rank > 0:
         return run_worker_node(config)  # this node only runs ranks: node 0 serves
@@ -81,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
         config.kv_disk_dir = os.path.join(args.state_dir, "kv")
     config.scheduling.lanes = config_file.lanes
     config.scheduling.options = config_file.scheduler_options
-    resolve_model(config.model)  # a model that cannot be found fails now, before the server starts listening
+    # A model that cannot be found (or downloaded) fails now, before the server starts listening.
+    resolve_model(config.model, config.revision)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if tenants.auth_required:

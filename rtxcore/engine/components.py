@@ -45,7 +45,7 @@ def build_components(config: EngineConfig, registry: PluginRegistry | None, sour
                      progress: Callable[[int, int], None] | None) -> EngineComponents:
     # Plugins are resolved once here; nothing on the per-token path goes through the plugin manager.
     registry = registry or load_plugins()
-    source = source or resolve_model(config.model)
+    source = source or resolve_model(config.model, config.revision)
     backend = make_backend(config, registry, source)
     backend.load(source, progress=progress)
     model_config = backend.model_config
@@ -79,7 +79,8 @@ def build_components(config: EngineConfig, registry: PluginRegistry | None, sour
 def _load_draft(config: EngineConfig, registry: PluginRegistry, name: str) -> ExecutionBackend:
     """A draft model, by the names --model takes, run by the target's backend on its device in its dtype."""
     # The draft is small and runs on rank 0 alone, unsplit, beside a tensor- or pipeline-parallel target.
-    draft_config = replace(config, model=name, quantization=None, tensor_parallel_size=1, pipeline_parallel_size=1,
+    draft_config = replace(config, model=name, revision=None, quantization=None, tensor_parallel_size=1,
+                           pipeline_parallel_size=1,
                            nnodes=1, node_rank=0, dist_init_addr=None)
     source = resolve_model(name)
     backend = make_backend(draft_config, registry, source)
@@ -92,7 +93,7 @@ def run_worker_node(config: EngineConfig, registry: PluginRegistry | None = None
     of the model and run the steps node 0 sends, until node 0 shuts down. Ends the process (SystemExit)."""
     if config.node_rank == 0:
         raise ConfigError("node 0 runs the engine itself, not a worker node")
-    source = resolve_model(config.model)
+    source = resolve_model(config.model, config.revision)
     backend = make_backend(config, registry or load_plugins(), source)
     backend.load(source)  # a parallel backend's load on another node raises SystemExit when its ranks end
     raise ConfigError(f"backend {config.backend!r} returned from loading on node {config.node_rank}: it does not "

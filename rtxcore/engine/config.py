@@ -15,6 +15,8 @@ from rtxcore.errors import ConfigError
 class EngineConfig:
     # None or "smollm2-135m" for the default model; a .gguf file, a Hugging Face directory or "dummy:<shape>".
     model: str | None = None
+    # A Hugging Face Hub id's branch, tag or commit (default: main).
+    revision: str | None = None
     backend: str = "torch"
     scheduler: str = "fcfs"
     sampler: str = "default"

@@ -297,3 +297,12 @@ def test_trace_headers_as_received_and_as_journaled():
     for damaged in ({"traceparent": 5}, {"span": parent}, [parent], "x"):
         with pytest.raises(TypeError, match="trace record"):
             TraceHeaders.from_json(damaged)
+
+
+def test_exposition_has_process_metrics_and_no_created_series():
+    from rtxcore.metrics import EngineMetrics
+
+    body, _ = EngineMetrics("m").render()
+    text = body.decode() if isinstance(body, bytes) else body
+    assert "process_resident_memory_bytes" in text and "process_cpu_seconds_total" in text
+    assert "_created" not in text

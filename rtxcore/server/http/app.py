@@ -7,6 +7,7 @@ import logging
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -22,15 +23,24 @@ from rtxcore.server.serving.runtime import ServingRuntime
 
 log = logging.getLogger("rtx.http")
 
+# Response headers a browser page may read: the request id (to resume a stream) and when to retry.
+EXPOSED_HEADERS = ["x-rtx-request-id", "retry-after", "x-request-id"]
 # Logged for a client that left before its answer was ready (nginx's convention); the client never sees it.
 CLIENT_CLOSED_REQUEST = 499
 
 
 def build_app(runtime: ServingRuntime) -> Starlette:
+    middleware = [Middleware(RequestContextMiddleware, max_body_bytes=runtime.settings.max_body_bytes),
+                  Middleware(AuthMiddleware, runtime=runtime)]
+    origins = runtime.settings.allowed_origins
+    if origins:
+        # Outermost: a browser's preflight (OPTIONS, no API key) is answered before authentication, and error
+        # responses carry the CORS headers too, so the page can read them.
+        middleware.insert(0, Middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["*"],
+                                        allow_headers=["*"], expose_headers=EXPOSED_HEADERS))
     return Starlette(
         routes=[*OpenAIRoutes(runtime).routes(), *NativeRoutes(runtime).routes(), *StreamRoutes(runtime).routes()],
-        middleware=[Middleware(RequestContextMiddleware, max_body_bytes=runtime.settings.max_body_bytes),
-                    Middleware(AuthMiddleware, runtime=runtime)],
+        middleware=middleware,
         exception_handlers={
             APIError: api_error_handler,
             HTTPException: http_exception_handler,

@@ -74,7 +74,7 @@ class ServingRuntime:
 
         try:
             # Verified here, where it is loaded, so that an embedding application gets the same check as the CLI.
-            source = resolve_model(self.engine_config.model)
+            source = resolve_model(self.engine_config.model, self.engine_config.revision)
             policy = self.settings.signing_policy()
             check_model_signature(source.origin, policy)
             if policy.public_key is not None:

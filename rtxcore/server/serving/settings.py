@@ -32,6 +32,8 @@ class ServeSettings:
     state_dir: str | None = None
     # How long finished requests stay resumable (GET /v1/streams/{id}, Idempotency-Key) and in the journal.
     journal_retention_s: float = 600.0
+    # Browser origins answered with CORS headers (and preflight); "*" for any; empty: no CORS.
+    allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "request_timeout_s", "max_active_requests"):

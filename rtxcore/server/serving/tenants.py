@@ -19,7 +19,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from rtxcore import envs
 from rtxcore.errors import ConfigError, ErrorCode, InvalidRequestError, RequestError
@@ -27,6 +27,8 @@ from rtxcore.lanes import DEFAULT_LANE, LANE_NAMES
 
 # Environment variable with keys of tenants: "name=key,other=key2" (e.g. from a Kubernetes Secret).
 KEYS_ENV = envs.RTX_API_KEYS.name
+# The tenant of keys given without one (--api-key): a server with a single key needs no tenant configuration.
+DEFAULT_TENANT = "default"
 _TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
@@ -152,9 +154,10 @@ class TenantRegistry:
         return bool(self.tenants)
 
     @classmethod
-    def from_config(cls, table: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
-                    ) -> TenantRegistry:
-        """Tenants from ``[tenants.<name>]`` tables plus :data:`KEYS_ENV`.
+    def from_config(cls, table: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None,
+                    api_keys: Sequence[str] = ()) -> TenantRegistry:
+        """Tenants from ``[tenants.<name>]`` tables plus :data:`KEYS_ENV`, plus ``api_keys`` (``rtx serve
+        --api-key``, as in vLLM) for a tenant named :data:`DEFAULT_TENANT`.
 
         :raises ConfigError: an invalid name, setting, key reference or hash.
         """
@@ -162,7 +165,10 @@ class TenantRegistry:
         tenants: dict[str, Tenant] = {}
         for name, values in (table or {}).items():
             tenants[name] = _tenant_from_table(name, values, environ)
-        for name, key in _env_keys(envs.RTX_API_KEYS.get(environ)):
+        pairs = _env_keys(envs.RTX_API_KEYS.get(environ))
+        if any(not key for key in api_keys):
+            raise ConfigError("--api-key must not be empty")
+        for name, key in [*pairs, *((DEFAULT_TENANT, key) for key in api_keys)]:
             if name in tenants:
                 tenants[name].key_hashes.append(hash_key(key))
             else:

@@ -23,8 +23,9 @@ def add_parser(sub) -> None:
     g.add_argument("--grpc-port", type=int, default=d.grpc_port,
                    help=f"gRPC port; 0 picks a free one (default: {d.grpc_port})")
     g.add_argument("--no-grpc", action="store_true", help="do not start the gRPC server")
-    g.add_argument("--served-model-name", default=None,
-                   help="model id clients use (default: the model's name, e.g. smollm2-135m)")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model id clients use, then any other names requests may give (default: the model's name, "
+                        "e.g. smollm2-135m)")
     g.add_argument("--request-timeout", type=finite_float, default=d.request_timeout_s,
                    help=f"seconds before a request is aborted (default: {d.request_timeout_s:g})")
     g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
@@ -74,7 +75,9 @@ def run(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, grpc_port=None if args.no_grpc else args.grpc_port,
         max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout,
         max_active_requests=args.max_active_requests, shutdown_grace_s=args.shutdown_grace,
-        served_model_name=args.served_model_name, signing_public_key=args.signing_public_key,
+        served_model_name=args.served_model_name[0] if args.served_model_name else None,
+        served_model_aliases=tuple(args.served_model_name[1:]) if args.served_model_name else (),
+        signing_public_key=args.signing_public_key,
         require_signed_models=args.require_signed_models, state_dir=args.state_dir,
         journal_retention_s=args.journal_retention,
         allowed_origins=tuple(o.strip() for item in args.allowed_origins or () for o in item.split(",") if o.strip()))

@@ -44,7 +44,7 @@ class ServingRuntime:
         self.load_error: BaseException | None = None
         self.draining = False
         # Names a request's ``model`` may give: the served name, plus the source's own names once loaded.
-        self.model_aliases: set[str] = {self.model_name}
+        self.model_aliases: set[str] = {self.model_name, *self.settings.served_model_aliases}
         self.started_at = int(time.time())
         self._loaded = threading.Event()
         self._lock = threading.Lock()

@@ -24,6 +24,8 @@ class ServeSettings:
     shutdown_grace_s: float = 30.0
     # Name served as the model id; None uses the model source's name.
     served_model_name: str | None = None
+    # Further names requests may give for the model (`--served-model-name NAME ALIAS...`, as in vLLM).
+    served_model_aliases: tuple[str, ...] = ()
     # PEM public key the model's signature is checked against before loading (rtxcore.provenance.signing).
     signing_public_key: str | None = None
     # Refuse a model without a valid signature; needs signing_public_key.

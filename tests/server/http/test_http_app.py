@@ -113,3 +113,27 @@ def test_sse_events_stay_one_line_for_every_line_splitter():
     event = sse_data({"text": text}).decode()
     assert event.endswith("\n\n") and len(event[:-2].splitlines()) == 1
     assert json.loads(event[len("data: "):-2]) == {"text": text}
+
+
+def test_served_model_names_first_is_the_id_the_rest_are_accepted():
+    from starlette.testclient import TestClient
+
+    from rtxcore.cli.main import build_parser
+    from rtxcore.engine.config import EngineConfig
+    from rtxcore.server.http import build_app
+    from rtxcore.server.serving.runtime import ServingRuntime
+    from rtxcore.server.serving.settings import ServeSettings
+
+    args = build_parser().parse_args(["serve", "--served-model-name", "mine", "alias-a"])
+    assert args.served_model_name == ["mine", "alias-a"]
+    runtime = ServingRuntime(EngineConfig(model="dummy:tiny"),
+                             ServeSettings(served_model_name="mine", served_model_aliases=("alias-a",)))
+    runtime.load()
+    try:
+        with TestClient(build_app(runtime)) as c:
+            assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["mine"]
+            body = {"prompt": [5, 6], "max_tokens": 2}
+            assert c.post("/v1/completions", json={**body, "model": "alias-a"}).status_code == 200
+            assert_error(c.post("/v1/completions", json={**body, "model": "other"}), 404)
+    finally:
+        runtime.stop()

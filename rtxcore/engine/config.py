@@ -34,6 +34,8 @@ class EngineConfig:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
+    # Jinja chat template text used instead of the model's own (--chat-template FILE); None: the model's.
+    chat_template: str | None = None
     # Tokens per KV block.
     block_size: int = 16
     # KV blocks to allocate; None sizes the cache from kv_cache_bytes or what the backend can spare.

@@ -80,6 +80,16 @@ def _compile(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+def check_chat_template(source: str) -> None:
+    """Raise ConfigError, naming the problem, when ``source`` is not a Jinja template (``--chat-template``)."""
+    from rtxcore.errors import ConfigError
+
+    try:
+        _compile(source)
+    except jinja2.exceptions.TemplateSyntaxError as exc:
+        raise ConfigError(f"the chat template does not parse: {exc.message} (line {exc.lineno})") from None
+
+
 def _check_messages(messages: Any) -> None:
     if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
         raise InvalidRequestError("messages must be a list of {'role': ..., 'content': ...} objects", param="messages")

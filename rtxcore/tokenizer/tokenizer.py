@@ -14,7 +14,7 @@ from typing import Any
 import tokenizers
 
 from rtxcore.errors import ModelLoadError
-from rtxcore.tokenizer.chat_template import DEFAULT_CHAT_TEMPLATE, render_chat_template
+from rtxcore.tokenizer.chat_template import DEFAULT_CHAT_TEMPLATE, check_chat_template, render_chat_template
 from rtxcore.tokenizer.gguf_vocab import build_gguf_vocab, mark_special, set_post_processor
 
 
@@ -181,8 +181,13 @@ class Tokenizer:
 
     @property
     def chat_template(self) -> str | None:
-        """The model's own Jinja template; None when it has none (:data:`DEFAULT_CHAT_TEMPLATE` is used then)."""
+        """The model's chat template source (None: it has none, and :data:`DEFAULT_CHAT_TEMPLATE` is used)."""
         return self._chat_template
+
+    def use_chat_template(self, source: str) -> None:
+        """Render chats with ``source`` instead of the model's own template (``--chat-template``)."""
+        check_chat_template(source)
+        self._chat_template = source
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                             **template_vars: Any) -> str:

@@ -139,3 +139,20 @@ def test_help_and_version_import_no_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_chat_template_flag(tmp_path):
+    from rtxcore.cli.common import engine_config
+    from rtxcore.cli.main import build_parser
+    from rtxcore.engine.llm import LLM
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<<{{ m['role'] }}>>{{ m['content'] }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}<<assistant>>{% endif %}")
+    args = build_parser().parse_args(["generate", "--chat-template", str(template), "hi"])
+    llm = LLM(engine_config(args))
+    assert llm.inputs.apply_chat_template([{"role": "user", "content": "hi"}]) == "<<user>>hi\n<<assistant>>"
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}")
+    for path, error in ((bad, "does not parse"), (tmp_path / "missing.jinja", "cannot read")):
+        assert_one_line_error(rtx("generate", "--chat-template", str(path), "hi"), error)

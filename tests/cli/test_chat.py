@@ -9,9 +9,9 @@ import uuid
 
 import pytest
 
+from tests.helpers.cli import RTX
 from tests.helpers.server import start_server
 
-RTX = shutil.which("rtx") or ".venv/bin/rtx"
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 
 

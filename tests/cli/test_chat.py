@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import shutil
 import subprocess
 import time
@@ -21,7 +22,7 @@ class Terminal:
     def __init__(self, command: list[str]):
         self.name = f"rtx-chat-{uuid.uuid4().hex[:8]}"
         subprocess.run(["tmux", "new-session", "-d", "-s", self.name, "-x", "200", "-y", "50",
-                        " ".join(command) + "; echo EXITED $?; sleep 30"], check=True)
+                        shlex.join(command) + "; echo EXITED $?; sleep 30"], check=True)
 
     def screen(self) -> str:
         return subprocess.run(["tmux", "capture-pane", "-p", "-S", "-200", "-t", self.name], capture_output=True,
@@ -36,6 +37,8 @@ class Terminal:
             screen = self.screen()
             if screen.count(text) >= count:
                 return screen
+            if "EXITED" in screen:
+                break  # the command ended: what it printed says why
             time.sleep(0.2)
         raise AssertionError(f"{text!r} x{count} did not appear; the screen:\n{self.screen()}")
 

@@ -247,11 +247,9 @@ class TorchBackend(ExecutionBackend):
         self._refuse_when_split("KV tiers")
         write_blocks([self._kv_pool], 3, block_ids, data)
 
-    @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
-        num_micro = 1
-        if self._pipeline is not None:
-            num_micro = pipeline.num_micro_batches(batch, self._ctx.pp_size, envs.RTX_PP_MICRO_BATCH_TOKENS.get())
+        # run_step is where inference mode starts: workers enter there too.
+        num_micro = self._pipeline.num_micro_batches(batch) if self._pipeline is not None else 1
         if self._ranks is None:
             logits = self.run_step(batch, num_micro)
         else:
@@ -275,15 +273,12 @@ class TorchBackend(ExecutionBackend):
         if self._graphs is not None and self._graphs.can_run(batch):
             return self._graphs.run(batch)
         if self._triton:
-            gpu, cfg = self._gpu_attention, self.model_config
-            meta = gpu.TritonAttentionMetadata.from_batch(batch, self._device, self._num_kv_heads, self._num_heads,
-                                                          cfg.head_dim)
+            meta, attention = self._attention(batch)
             if self._mixed is not None and self._mixed.can_run(batch):
                 hidden = self._mixed.hidden_states(batch, meta)
             else:
                 hidden = self.model.hidden_states(self._to_device(batch.input_ids),
-                                                  self._to_device(batch.positions), self.kv_caches, meta,
-                                                  gpu.triton_paged_attention)
+                                                  self._to_device(batch.positions), self.kv_caches, meta, attention)
         else:
             hidden = self._torch_hidden_states(batch)
         return self.model.compute_logits(hidden[self._to_device(batch.logits_indices)]).float()

@@ -55,8 +55,8 @@ def test_split_ranks_give_the_tokens_of_one_process(registry, monkeypatch, one_p
     # Every step of two or more requests is cut into micro-batches (one per stage), so stages overlap in the test.
     monkeypatch.setenv("RTX_PP_MICRO_BATCH_TOKENS", "1")
     cuts = []
-    real = pipeline.num_micro_batches
-    monkeypatch.setattr(pipeline, "num_micro_batches", lambda *a: cuts.append(real(*a)) or cuts[-1])
+    real = pipeline.count_micro_batches
+    monkeypatch.setattr(pipeline, "count_micro_batches", lambda *a: cuts.append(real(*a)) or cuts[-1])
     prompts, params = mixed_batch()
     engine = make_engine(registry=registry, tensor_parallel_size=tp, pipeline_parallel_size=pp, **SETTINGS)
     try:
@@ -101,9 +101,9 @@ def test_micro_batches_cover_the_step_in_order():
 
 def test_small_steps_are_not_cut():
     batch = _batch([1, 1, 1, 1], [0, 1, 2, 3])
-    assert pipeline.num_micro_batches(batch, pp_size=2, min_tokens=256) == 1
-    assert pipeline.num_micro_batches(batch, pp_size=2, min_tokens=2) == 2
-    assert pipeline.num_micro_batches(_batch([5], [4]), pp_size=4, min_tokens=1) == 1  # one request: one part
+    assert pipeline.count_micro_batches(batch, pp_size=2, min_tokens=256) == 1
+    assert pipeline.count_micro_batches(batch, pp_size=2, min_tokens=2) == 2
+    assert pipeline.count_micro_batches(_batch([5], [4]), pp_size=4, min_tokens=1) == 1  # one request: one part
 
 
 @pytest.mark.parametrize("sizes, message", [

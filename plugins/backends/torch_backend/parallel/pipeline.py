@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from rtx_plugins.backends.torch_backend.layers import ParallelContext
+from rtxcore import envs
 from rtxcore.contracts.backend import ForwardBatch
 
 # (hidden states of a micro-batch's logit rows) -> logits: the first stage's LM head.
@@ -39,7 +40,7 @@ class MicroBatch:
     logit_rows: list[int]
 
 
-def num_micro_batches(batch: ForwardBatch, pp_size: int, min_tokens: int) -> int:
+def count_micro_batches(batch: ForwardBatch, pp_size: int, min_tokens: int) -> int:
     """How many micro-batches rank 0 cuts a step into: one per stage at most, each of at least ``min_tokens``."""
     return max(1, min(pp_size, batch.num_reqs, batch.num_tokens // min_tokens))
 
@@ -90,6 +91,12 @@ class PipelineStage:
         self._next = self._rank_of(ctx.pp_rank + 1)
         self._first = self._rank_of(0)
         self._last = self._rank_of(ctx.pp_size - 1)
+        # Read once: the step path does not parse the environment.
+        self._min_tokens = envs.RTX_PP_MICRO_BATCH_TOKENS.get()
+
+    def num_micro_batches(self, batch: ForwardBatch) -> int:
+        """Rank 0's choice for ``batch`` (sent to the other ranks with it)."""
+        return count_micro_batches(batch, self.ctx.pp_size, self._min_tokens)
 
     def _rank_of(self, stage: int) -> int:
         return stage * self.ctx.tp_size + self.ctx.tp_rank

@@ -4,7 +4,8 @@ Compiling needs a C++ compiler and ninja; when either is missing, or ``RTX_CPU_K
 to their pure-torch path. The build (about a minute on two cores) goes to a folder of its own per torch version,
 Python ABI, source, flags and CPU (:func:`build_directory`), not to torch's default cache, which is keyed by Python
 version only: two environments on one machine with different torch builds would otherwise rebuild it each time they
-alternate. ``scripts/setup.sh`` builds it during set-up, so the first ``rtx generate`` does not.
+alternate. ``scripts/setup.sh`` builds it during set-up, so the first ``rtx generate`` does not. A build prints one
+line on stderr, ended with its time when it is done; a cached build prints nothing.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import os
 import platform
 import sys
 import threading
+import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from rtxcore import envs
 
@@ -41,20 +43,51 @@ def paged_decode_kernel() -> Callable | None:
         if not envs.RTX_CPU_KERNELS.get():
             return None
         try:
-            from torch.utils.cpp_extension import load
-
-            folder = build_directory()
-            if not (folder / f"{_NAME}.so").exists():
-                log.warning("building the C++ CPU decode-attention kernel once for this torch and CPU (about a "
-                            "minute on two cores) into %s", folder)
-            folder.mkdir(parents=True, exist_ok=True)
-            module = load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
-                          build_directory=str(folder), verbose=False)
-            _kernel = module.paged_decode_attention
+            _kernel = _load_or_build(build_directory()).paged_decode_attention
         except Exception as exc:  # no compiler, no ninja, or a build error: the torch path still works
             log.warning("CPU decode-attention kernel unavailable, using the torch path: %s", exc)
             _kernel = None
         return _kernel
+
+
+def _load_or_build(folder: Path) -> Any:
+    built = folder / f"{_NAME}.so"
+    if built.exists():
+        # Built already (the folder's name covers torch, source, flags and CPU): import the binary itself.
+        # cpp_extension's load() would find it too, after importing setuptools and asking ninja (0.3 s of a start
+        # that aims at 5 s). A binary that does not import (a build cut short) is built again below.
+        try:
+            return _import_built(built)
+        except ImportError as exc:
+            log.warning("the built CPU kernel %s does not load (%s); building it again", built, exc)
+    from torch.utils.cpp_extension import load
+
+    # One line, ended when the build is: nothing at all when the build is cached.
+    sys.stderr.write("building the CPU attention kernel (once per torch version; ~1 min)...")
+    sys.stderr.flush()
+    folder.mkdir(parents=True, exist_ok=True)
+    started, outcome = time.monotonic(), "failed"
+    try:
+        module = load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
+                      build_directory=str(folder), verbose=False)
+        outcome = "done"
+    finally:
+        sys.stderr.write(f" {outcome} in {time.monotonic() - started:.0f}s\n")
+        sys.stderr.flush()
+    return module
+
+
+def _import_built(path: Path) -> Any:
+    import importlib.util
+
+    import torch  # noqa: F401  (the extension links against torch's libraries, loaded by importing it)
+
+    spec = importlib.util.spec_from_file_location(_NAME, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def build_directory() -> Path:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from rtx_kernels.cpu_ops import paged_decode_kernel
+from rtx_plugins.backends.torch_backend.allocation import materialize, zeroed_host_tensor
 from rtx_plugins.backends.torch_backend.attention import AttentionMetadata, paged_attention
 from rtx_plugins.backends.torch_backend.cpu_tuning import tune_allocator
 from rtx_plugins.backends.torch_backend.layers import ParallelContext, RotaryEmbedding
@@ -150,7 +151,7 @@ class TorchBackend(ExecutionBackend):
             # RTX_TORCH_GEMV=0 keeps small-batch projections on cuBLAS (to compare the two).
             ops = triton_ops(gemv=envs.RTX_TORCH_GEMV.get()) if self._triton else torch_ops()
             model = LlamaForCausalLM(cfg, self._ctx, ops=ops)
-        model = model.to(self.dtype).to_empty(device=self._device)
+        model = materialize(model, self._device, self.dtype)
         # Buffers (rotary tables) are not in checkpoints: rebuild them, in float32, on the real device.
         for module in model.modules():
             if isinstance(module, RotaryEmbedding):
@@ -218,8 +219,9 @@ class TorchBackend(ExecutionBackend):
         # copying blocks to and from the KV tiers is then one gather or scatter for all layers, not one per cache.
         # A pipeline stage holds its own layers' caches only; kv_caches stays indexed by layer (None elsewhere).
         stage = self.model.stage_layers
-        self._kv_pool = torch.zeros((len(stage), 2, self._num_kv_heads, num_blocks, block_size, cfg.head_dim),
-                                    dtype=self.dtype, device=self._device)
+        shape = (len(stage), 2, self._num_kv_heads, num_blocks, block_size, cfg.head_dim)
+        self._kv_pool = zeroed_host_tensor(shape, self.dtype) if self._device.type == "cpu" else \
+            torch.zeros(shape, dtype=self.dtype, device=self._device)
         self.kv_caches = [None] * cfg.num_layers  # type: ignore[list-item]
         for i, layer in zip(stage, self._kv_pool):
             self.kv_caches[i] = (layer[0], layer[1])

@@ -11,7 +11,8 @@ import os
 import sys
 from collections.abc import Iterator
 
-from rtxcore.cli.common import add_engine_options, engine_config, finite_float, load_engine
+from rtxcore.cli.common import TEMPERATURE_HELP, add_engine_options, engine_config, finite_float, load_engine
+from rtxcore.sampling_params import SamplingParams
 
 Messages = list[dict[str, str]]
 _EXIT = ("/exit", "/quit", "/bye")
@@ -19,9 +20,11 @@ _EXIT = ("/exit", "/quit", "/bye")
 
 def add_parser(sub) -> None:
     p = sub.add_parser("chat", help="chat with a model in the terminal (multi-turn, streamed; /reset, /exit)",
+                       usage="%(prog)s [options] [MODEL]",
                        description="An interactive chat: each message goes with the conversation so far, the answer "
                                    "streams back. /reset starts over, /exit or Ctrl-D leaves, Ctrl-C stops an "
-                                   "answer. Runs the model here, or talks to a server with --url.")
+                                   "answer. Runs MODEL (or the default model) here, or talks to a server with --url, "
+                                   "asking it for MODEL where one is given.")
     p.add_argument("--url", default=None,
                    help="a running rtx serve (or any OpenAI-compatible server), e.g. http://127.0.0.1:8000, instead "
                         "of loading the model here")
@@ -29,7 +32,7 @@ def add_parser(sub) -> None:
                    help="with --url: the server's key (default: $RTX_API_KEY, then $OPENAI_API_KEY)")
     p.add_argument("--system", default=None, help="system prompt, kept across /reset")
     p.add_argument("--max-tokens", type=int, default=512, help="longest answer (default: 512)")
-    p.add_argument("--temperature", type=finite_float, default=0.7, help="sampling temperature (default: 0.7)")
+    p.add_argument("--temperature", type=finite_float, default=SamplingParams().temperature, help=TEMPERATURE_HELP)
     p.add_argument("--seed", type=int, default=None, help="seed of the sampling, for repeatable answers")
     add_engine_options(p)
     p.set_defaults(run=run)
@@ -39,8 +42,6 @@ class LocalChat:
     """The model loaded in this process."""
 
     def __init__(self, args: argparse.Namespace):
-        from rtxcore.sampling_params import SamplingParams
-
         self.params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
         self.engine = load_engine(engine_config(args))
         self.name = self.engine.core.source.name
@@ -59,7 +60,7 @@ class RemoteChat:
 
         key = args.api_key or os.environ.get("RTX_API_KEY") or os.environ.get("OPENAI_API_KEY")
         self.client = Client(args.url, api_key=key)
-        self.name = self.client.models()["data"][0]["id"]
+        self.name = args.model or self.client.models()["data"][0]["id"]
         self.params = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed}
 
     def stream(self, messages: Messages) -> Iterator[str]:

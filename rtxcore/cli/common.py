@@ -13,16 +13,29 @@ from typing import TYPE_CHECKING
 from rtxcore.cli.progress import Progress
 from rtxcore.cli.speculation import add_speculative_options, speculative_cli_args, speculative_config
 from rtxcore.engine.config import EngineConfig
+from rtxcore.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from rtxcore.server.serve_config import ServeConfigFile
 
 
+# The commands sample as the API does when a request says nothing (SamplingParams' default, OpenAI's).
+TEMPERATURE_HELP = (f"sampling temperature, 0 for greedy (default: {SamplingParams().temperature}, as in the HTTP "
+                    "API and OpenAI's)")
+
+# Where the positional MODEL is parsed to; merge_model_argument moves it to ``model``, where --model puts its value.
+MODEL_ARG = "model_arg"
+
+
 def add_engine_options(p: argparse.ArgumentParser) -> None:
+    """The options of the commands that load a model, and the model as their first positional argument (``rtx serve
+    MODEL``, as ``vllm serve MODEL``); a command with positional arguments of its own adds them after this."""
+    p.add_argument(MODEL_ARG, nargs="?", default=None, metavar="MODEL", help="the model, as --model takes it")
     g = p.add_argument_group("model and engine")
     g.add_argument("--model", default=None,
                    help="smollm2-135m (default), a .gguf file, a Hugging Face directory or Hub id (owner/name: "
-                        "from the HF cache, else downloaded; see `rtx pull`), or dummy:<shape>")
+                        "from the HF cache, else downloaded; see `rtx pull`), or dummy:<shape>; the same as the "
+                        "positional MODEL")
     g.add_argument("--revision", default=None,
                    help="a Hub id's branch, tag or commit (default: main)")
     g.add_argument("--backend", default="torch", help="execution backend plugin (default: torch)")
@@ -35,10 +48,10 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="quantize the float weights as they load, by plain rounding (int8, int4, fp8 or an installed "
                         "quantizer plugin); a checkpoint written by `rtx quantize` needs none")
     g.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N",
-                   help="split every layer across N ranks (tensor parallelism; default: 1)")
+                   help="split every layer across N ranks (tensor parallelism)")
     g.add_argument("--pipeline-parallel-size", type=positive_int, default=1, metavar="M",
-                   help="split the layers into M stages, each on its own ranks (pipeline parallelism; default: 1); "
-                        "the model then runs on N x M processes")
+                   help="split the layers into M stages, each on its own ranks (pipeline parallelism); the model "
+                        "then runs on N x M processes")
     n = p.add_argument_group("several nodes (node 0 runs the engine; start the same command on every node)")
     n.add_argument("--nnodes", type=positive_int, default=1, metavar="N",
                    help="nodes the tensor x pipeline ranks are spread over, the same number on each (default: 1)")
@@ -73,6 +86,22 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="with --kv-disk-dir, write the prefix cache there this often for warm restarts; 0: only on "
                         "shutdown (default: 60)")
     add_speculative_options(p)
+
+
+def merge_model_argument(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The positional MODEL, where the command has one and it was given, becomes ``args.model``: the two spellings
+    are one setting. Both, naming different models, is a usage error (one line, exit code 2). A --model that only
+    repeats the command's default (a preset's model) gives way to the positional one."""
+    if not hasattr(args, MODEL_ARG):
+        return
+    positional = getattr(args, MODEL_ARG)
+    delattr(args, MODEL_ARG)
+    if positional is None:
+        return
+    flag = args.model
+    if flag is not None and flag != positional and flag != parser.get_default("model"):
+        parser.error(f"two models given, {positional!r} and --model {flag!r}: give one")
+    args.model = positional
 
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,

@@ -5,26 +5,34 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rtxcore.cli.common import add_engine_options, engine_config, finite_float, load_engine
+from rtxcore.cli.common import TEMPERATURE_HELP, add_engine_options, engine_config, finite_float, load_engine
 from rtxcore.cli.speculation import describe_stats
 from rtxcore.sampling_params import SamplingParams
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("generate", help="generate text from a prompt, streamed to the terminal")
-    p.add_argument("prompt", help="the prompt text")
+    p = sub.add_parser("generate", help="generate text from a prompt, streamed to the terminal",
+                       usage="%(prog)s [options] [MODEL] PROMPT",
+                       description="Stream one completion to the terminal. One positional argument is the prompt, "
+                                   "two are the model and the prompt: `rtx generate PROMPT` runs the default model "
+                                   "(or --model's), `rtx generate MODEL PROMPT` runs MODEL.")
+    add_engine_options(p)  # the optional MODEL first: then PROMPT
+    p.add_argument("prompt", metavar="PROMPT", help="the prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     p.add_argument("--system", default=None, help="system message (with --chat)")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=finite_float, default=0.0, help="0 for greedy (default)")
-    p.add_argument("--top-p", type=finite_float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=finite_float, default=0.0)
-    p.add_argument("--repetition-penalty", type=finite_float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=128, help="most tokens generated")
+    p.add_argument("--temperature", type=finite_float, default=SamplingParams().temperature,
+                   help=TEMPERATURE_HELP)
+    p.add_argument("--top-p", type=finite_float, default=1.0, help="nucleus sampling: keep the most likely tokens "
+                   "up to this total probability")
+    p.add_argument("--top-k", type=int, default=0, help="keep only the K most likely tokens; 0: all")
+    p.add_argument("--min-p", type=finite_float, default=0.0,
+                   help="drop tokens less likely than this fraction of the most likely one")
+    p.add_argument("--repetition-penalty", type=finite_float, default=1.0,
+                   help="above 1 makes tokens already in the text less likely")
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampling, for repeatable output")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
-    add_engine_options(p)
+    p.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
     p.set_defaults(run=run)
 
 

@@ -4,18 +4,54 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import NoReturn
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from rtxcore import __version__
+from rtxcore.cli.common import merge_model_argument
 from rtxcore.errors import RtxError
 
 EXIT_USAGE = 2
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, where it has one worth saying: not for a switch, a ``None`` or an
+    empty list, and not where the help already speaks of its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (not action.option_strings or action.nargs == 0 or action.default in (None, argparse.SUPPRESS, [])
+                or "default" in text.lower()):
+            return action.help
+        return f"{text} (default: %(default)s)"
+
+
 class _ArgumentParser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any):
+        kwargs.setdefault("formatter_class", _HelpFormatter)  # the subcommands' too: add_parser passes kwargs on
+        super().__init__(*args, **kwargs)
+        self._intermixing = False
+
     def error(self, message: str) -> NoReturn:  # argparse prints usage plus the error; we keep it to one line
         sys.stderr.write(f"{self.prog}: error: {message}\n")
         sys.exit(EXIT_USAGE)
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        if self._intermixing:  # one of the two passes of parse_known_intermixed_args, below
+            return super().parse_known_args(args, namespace)
+        if len(self._get_positional_actions()) > 1:
+            # ``rtx generate MODEL --max-tokens 8 PROMPT``: parsed in one pass, the optional MODEL would get nothing
+            # and PROMPT the model's name. The options first, then the positionals from what is left.
+            self._intermixing = True
+            try:
+                parsed, extras = self.parse_known_intermixed_args(args, namespace)
+            finally:
+                self._intermixing = False
+        else:
+            parsed, extras = super().parse_known_args(args, namespace)
+        merge_model_argument(self, parsed)
+        return parsed, extras
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,15 +6,23 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 from rtxcore.cli.plugins_conformance import add_test_parser
 from rtxcore.registry import load_plugins
+
+# The table's lines are cut to this many characters (--verbose gives everything).
+WIDTH = 100
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("plugins", help="inspect installed plugins")
     psub = p.add_subparsers(dest="plugins_command", required=True)
-    ls = psub.add_parser("list", help="list every registered plugin component")
+    ls = psub.add_parser("list", help="list every registered plugin component",
+                         description="One line per component: kind, name, the package it comes from and whether it "
+                                     f"can run here, cut to {WIDTH} characters.")
+    ls.add_argument("--verbose", "-v", action="store_true",
+                    help="also each component's plugin, capabilities and whole reason for being unavailable")
     ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ls.set_defaults(run=run_list)
     add_test_parser(psub)
@@ -36,22 +44,30 @@ def run_list(args: argparse.Namespace) -> int:
         json.dump({"plugins": rows, "failures": failures}, sys.stdout, indent=2, default=str)
         sys.stdout.write("\n")
         return 0
-    table = [("NAME", "KIND", "PACKAGE", "VERSION", "STATUS", "CAPABILITIES")]
-    for r in rows:
-        status = "available" if r["available"] else f"unavailable: {r['unavailable_reason']}"
-        table.append((r["name"], r["kind"], r["package"], r["version"], status, _summarize(r["capabilities"])))
-    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
-    for row in table:
-        sys.stdout.write("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1] + "\n")
-    for f in failures:
-        sys.stdout.write(f"FAILED  plugin {f['plugin']} ({f['package']}): {f['error']}\n")
+    lines = _table(rows)
+    if args.verbose:
+        lines = lines[:1] + [detail for row, line in zip(rows, lines[1:]) for detail in [line, *_details(row)]]
+    lines += [f"FAILED  plugin {f['plugin']} ({f['package']}): {f['error']}" for f in failures]
+    for line in lines:
+        sys.stdout.write((line if args.verbose or len(line) <= WIDTH else line[:WIDTH - 3] + "...") + "\n")
     return 0
 
 
-def _summarize(caps: dict) -> str:
-    parts = []
-    for key, value in caps.items():
+def _table(rows: list[dict[str, Any]]) -> list[str]:
+    """A header and one line per component, the columns aligned (the last one, the status, may be long)."""
+    table = [("KIND", "NAME", "PACKAGE", "STATUS")]
+    for r in rows:
+        status = "available" if r["available"] else f"unavailable: {r['unavailable_reason']}"
+        table.append((r["kind"], r["name"], f"{r['package']} {r['version']}", status))
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1] for row in table]
+
+
+def _details(row: dict[str, Any]) -> list[str]:
+    """The indented lines under a component's line with --verbose."""
+    lines = [f"    plugin: {row['plugin']}"]
+    for key, value in row["capabilities"].items():
         if isinstance(value, (list, tuple)):
-            value = ",".join(str(v) for v in value) or "-"
-        parts.append(f"{key}={value}")
-    return " ".join(parts)
+            value = ", ".join(str(v) for v in value) or "-"
+        lines.append(f"    {key}: {value}")
+    return lines

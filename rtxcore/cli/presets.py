@@ -99,10 +99,12 @@ def parse_preset(name: str, data: bytes, source: str) -> Preset:
 
 def engine_flags() -> dict[str, argparse.Action]:
     """The engine flags of every command that loads a model (rtxcore.cli.common), by dest name: only those, so a
-    preset means the same to serve, generate and bench."""
+    preset means the same to serve, generate and bench. The positional MODEL is --model's other spelling, not a key
+    of its own."""
     parser = argparse.ArgumentParser(add_help=False)
     add_engine_options(parser)
-    return {action.dest: action for action in parser._actions}  # argparse has no public list of its actions
+    # argparse has no public list of its actions
+    return {action.dest: action for action in parser._actions if action.option_strings}
 
 
 def _flag_value(flag: argparse.Action, value: Any, where: str) -> Any:

@@ -15,8 +15,9 @@ def add_parser(sub) -> None:
 
     d = ServeSettings()
     p = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible) and gRPC",
-                       description="Serve a model over HTTP (OpenAI-compatible API) and gRPC. With no arguments it "
-                                   "serves the default model on 127.0.0.1.")
+                       usage="%(prog)s [options] [MODEL]",
+                       description="Serve a model over HTTP (OpenAI-compatible API) and gRPC: `rtx serve MODEL`, as "
+                                   "`vllm serve MODEL`. With no arguments it serves the default model on 127.0.0.1.")
     g = p.add_argument_group("server")
     g.add_argument("--host", default=d.host, help=f"address to listen on (default: {d.host})")
     g.add_argument("--port", type=int, default=d.port, help=f"HTTP port; 0 picks a free one (default: {d.port})")
@@ -62,6 +63,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rtxcore.cli.progress import Progress
     from rtxcore.errors import ConfigError
     from rtxcore.models.resolve import resolve_model
     from rtxcore.server.launcher import serve
@@ -98,4 +100,6 @@ def run(args: argparse.Namespace) -> int:
     if tenants.auth_required:
         logging.getLogger("rtx.server").info("API keys required: %d tenants (%s)", len(tenants.tenants),
                                              ", ".join(sorted(tenants.tenants)))
-    return serve(ServingRuntime(config, settings, tenants))
+    # The bar of `rtx generate`, unless the log is asked to keep to warnings.
+    progress = Progress("weights") if args.log_level in ("debug", "info") else None
+    return serve(ServingRuntime(config, settings, tenants, progress=progress))

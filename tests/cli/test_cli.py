@@ -49,7 +49,7 @@ def test_prompt_longer_than_context(tmp_path):
 
 @pytest.mark.model
 def test_generate_streams_text():
-    proc = rtx("generate", "The capital of France is", "--max-tokens", "8")
+    proc = rtx("generate", "The capital of France is", "--max-tokens", "8", "--temperature", "0")
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     assert "8 tokens" in proc.stderr
@@ -60,7 +60,7 @@ def test_plugins_list_shows_builtins():
     assert proc.returncode == 0, proc.stderr
     for name, kind in [("fcfs", "scheduler"), ("lru", "eviction_policy"), ("lfu", "eviction_policy"),
                        ("default", "sampler"), ("torch", "backend")]:
-        line = next((ln for ln in proc.stdout.splitlines() if ln.split()[:2] == [name, kind]), None)
+        line = next((ln for ln in proc.stdout.splitlines() if ln.split()[:2] == [kind, name]), None)
         assert line is not None, proc.stdout
         assert "rtx-serve" in line
     data = json.loads(rtx("plugins", "list", "--json").stdout)
@@ -69,6 +69,35 @@ def test_plugins_list_shows_builtins():
     assert rows[("torch", "backend")]["capabilities"]["paged_kv"] is True
     assert rows[("fcfs", "scheduler")]["package"] == "rtx-serve"
     assert data["failures"] == []
+
+
+def test_plugins_list_fits_100_columns_and_verbose_and_json_say_the_rest(tmp_path):
+    # A component with a long name and a long reason for being unavailable: its line is cut, not wrapped.
+    reason = "needs the vendor's driver, " * 12
+    _install_fake_distribution(
+        tmp_path, "rtx-wordy-plugins", {"wordy": "rtx_wordy"},
+        {"rtx_wordy": ("from rtxcore.hookspecs import hookimpl\n"
+                       "from rtx_plugins.eviction.lru import LRUPolicy\n"
+                       "class Wordy(LRUPolicy):\n"
+                       "    @classmethod\n"
+                       "    def describe(cls):\n"
+                       f"        return {{'available': False, 'unavailable_reason': {reason!r}, 'flavour': 'umami'}}\n"
+                       "@hookimpl\ndef register_eviction_policies(register):\n"
+                       "    register('least-recently-used-with-a-very-long-name', Wordy)\n")})
+    env = {"PYTHONPATH": str(tmp_path)}
+    table = rtx("plugins", "list", env=env)
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 100, table.stdout
+    data = json.loads(rtx("plugins", "list", "--json", env=env).stdout)
+    listed = {tuple(line.split()[:2]) for line in lines[1:]}
+    assert {(p["kind"], p["name"]) for p in data["plugins"]} == listed
+    wordy = next(p for p in data["plugins"] if p["package"] == "rtx-wordy-plugins")
+    assert wordy["unavailable_reason"] == reason and wordy["capabilities"] == {"flavour": "umami"}
+    verbose = rtx("plugins", "list", "--verbose", env=env)
+    assert verbose.returncode == 0, verbose.stderr
+    assert reason.strip() in verbose.stdout and "    flavour: umami" in verbose.stdout
+    assert "    plugin: wordy" in verbose.stdout and "    paged_kv: True" in verbose.stdout  # the torch backend's
 
 
 def _install_fake_distribution(root: Path, dist: str, entry_points: dict[str, str], modules: dict[str, str]) -> None:

@@ -183,7 +183,7 @@ def test_bench_without_speculation_reports_none(tmp_path):
 @pytest.mark.model
 def test_generate_prints_the_acceptance_line():
     proc = rtx("generate", "Repeat exactly: the quick brown fox jumps over the lazy dog. Repeat exactly: the quick",
-               "--max-tokens", "16", "--speculative", "ngram")
+               "--max-tokens", "16", "--speculative", "ngram", "--temperature", "0")
     assert proc.returncode == 0, proc.stderr
     line = next(ln for ln in proc.stderr.splitlines() if ln.startswith("[speculative ngram: "))
     assert "acceptance rate" in line and "mean accepted length" in line

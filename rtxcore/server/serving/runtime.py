@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,13 +31,15 @@ log = logging.getLogger("rtx.server")
 
 class ServingRuntime:
     def __init__(self, engine_config: EngineConfig, settings: ServeSettings | None = None,
-                 tenants: TenantRegistry | None = None):
+                 tenants: TenantRegistry | None = None, progress: Callable[[int, int], None] | None = None):
         from rtxcore.metrics import EngineMetrics
 
         self.engine_config = engine_config
         self.settings = settings or ServeSettings()
         # API keys and limits; an empty registry serves unauthenticated.
         self.tenants = tenants or TenantRegistry([])
+        # Told (done, total) as the weights load: `rtx serve`'s progress bar; None says nothing.
+        self.progress = progress
         self.model_name = self.settings.served_model_name or engine_config.model or DEFAULT_MODEL
         self.backend_name = engine_config.backend
         self.metrics = EngineMetrics(self.model_name)
@@ -80,7 +83,7 @@ class ServingRuntime:
             if policy.public_key is not None:
                 # Exports and engines cached on disk are checked too: reused only with a valid signature.
                 self.engine_config.verify_artifact = partial(verify_model, public_key=policy.public_key)
-            engine = EngineCore(self.engine_config, source=source)
+            engine = EngineCore(self.engine_config, source=source, progress=self.progress)
             if self.settings.served_model_name is None:
                 self.model_name = engine.source.name
                 self.metrics.set_model_name(self.model_name)

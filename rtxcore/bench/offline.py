@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from rtxcore.bench.engine import Engine, drain, generate
 from rtxcore.bench.workloads import BenchRequest
+from rtxcore.engine.outputs import RequestOutput
 from rtxcore.sampling_params import SamplingParams
+
+# progress(done, total), as rtxcore.cli.progress.Progress takes it.
+Progress = Callable[[int, int], None]
 
 
 @dataclass(slots=True)
@@ -33,34 +38,59 @@ def _params(r: BenchRequest) -> SamplingParams:
 
 
 def run_engine(engine: Engine, requests: list[BenchRequest], label: str = "rtx engine",
-               static_batching: bool = False) -> ThroughputResult:
+               static_batching: bool = False, progress: Progress | None = None) -> ThroughputResult:
     """:param static_batching: admit the next batch only when the whole previous one finished (the classic
-    baseline), with batches as large as the engine's max_num_seqs."""
+    baseline), with batches as large as the engine's max_num_seqs.
+    :param progress: called as ``progress(num_finished, num_requests)``: with 0 at the start, then after each step
+        that finished a request.
+    """
+    on_step = None
+    if progress is not None:
+        progress(0, len(requests))
+        on_step = _count_finished(progress, len(requests))
     start = time.perf_counter()
     produced = 0
     if static_batching:
         size = engine.core.config.scheduling.max_num_seqs
         for i in range(0, len(requests), size):
-            produced += _drain(engine, requests[i:i + size])
+            produced += _drain(engine, requests[i:i + size], on_step)
     else:
-        produced = _drain(engine, requests)
+        produced = _drain(engine, requests, on_step)
     elapsed = time.perf_counter() - start
     return ThroughputResult(label, len(requests), produced, sum(len(r.prompt_token_ids) for r in requests), elapsed)
 
 
-def _drain(engine: Engine, requests: list[BenchRequest]) -> int:
-    return drain(engine, ((r.prompt_token_ids, _params(r)) for r in requests))
+def _drain(engine: Engine, requests: list[BenchRequest], on_step: Callable | None = None) -> int:
+    return drain(engine, ((r.prompt_token_ids, _params(r)) for r in requests), on_step)
 
 
-def warm_up(engine: Engine, requests: list[BenchRequest] | None = None) -> None:
+def _count_finished(progress: Progress, total: int) -> Callable:
+    """A ``drain`` step hook that reports the requests finished so far, only after a step that finished one (most
+    finish none: the timed loop pays for a look at each step's outputs and little more)."""
+    num_finished = 0
+
+    def on_step(step: Callable[[], list[RequestOutput]]) -> list[RequestOutput]:
+        nonlocal num_finished
+        outputs = step()
+        finished = sum(1 for o in outputs if o.finished)
+        if finished:
+            num_finished += finished
+            progress(num_finished, total)
+        return outputs
+    return on_step
+
+
+def warm_up(engine: Engine, requests: list[BenchRequest] | None = None, progress: Progress | None = None) -> None:
     """Run work that is not timed, so one-time costs stay out of the figures.
 
     On an accelerator, kernels are compiled and autotuned per shape the first time each runs, and one short request
     reaches only a few of the shapes a workload needs: there the workload itself runs once. On the CPU nothing is
     compiled per shape and one short request will do.
+
+    :param progress: as for :func:`run_engine`, when the workload runs.
     """
     if requests and engine.core.backend.device.type != "cpu":
-        run_engine(engine, requests)
+        run_engine(engine, requests, progress=progress)
     else:
         generate(engine, [[100 + i for i in range(16)]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     engine.core.kv_cache.reset_prefix_cache()

@@ -15,6 +15,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,16 +104,19 @@ async def _one(client, base: str, model: str, r: BenchRequest, ttfts: list[float
     return tokens
 
 
-async def _run_clients(base: str, requests: list[BenchRequest]) -> ServedResult:
+async def _run_clients(base: str, requests: list[BenchRequest],
+                       progress: Callable[[int, int], None] | None = None) -> ServedResult:
     import httpx
 
     ttfts: list[float] = []
     limits = httpx.Limits(max_connections=len(requests) + 4)
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
         model = (await client.get(base + "/v1/models")).json()["data"][0]["id"]
+        clients = [asyncio.ensure_future(_one(client, base, model, r, ttfts)) for r in requests]
+        if progress is not None:
+            _report_ended(clients, progress)
         start = time.perf_counter()
-        results = await asyncio.gather(*(_one(client, base, model, r, ttfts) for r in requests),
-                                       return_exceptions=True)
+        results = await asyncio.gather(*clients, return_exceptions=True)
         elapsed = time.perf_counter() - start
     errors = sum(1 for x in results if isinstance(x, BaseException))
     produced = sum(x for x in results if isinstance(x, int))
@@ -120,12 +124,27 @@ async def _run_clients(base: str, requests: list[BenchRequest]) -> ServedResult:
                         errors)
 
 
-def run_served(engine_args: list[str], requests: list[BenchRequest]) -> ServedResult:
+def _report_ended(clients: Sequence[asyncio.Future], progress: Callable[[int, int], None]) -> None:
+    progress(0, len(clients))
+    ended = 0
+
+    def one_ended(_: asyncio.Future) -> None:
+        nonlocal ended
+        ended += 1
+        progress(ended, len(clients))
+    for future in clients:
+        future.add_done_callback(one_ended)
+
+
+def run_served(engine_args: list[str], requests: list[BenchRequest],
+               progress: Callable[[int, int], None] | None = None) -> ServedResult:
+    """:param progress: called as ``progress(num_ended, num_requests)``: with 0 as the clients start, then as each
+        client's request ends."""
     proc, base = start_server(engine_args)
     try:
         # Warm-up request, as the offline run gets one.
         asyncio.run(_run_clients(base, requests[:1]))
-        return asyncio.run(_run_clients(base, requests))
+        return asyncio.run(_run_clients(base, requests, progress))
     finally:
         stop_server(proc)
 

@@ -22,6 +22,7 @@ from rtxcore.cli.common import (
     output_file,
     positive_int,
 )
+from rtxcore.cli.progress import Progress
 from rtxcore.cli.speculation import describe_stats, stats_since
 from rtxcore.engine.speculation.config import SpeculativeConfig
 from rtxcore.errors import ConfigError
@@ -89,11 +90,11 @@ def run(args: argparse.Namespace) -> int:
     requests = make_requests(workload, engine.core.model_config.vocab_size, seed=args.seed,
                              num_requests=args.num_requests, tokenizer=engine.core.tokenizer)
     sys.stderr.write(f"workload {workload.name}: {workload.description} ({len(requests)} requests)\n")
-    warm_up(engine, requests)
+    warm_up(engine, requests, _requests_progress("warm-up"))
     method = config.speculative.method
     # The warm-up speculated too: only the timed run counts.
     before = copy.deepcopy(engine.core.speculator.stats[method]) if method is not None else ProposerStats()
-    results: list[ThroughputResult] = [run_engine(engine, requests)]
+    results: list[ThroughputResult] = [run_engine(engine, requests, progress=_requests_progress("timed run"))]
     sys.stderr.write(f"{results[0].label}: {results[0].tokens_per_s:.1f} output tok/s\n")
     speculation = None
     if method is not None:
@@ -105,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         del engine  # the server process loads its own copy
         release_device_memory()
         sys.stderr.write(f"serving the same requests to {len(requests)} concurrent streaming clients...\n")
-        served = run_served(engine_cli_args(args), requests)
+        served = run_served(engine_cli_args(args), requests, _requests_progress("served"))
         print(f"# served: {summarize(served)}")
         # The offline engine is the baseline: the ratio is served / offline tokens per second.
         _report(args, workload.name, [served, results[0]], speculation)
@@ -114,19 +115,22 @@ def run(args: argparse.Namespace) -> int:
         del engine
         release_device_memory()
         baseline = load_engine(dataclasses.replace(config, quantization=None))
-        warm_up(baseline, requests)
-        results.append(run_engine(baseline, requests, label=f"rtx engine ({baseline.core.backend.dtype}, unquantized)"))
+        warm_up(baseline, requests, _requests_progress("baseline warm-up"))
+        results.append(run_engine(baseline, requests, label=f"rtx engine ({baseline.core.backend.dtype}, unquantized)",
+                                  progress=_requests_progress("baseline")))
         results[0].label = f"rtx engine ({config.quantization})"
     elif args.baseline == "plain":
         del engine
         release_device_memory()
         baseline = load_engine(dataclasses.replace(config, speculative=SpeculativeConfig()))
-        warm_up(baseline, requests)
-        results.append(run_engine(baseline, requests, label="rtx engine (plain decoding)"))
+        warm_up(baseline, requests, _requests_progress("baseline warm-up"))
+        results.append(run_engine(baseline, requests, label="rtx engine (plain decoding)",
+                                  progress=_requests_progress("baseline")))
         results[0].label = f"rtx engine ({method})"
     elif args.baseline == "static":
         engine.core.kv_cache.reset_prefix_cache()
-        results.append(run_engine(engine, requests, label="rtx engine (static batching)", static_batching=True))
+        results.append(run_engine(engine, requests, label="rtx engine (static batching)", static_batching=True,
+                                  progress=_requests_progress("baseline")))
     elif args.baseline == "hf":
         from rtxcore.bench.hf_baseline import load_hf_model, run_hf_static
 
@@ -142,6 +146,11 @@ def run(args: argparse.Namespace) -> int:
         results.append(run_hf_static(model, requests))
     _report(args, workload.name, results, speculation)
     return 0
+
+
+def _requests_progress(phase: str) -> Progress:
+    """Requests finished in one phase, on stderr (stdout carries the results alone)."""
+    return Progress(phase, unit="req")
 
 
 def _weight_bytes(engine) -> int:

@@ -8,6 +8,7 @@ import json
 import sys
 
 from rtxcore.cli.common import finite_float, output_file
+from rtxcore.cli.progress import Progress
 from rtxcore.errors import ConfigError
 
 
@@ -76,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     def log(line: str) -> None:
         sys.stderr.write(line + "\n")
 
-    report = run_loadgen_sync(config, log=log)
+    # Requests of the load phase that ended, on stderr with the phases' lines: stdout carries the report alone.
+    report = run_loadgen_sync(config, log=log, progress=Progress("load", unit="req"))
     print(report.table())
     if args.json_path:
         command = "rtx " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["loadgen"] else "rtx loadgen"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import signal
-import sys
 import threading
 from pathlib import Path
 
@@ -36,6 +35,7 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
+    from rtxcore.cli.progress import Progress
     from rtxcore.errors import ConfigError
     from rtxcore.quant.pipeline import QuantizeOptions, quantize_model, render_table
     from rtxcore.registry import load_plugins
@@ -55,11 +55,13 @@ def run(args: argparse.Namespace) -> int:
     on_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_interrupt) if on_main_thread else None
 
+    progress = Progress("layers", unit="layer")
+
     def log(line: str) -> None:
-        sys.stderr.write(f"rtx quantize: {line}\n")
+        progress.write(f"rtx quantize: {line}")  # above the bar on a terminal, not through it
 
     try:
-        report = quantize_model(args.model, options, registry, log=log)
+        report = quantize_model(args.model, options, registry, log=log, progress=progress)
     finally:
         if on_main_thread:
             signal.signal(signal.SIGTERM, previous)

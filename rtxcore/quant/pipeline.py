@@ -69,9 +69,13 @@ def evaluation_tokens(source: ModelSource, num_tokens: int) -> list[int]:
 
 
 def quantize_model(model: str | None, options: QuantizeOptions, registry: PluginRegistry,
-                   log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+                   log: Callable[[str], None] = lambda line: None,
+                   progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Quantize ``model`` into ``options.out``; returns the report (also saved beside the weights).
 
+    :param log: receives a line as each phase starts and for each layer that falls back.
+    :param progress: ``progress(done, total)``, counted in linear layers: ``(0, total)`` before the first is
+        quantized, then once per group of layers that run fused (q|k|v, gate|up), the last time with ``done == total``.
     :raises ConfigError, ModelLoadError, PluginError: bad method, model or output directory; nothing is left at
         ``options.out`` then.
     """
@@ -104,6 +108,9 @@ def quantize_model(model: str | None, options: QuantizeOptions, registry: Plugin
             raise ConfigError(f"{source.name} is already quantized ({name})")
         weights[name] = weight
     choices: list[GroupChoice] = []
+    num_layers, num_done = sum(len(names) for names in groups), 0
+    if progress is not None:
+        progress(0, num_layers)
     for names in groups:
         try:
             choice = choose(names, weights, stats, options.method, quantizer_for, options.max_layer_error)
@@ -112,6 +119,9 @@ def quantize_model(model: str | None, options: QuantizeOptions, registry: Plugin
         choices.append(choice)
         if choice.method != options.method:
             log(f"{', '.join(map(_short, names))}: {fallback_reason(choice)}")
+        num_done += len(names)
+        if progress is not None:
+            progress(num_done, num_layers)
     del stats
     dtype = _DTYPES[options.dtype]
     tensors: dict[str, torch.Tensor | QuantizedTensor] = {

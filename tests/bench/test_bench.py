@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rtxcore.bench.hf_baseline import load_hf_model
@@ -31,3 +32,14 @@ def test_engine_counts_every_requested_token(registry):
     assert result.output_tokens == sum(r.output_len for r in requests)
     static = run_engine(engine, requests, static_batching=True)
     assert static.output_tokens == result.output_tokens
+
+
+@pytest.mark.parametrize("static_batching", [False, True])
+def test_progress_counts_finished_requests(registry, static_batching):
+    engine = make_engine("dummy:tiny", registry=registry)
+    requests = make_requests("cpu-small", engine.core.model_config.vocab_size, seed=3)
+    calls: list[tuple[int, int]] = []
+    run_engine(engine, requests, static_batching=static_batching,
+               progress=lambda done, total: calls.append((done, total)))
+    done = [d for d, _ in calls]
+    assert done == sorted(set(done)) and calls[-1] == (len(requests), len(requests)), calls

@@ -17,7 +17,7 @@ import torch
 from rtxcore.contracts.backend import BackendOptions
 from rtxcore.models.resolve import resolve_model
 from rtxcore.quant.evaluation import prefill_logits
-from rtxcore.quant.pipeline import evaluation_tokens
+from rtxcore.quant.pipeline import QuantizeOptions, evaluation_tokens, quantize_model
 from rtxcore.registry import load_plugins
 from tests.helpers.cli import RTX, assert_one_line_error, rtx
 
@@ -98,6 +98,7 @@ def test_tight_budget_falls_back_and_names_the_layers(tmp_path):
     proc = quantize(out, "int4", "--max-layer-error", str(budget))
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
+    assert "layers: 210/210 (100%)" in proc.stderr  # progress, as whole lines when stderr is not a terminal
     layers = json.loads((out / "config.json").read_text())["quantization_config"]["rtx"]["layers"]
     fell_back = {name for fb in report["fallbacks"] for name in fb["layers"]}
     assert fell_back and len(fell_back) < len(report["layers"]), "the budget should split the layers"
@@ -200,31 +201,52 @@ def test_sigterm_midway_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_failure_midway_leaves_nothing(tmp_path):
-    """A model int4 cannot group (40 input features) fails after calibration: no --out, no partial directory."""
+def _small_model(directory: Path, hidden: int, intermediate: int, num_layers: int = 1, num_heads: int = 5,
+                 num_kv_heads: int = 5) -> Path:
+    """A random-weight model of the default one's architecture and tokenizer, small enough to quantize at once."""
     from safetensors.torch import save_file
 
     default = resolve_model(None)
-    model = tmp_path / "odd"
-    model.mkdir()
-    config = default.config.to_hf() | {"hidden_size": 40, "num_hidden_layers": 1, "num_attention_heads": 5,
-                                        "num_key_value_heads": 5, "head_dim": 8, "intermediate_size": 96}
-    (model / "config.json").write_text(json.dumps(config))
-    default.tokenizer().save(model)
+    directory.mkdir()
+    config = default.config.to_hf() | {
+        "hidden_size": hidden, "num_hidden_layers": num_layers, "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads, "head_dim": hidden // num_heads, "intermediate_size": intermediate}
+    (directory / "config.json").write_text(json.dumps(config))
+    default.tokenizer().save(directory)
     gen = torch.Generator().manual_seed(0)
-    v = config["vocab_size"]
-    shapes = {"model.embed_tokens.weight": (v, 40), "model.norm.weight": (40,),
-              "model.layers.0.input_layernorm.weight": (40,), "model.layers.0.post_attention_layernorm.weight": (40,)}
-    for proj, shape in {"q": (40, 40), "k": (40, 40), "v": (40, 40), "o": (40, 40)}.items():
-        shapes[f"model.layers.0.self_attn.{proj}_proj.weight"] = shape
-    for proj, shape in {"gate": (96, 40), "up": (96, 40), "down": (40, 96)}.items():
-        shapes[f"model.layers.0.mlp.{proj}_proj.weight"] = shape
-    save_file({k: torch.randn(s, generator=gen) * 0.05 for k, s in shapes.items()}, str(model / "model.safetensors"))
+    kv = num_kv_heads * hidden // num_heads
+    shapes = {"model.embed_tokens.weight": (config["vocab_size"], hidden), "model.norm.weight": (hidden,)}
+    for i in range(num_layers):
+        layer = f"model.layers.{i}"
+        shapes |= {f"{layer}.input_layernorm.weight": (hidden,), f"{layer}.post_attention_layernorm.weight": (hidden,)}
+        for proj, shape in {"q": (hidden, hidden), "k": (kv, hidden), "v": (kv, hidden), "o": (hidden, hidden)}.items():
+            shapes[f"{layer}.self_attn.{proj}_proj.weight"] = shape
+        for proj, shape in {"gate": (intermediate, hidden), "up": (intermediate, hidden),
+                            "down": (hidden, intermediate)}.items():
+            shapes[f"{layer}.mlp.{proj}_proj.weight"] = shape
+    save_file({k: torch.randn(s, generator=gen) * 0.05 for k, s in shapes.items()},
+              str(directory / "model.safetensors"))
+    return directory
+
+
+def test_failure_midway_leaves_nothing(tmp_path):
+    """A model int4 cannot group (40 input features) fails after calibration: no --out, no partial directory."""
+    model = _small_model(tmp_path / "odd", hidden=40, intermediate=96)
     out = tmp_path / "out"
     proc = rtx("quantize", str(model), "--method", "int4", "--out", str(out), *FAST)
     assert_one_line_error(proc, "cannot be split into groups")
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if "partial" in p.name]
+
+
+def test_progress_is_reported_once_per_group_of_fused_layers(tmp_path, registry):
+    model = _small_model(tmp_path / "small", hidden=64, intermediate=128, num_layers=2, num_heads=4, num_kv_heads=2)
+    calls: list[tuple[int, int]] = []
+    options = QuantizeOptions("int8", tmp_path / "out", calibration_tokens=512, eval_tokens=0)
+    report = quantize_model(str(model), options, registry, progress=lambda done, total: calls.append((done, total)))
+    # The start, then per layer: q|k|v, o, gate|up and down, counted in linear layers.
+    assert calls == [(0, 14), (3, 14), (4, 14), (6, 14), (7, 14), (10, 14), (11, 14), (13, 14), (14, 14)]
+    assert len(report["layers"]) == 14
 
 
 def _copy(src: Path, dst: Path) -> Path:

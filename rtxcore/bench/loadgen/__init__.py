@@ -119,9 +119,12 @@ def make_client(config: LoadgenConfig) -> httpx.AsyncClient:
     return httpx.AsyncClient(timeout=None, limits=limits, trust_env=False)
 
 
-async def run_loadgen(config: LoadgenConfig, log: Callable[[str], None] | None = None) -> LoadgenReport:
+async def run_loadgen(config: LoadgenConfig, log: Callable[[str], None] | None = None,
+                      progress: Callable[[int, int], None] | None = None) -> LoadgenReport:
     """Measure capacity if needed, then offer the load; ``log`` receives a line as each phase starts and ends.
 
+    :param progress: called as ``progress(num_ended, num_planned)`` in the load phase: with 0 as it starts, then
+        as each request ends.
     :raises RtxError: the server cannot be reached, or completed nothing while capacity was measured.
     """
     say = log or (lambda line: None)
@@ -149,7 +152,7 @@ async def run_loadgen(config: LoadgenConfig, log: Callable[[str], None] | None =
         plan = plan_requests(config, base_rate)
         say(f"offering {base_rate:.3g} req/s, {config.pattern.describe()}, for {config.duration_s:g}s: "
             f"{len(plan)} requests")
-        results, samples, max_lag = await _open_loop(client, config, plan)
+        results, samples, max_lag = await _open_loop(client, config, plan, progress)
     lanes = [LaneStats.from_results(lane.name, [r for r in results if r.lane == lane.name], targets.by_lane,
                                     config.duration_s) for lane in config.lanes]
     overall = LaneStats.from_results("all", results, targets.by_lane, config.duration_s)
@@ -158,7 +161,8 @@ async def run_loadgen(config: LoadgenConfig, log: Callable[[str], None] | None =
                          targets, lanes, overall, samples, max_lag, results)
 
 
-async def _open_loop(client: httpx.AsyncClient, config: LoadgenConfig, plan: list[PlannedRequest]
+async def _open_loop(client: httpx.AsyncClient, config: LoadgenConfig, plan: list[PlannedRequest],
+                     progress: Callable[[int, int], None] | None = None
                      ) -> tuple[list[RequestResult], list[BrownoutSample], float]:
     # Prompt contents come from fresh entropy: a second run with the same seed must not hit the first one's
     # prompts in the prefix cache. The plan (times, lanes, lengths) stays reproducible.
@@ -169,6 +173,15 @@ async def _open_loop(client: httpx.AsyncClient, config: LoadgenConfig, plan: lis
     poller = asyncio.ensure_future(poll_brownout(client, config, origin, samples, stop))
     tasks: list[asyncio.Future[RequestResult]] = []
     max_lag = 0.0
+    num_ended = 0
+    if progress is not None:
+        progress(0, len(plan))
+
+    def one_ended(_: asyncio.Future) -> None:
+        nonlocal num_ended
+        num_ended += 1
+        if progress is not None:
+            progress(num_ended, len(plan))
     try:
         for planned in plan:
             prompt = random_prompt(planned.num_prompt_tokens, config.token_id_range, prompt_rng)
@@ -178,6 +191,7 @@ async def _open_loop(client: httpx.AsyncClient, config: LoadgenConfig, plan: lis
             now = time.perf_counter() - origin
             max_lag = max(max_lag, now - planned.send_at_s)
             tasks.append(asyncio.ensure_future(send_request(client, config, planned, prompt, now)))
+            tasks[-1].add_done_callback(one_ended)
         results = list(await asyncio.gather(*tasks))
     finally:
         for task in tasks:  # only when interrupted: gather has finished them otherwise
@@ -187,5 +201,6 @@ async def _open_loop(client: httpx.AsyncClient, config: LoadgenConfig, plan: lis
     return results, samples, max_lag
 
 
-def run_loadgen_sync(config: LoadgenConfig, log: Callable[[str], None] | None = None) -> LoadgenReport:
-    return asyncio.run(run_loadgen(config, log))
+def run_loadgen_sync(config: LoadgenConfig, log: Callable[[str], None] | None = None,
+                     progress: Callable[[int, int], None] | None = None) -> LoadgenReport:
+    return asyncio.run(run_loadgen(config, log, progress))

@@ -79,3 +79,13 @@ def register_proposers(register: Register) -> None:
         :class:`rtxcore.contracts.proposer.ProposerContext`.
     :returns: nothing; results go through ``register``.
     """
+
+
+@hookspec
+def register_logits_processors(register: Register) -> None:
+    """Register logits processors (subclasses of :class:`rtxcore.contracts.LogitsProcessor`).
+
+    :param register: call ``register(name, cls)`` for each processor; ``cls(context)`` must build one, with a
+        :class:`rtxcore.contracts.logits_processor.LogitsProcessorContext`. A request asks for it by that name.
+    :returns: nothing; results go through ``register``.
+    """

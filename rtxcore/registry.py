@@ -42,6 +42,7 @@ KINDS: dict[str, PluginKind] = {
         PluginKind("quantizer", "register_quantizers", "Quantizer"),
         PluginKind("backend", "register_backends", "ExecutionBackend"),
         PluginKind("proposer", "register_proposers", "Proposer"),
+        PluginKind("logits_processor", "register_logits_processors", "LogitsProcessor"),
     )
 }
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Self
+from typing import TYPE_CHECKING, Self
 
 from rtxcore.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from rtxcore.engine.logits_processing import RequestLogits
 
 
 class RequestStatus(enum.Enum):
@@ -64,6 +67,8 @@ class Request:
     # accepted_prediction_tokens and rejected_prediction_tokens).
     num_accepted_draft_tokens: int = 0
     num_rejected_draft_tokens: int = 0
+    # Its logits processors' prepared arguments and states (rtxcore.engine.logits_processing); None uses none.
+    logits: RequestLogits | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

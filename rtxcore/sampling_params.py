@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from rtxcore.errors import InvalidRequestError
+
+# The kinds of structured output (rtx_plugins.logits_processors.structured_output): exactly one per request.
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 @dataclass(slots=True)
@@ -32,6 +36,31 @@ class SamplingParams:
     # token whose probability at the exit layer reaches this is emitted as it is, without the full model's say.
     # Trades quality for speed (docs/speculative.md measures the cost); None (the default) keeps the full model's.
     early_exit_threshold: float | None = None
+    # Logits processors (rtxcore.contracts.logits_processor). OpenAI's logit_bias: token id -> added to its logit,
+    # in [-100, 100] (keys may be strings of digits, as JSON objects have them).
+    logit_bias: dict[int, float] | None = None
+    # Only these tokens may be sampled (vLLM's allowed_token_ids); these never may.
+    allowed_token_ids: list[int] | None = None
+    banned_token_ids: list[int] | None = None
+    # Output held to a grammar: one of {"json": <JSON schema>}, {"json_object": true}, {"regex": <pattern>},
+    # {"choice": [<strings>]}, {"grammar": <EBNF or Lark text>}.
+    structured_output: dict[str, Any] | None = None
+    # Other installed logits processors by registered name -> their arguments (JSON values).
+    logits_processors: dict[str, Any] = field(default_factory=dict)
+
+    def processor_args(self) -> dict[str, Any]:
+        """Every logits processor this request uses, by registered name, with its arguments."""
+        args: dict[str, Any] = {}
+        if self.logit_bias:
+            args["logit_bias"] = self.logit_bias
+        if self.allowed_token_ids is not None:
+            args["allowed_tokens"] = self.allowed_token_ids
+        if self.banned_token_ids:
+            args["banned_tokens"] = self.banned_token_ids
+        if self.structured_output is not None:
+            args["structured_output"] = self.structured_output
+        args.update(self.logits_processors)
+        return args
 
     @property
     def needs_output_history(self) -> bool:
@@ -67,6 +96,32 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             value = getattr(self, name)
             _check(isinstance(value, bool), f"{name} must be true or false, got {value!r}", name)
+        self._check_processor_fields()
+
+    def _check_processor_fields(self) -> None:
+        if self.logit_bias is not None:
+            _check(isinstance(self.logit_bias, dict), "logit_bias must be an object of token id -> bias", "logit_bias")
+            bias: dict[int, float] = {}
+            for key, value in self.logit_bias.items():
+                token = int(key) if isinstance(key, str) and key.isdigit() else key
+                _check(is_int(token) and token >= 0, f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+                _check(_is_number(value) and -100 <= value <= 100,
+                       f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {key}",
+                       "logit_bias")
+                bias[token] = float(value)
+            self.logit_bias = bias
+        for name in ("allowed_token_ids", "banned_token_ids"):
+            ids = getattr(self, name)
+            _check(ids is None or (isinstance(ids, list) and all(is_int(t) and t >= 0 for t in ids)),
+                   f"{name} must be a list of token ids", name)
+        _check(self.allowed_token_ids != [], "allowed_token_ids must not be empty", "allowed_token_ids")
+        so = self.structured_output
+        if so is not None:
+            _check(isinstance(so, dict) and len(so) == 1 and next(iter(so)) in STRUCTURED_OUTPUT_KINDS,
+                   f"structured_output must have exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}",
+                   "structured_output")
+        _check(isinstance(self.logits_processors, dict) and all(isinstance(k, str) for k in self.logits_processors),
+               "logits_processors must be an object of processor name -> arguments", "logits_processors")
 
     @property
     def greedy(self) -> bool:

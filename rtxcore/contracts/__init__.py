@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rtxcore.contracts.backend import BackendCapabilities, BackendOptions, ExecutionBackend, ForwardBatch
     from rtxcore.contracts.eviction import EvictionPolicy
+    from rtxcore.contracts.logits_processor import LogitsProcessor, LogitsProcessorContext, RowContext
     from rtxcore.contracts.proposer import Proposer, ProposerContext
     from rtxcore.contracts.quantizer import LayerStats, QuantizedTensor, Quantizer
     from rtxcore.contracts.sampler import Sampler, SamplerOutput, SamplingBatch
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 _MODULES = {
     "backend": ("BackendCapabilities", "BackendOptions", "ExecutionBackend", "ForwardBatch"),
     "eviction": ("EvictionPolicy",),
+    "logits_processor": ("LogitsProcessor", "LogitsProcessorContext", "RowContext"),
     "proposer": ("Proposer", "ProposerContext"),
     "quantizer": ("LayerStats", "QuantizedTensor", "Quantizer"),
     "sampler": ("Sampler", "SamplerOutput", "SamplingBatch"),
@@ -30,6 +32,7 @@ _WHERE = {name: module for module, names in _MODULES.items() for name in names}
 __all__ = [
     "BackendCapabilities", "BackendOptions", "ExecutionBackend", "ForwardBatch",
     "EvictionPolicy",
+    "LogitsProcessor", "LogitsProcessorContext", "RowContext",
     "Proposer", "ProposerContext",
     "LayerStats", "QuantizedTensor", "Quantizer",
     "Sampler", "SamplerOutput", "SamplingBatch",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import itertools
 import logging
 import queue
@@ -124,9 +125,13 @@ class AsyncEngine:
         def sink(item: RequestOutput | BaseException) -> None:
             loop.call_soon_threadsafe(outputs.put_nowait, item)
 
-        req = self.inputs.make_request(prompt, params, req_id, cache_salt=cache_salt, lane=lane, tenant=tenant,
-                                       output_token_ids=output_token_ids or (), draft_token_ids=draft_token_ids,
-                                       speculative=speculative)
+        make = functools.partial(self.inputs.make_request, prompt, params, req_id, cache_salt=cache_salt, lane=lane,
+                                 tenant=tenant, output_token_ids=output_token_ids or (),
+                                 draft_token_ids=draft_token_ids, speculative=speculative)
+        # A request with logits processors compiles its grammar as it is made (milliseconds; the first one also
+        # builds the vocabulary's tables, 0.4 s): off the event loop. Others are made in place, where a thread hop
+        # would cost more than the work.
+        req = await asyncio.to_thread(make) if params.processor_args() else make()
         sub = _Submission(req, sink)
         self._inbox.put(sub)
         self._wake.set()

@@ -45,6 +45,7 @@ class EngineCore:
         self.sampler = parts.sampler
         self.output_processor = parts.output_processor
         self.speculator = parts.speculator
+        self.logits = parts.logits
         self.requests: dict[str, Request] = {}
         self.generators: dict[str, torch.Generator] = {}
         # Set by each step: how long the scheduler holds its waiting work to merge arrivals (0: no hold).
@@ -69,7 +70,7 @@ class EngineCore:
         """A processor checking requests against this engine's vocabulary, context and cache."""
         limits = InputLimits(self.model_config.vocab_size, self.max_model_len,
                              self.kv_cache.num_usable_blocks * self.config.block_size, self.config.block_size)
-        return InputProcessor(self.tokenizer, limits, self.source.name)
+        return InputProcessor(self.tokenizer, limits, self.source.name, self.logits)
 
     # -- requests -------------------------------------------------------------------------------------------------
 
@@ -100,6 +101,7 @@ class EngineCore:
         self.requests[req.req_id] = req
         self.output_processor.add(req)
         self.speculator.on_add(req, self.scheduler.num_running)
+        self.logits.on_add(req)
         if self._overlap is not None:
             self._overlap.on_add(req)
 
@@ -128,6 +130,7 @@ class EngineCore:
         logits = self.execute(plan)
         if not plan.sampling_reqs:
             return []
+        self.logits.apply(logits, plan.sampling_reqs, plan.num_rows)
         sampled = self.sampler.sample(logits, plan.sampling)
         if plan.num_rows is None:
             outputs = self.update(plan.sampling_reqs, sampled)
@@ -166,6 +169,7 @@ class EngineCore:
             self.scheduler.finish_request(req)
         self.output_processor.remove(req.req_id)
         self.speculator.on_finish(req)
+        self.logits.on_finish(req)
         self.generators.pop(req.req_id, None)
         del self.requests[req.req_id]
 

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rtxcore.errors import CapacityError, InvalidRequestError
 from rtxcore.lanes import DEFAULT_LANE, check_lane_name
 from rtxcore.request import Request
 from rtxcore.sampling_params import SamplingParams
 from rtxcore.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from rtxcore.engine.logits_processing import LogitsProcessing
 
 Prompt = str | Sequence[int]
 
@@ -29,9 +33,16 @@ class InputLimits:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer | None, limits: InputLimits, model_name: str):
+    def __init__(self, tokenizer: Tokenizer | None, limits: InputLimits, model_name: str,
+                 logits: LogitsProcessing | None = None):
         self.tokenizer = tokenizer
         self.limits = limits
+        if logits is None:  # none installed: a request asking for one is refused, naming the processor
+            from rtxcore.engine.logits_processing import LogitsProcessing
+
+            logits = LogitsProcessing({})
+        # Prepares each request's logits processors (compiles its grammar) here, off the engine's thread.
+        self.logits = logits
         # Named in errors about a missing tokenizer.
         self.model_name = model_name
 
@@ -57,12 +68,13 @@ class InputProcessor:
                                       "nothing is left to generate", param="output_token_ids")
         drafts = self._check_draft_token_ids(draft_token_ids or ())
         self._check_fits(len(token_ids), params.max_tokens)
+        logits = self.logits.prepare(params)
         # Checked even when unused, so a bad value is refused whatever the flag. Dropped when the request may not
         # speculate: the engine counts requests with draft tokens as speculating (an overlapped engine runs serial
         # steps while it has any), and this one never will.
         return Request(req_id, token_ids, params, all_token_ids=token_ids + outputs, cache_salt=cache_salt,
                        lane=lane, tenant=tenant, draft_token_ids=(drafts or None) if speculative else None,
-                       speculative=speculative)
+                       speculative=speculative, logits=logits)
 
     def encode_prediction(self, text: str) -> list[int]:
         """Token ids of a predicted output given as text (OpenAI ``prediction``), for ``draft_token_ids``.

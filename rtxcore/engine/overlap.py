@@ -41,12 +41,12 @@ class OverlappedSteps:
         return self._in_flight is not None
 
     def on_add(self, req: Request) -> None:
-        if req.params.needs_output_history:
+        if _needs_history(req):
             self._num_history_reqs += 1
 
     def on_finish(self, req: Request) -> bool:
         """A request leaves the engine; returns whether the scheduler still holds it."""
-        if req.params.needs_output_history:
+        if _needs_history(req):
             self._num_history_reqs -= 1
         if req.req_id in self._released:
             self._released.remove(req.req_id)
@@ -79,6 +79,7 @@ class OverlappedSteps:
             plan.batch.input_ids = self._fill_pending(plan, prev.token_ids)
         logits = core.execute(plan)
         if plan.sampling_reqs:
+            core.logits.apply(logits, plan.sampling_reqs, None)
             self._in_flight = self._launch(plan.sampling_reqs, core.sampler.sample(logits, plan.sampling))
         if prev is not None:
             outputs += self._process(prev)
@@ -132,3 +133,8 @@ class OverlappedSteps:
             return self.core.update(reqs, host)
         rows = list(itertools.compress(range(len(reqs)), live))
         return self.core.update([reqs[row] for row in rows], select_rows(host, rows))
+
+
+def _needs_history(req: Request) -> bool:
+    # Penalties, and processors whose state follows every token (a grammar), must see a token before the next row.
+    return req.params.needs_output_history or (req.logits is not None and req.logits.stateful)

@@ -14,11 +14,13 @@ from starlette.responses import Response
 from rtxcore.errors import RequestError, RtxError
 from rtxcore.server.http.auth import AuthMiddleware
 from rtxcore.server.http.common import ClientGone
+from rtxcore.server.http.docs_routes import DocsRoutes
 from rtxcore.server.http.errors import APIError, api_error_handler, http_exception_handler, request_error_handler
 from rtxcore.server.http.middleware import RequestContextMiddleware
 from rtxcore.server.http.native_routes import NativeRoutes
 from rtxcore.server.http.openai_routes import OpenAIRoutes
 from rtxcore.server.http.stream_routes import StreamRoutes
+from rtxcore.server.http.utility_routes import UtilityRoutes
 from rtxcore.server.serving.runtime import ServingRuntime
 
 log = logging.getLogger("rtx.http")
@@ -38,8 +40,10 @@ def build_app(runtime: ServingRuntime) -> Starlette:
         # responses carry the CORS headers too, so the page can read them.
         middleware.insert(0, Middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["*"],
                                         allow_headers=["*"], expose_headers=EXPOSED_HEADERS))
+    routes = [*OpenAIRoutes(runtime).routes(), *NativeRoutes(runtime).routes(), *StreamRoutes(runtime).routes(),
+              *UtilityRoutes(runtime).routes(), *DocsRoutes().routes()]
     return Starlette(
-        routes=[*OpenAIRoutes(runtime).routes(), *NativeRoutes(runtime).routes(), *StreamRoutes(runtime).routes()],
+        routes=routes,
         middleware=middleware,
         exception_handlers={
             APIError: api_error_handler,

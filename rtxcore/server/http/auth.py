@@ -9,8 +9,9 @@ from rtxcore.server.http.errors import error_response
 from rtxcore.server.serving.runtime import ServingRuntime
 from rtxcore.server.serving.tenants import AuthError, presented_key
 
-# Kubernetes probes and Prometheus scrape without credentials.
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+# Probes, metrics and the API description: what a load balancer, a scraper or a browser opening /docs reaches without
+# a key (vLLM guards only /v1/*). /tokenize and the generation routes stay behind it.
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/version", "/openapi.json", "/docs"})
 
 
 class AuthMiddleware:

@@ -1,10 +1,13 @@
-"""OpenAI-compatible routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/embeddings``, ``/v1/models``."""
+"""OpenAI-compatible routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/embeddings``, ``/v1/models`` and
+``/v1/models/{id}``."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -13,6 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from rtxcore.engine.input_processor import InputProcessor
+from rtxcore.errors import InvalidRequestError
 from rtxcore.server.http.common import (
     read_json,
     request_id,
@@ -28,6 +32,7 @@ from rtxcore.server.http.protocol import (
     parse_chat,
     parse_completion,
     parse_embedding,
+    structured_output_field,
 )
 from rtxcore.server.http.responses import serve_generation
 from rtxcore.server.http.sse import EventStreamResponse
@@ -64,8 +69,9 @@ class OpenAIRoutes:
         prompts = await tokenize(inputs, req.prompts)
         params = make_sampling_params(req.params)
         speculation = await _speculation(inputs, req.speculation)
-        gen = await Generation.start(self.runtime, request_id(request), prompts, params, trace_headers(request), where,
-                                     speculation=speculation)
+        with _named_as_sent(body):
+            gen = await Generation.start(self.runtime, request_id(request), prompts, params, trace_headers(request),
+                                         where, speculation=speculation)
         header = {"id": f"cmpl-{gen.req_id}", "object": "text_completion", "created": int(time.time()),
                   "model": self.runtime.model_name}
         spec = ResponseSpec("completion", req.stream, header, req.include_usage, params.logprobs is not None)
@@ -88,8 +94,9 @@ class OpenAIRoutes:
         params["max_tokens"] = req.max_tokens if req.max_tokens is not None else _room_left(inputs, len(prompts[0]))
         sampling = make_sampling_params(params)
         speculation = await _speculation(inputs, req.speculation)
-        gen = await Generation.start(self.runtime, request_id(request), prompts, sampling, trace_headers(request),
-                                     where, speculation=speculation)
+        with _named_as_sent(body):
+            gen = await Generation.start(self.runtime, request_id(request), prompts, sampling,
+                                         trace_headers(request), where, speculation=speculation)
         header = {"id": f"chatcmpl-{gen.req_id}", "object": "chat.completion.chunk" if req.stream else
                   "chat.completion", "created": int(time.time()), "model": self.runtime.model_name}
         spec = ResponseSpec("chat", req.stream, header, req.include_usage, sampling.logprobs is not None)
@@ -113,16 +120,23 @@ class OpenAIRoutes:
 
     async def list_models(self, request: Request) -> Response:
         self.runtime.engine()
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        return JSONResponse({"object": "list", "data": [self._model_card(self.runtime.model_name)]})
 
     async def get_model(self, request: Request) -> Response:
-        self.runtime.engine()
-        self.runtime.check_model(request.path_params["model"])
-        return JSONResponse(self._model_card())
+        """The model under one of its served names (``--served-model-name a b``: ``a`` and ``b`` are model ids); a
+        further name a request may give (the source's own name, ``default``) answers with the first served name.
 
-    def _model_card(self) -> dict[str, Any]:
+        :raises RequestError: NOT_FOUND for a name this server does not serve.
+        """
+        self.runtime.engine()
+        model_id = request.path_params["model"]
+        self.runtime.check_model(model_id)
+        served = (self.runtime.model_name, *self.runtime.settings.served_model_aliases)
+        return JSONResponse(self._model_card(model_id if model_id in served else self.runtime.model_name))
+
+    def _model_card(self, model_id: str) -> dict[str, Any]:
         core = self.runtime.engine().core
-        return {"id": self.runtime.model_name, "object": "model", "created": self.runtime.started_at,
+        return {"id": model_id, "object": "model", "created": self.runtime.started_at,
                 "owned_by": "rtx-serve", "root": core.source.name, "max_model_len": core.max_model_len}
 
 
@@ -142,3 +156,15 @@ def _encode_vector(vector: list[float], encoding_format: str) -> list[float] | s
     if encoding_format == "base64":
         return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
     return vector
+
+
+@contextlib.contextmanager
+def _named_as_sent(body: dict[str, Any]) -> Iterator[None]:
+    """A grammar the engine refuses is named by the field the body gave it in (``response_format``, a
+    ``guided_*`` field...), not by the engine's own name for it."""
+    try:
+        yield
+    except InvalidRequestError as exc:
+        if exc.param == "structured_output":
+            exc.param = structured_output_field(body) or exc.param
+        raise

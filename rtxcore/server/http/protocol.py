@@ -11,7 +11,7 @@ from typing import Any
 
 from rtxcore.errors import InvalidRequestError
 from rtxcore.lanes import check_lane_name
-from rtxcore.sampling_params import SamplingParams, is_int
+from rtxcore.sampling_params import STRUCTURED_OUTPUT_KINDS, SamplingParams, is_int
 from rtxcore.server.serving.limits import MAX_BATCH
 
 # A prompt as the API takes it: text, or token ids.
@@ -117,10 +117,6 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
     _refuse_unsupported(body)
     if body.get("tools"):
         raise InvalidRequestError("tools are not supported", param="tools")
-    response_format = body.get("response_format")
-    if response_format is not None and (not isinstance(response_format, dict) or
-                                        response_format.get("type", "text") != "text"):
-        raise InvalidRequestError("only response_format {'type': 'text'} is supported", param="response_format")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of {'role', 'content'} objects",
@@ -244,6 +240,12 @@ def _openai_sampling(body: dict[str, Any]) -> dict[str, Any]:
     top_k = body.get("top_k")
     if top_k is not None:
         params["top_k"] = 0 if top_k == -1 else top_k  # vLLM spells "disabled" as -1
+    for name in ("logit_bias", "allowed_token_ids", "banned_token_ids", "logits_processors"):
+        if body.get(name) is not None:
+            params[name] = body[name]
+    structured = _structured_output(body)
+    if structured is not None:
+        params["structured_output"] = structured
     stop = body.get("stop")
     if stop is not None:
         params["stop"] = [stop] if isinstance(stop, str) else stop
@@ -296,8 +298,95 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
     best_of = body.get("best_of")
     if best_of is not None and best_of != 1:
         raise InvalidRequestError("only best_of=1 is supported", param="best_of")
-    if body.get("logit_bias"):
-        raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
+
+
+# vLLM's older names for structured output, each one kind of SamplingParams.structured_output.
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
+
+
+def structured_output_field(body: dict[str, Any]) -> str | None:
+    """The body's field that asked for structured output: what an error about the grammar names."""
+    for name in ("response_format", "structured_outputs", *_GUIDED_FIELDS):
+        if body.get(name) is not None:
+            return name
+    return None
+
+
+def _structured_output(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The one grammar a body asks its output to follow: OpenAI's ``response_format``, vLLM's ``structured_outputs``
+    object, or vLLM's ``guided_*`` fields; None for free text."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    response_format = body.get("response_format")
+    if response_format is not None:
+        spec = _response_format(response_format)
+        if spec is not None:
+            found.append(("response_format", spec))
+    structured = body.get("structured_outputs")
+    if structured is not None:
+        if not isinstance(structured, dict):
+            raise InvalidRequestError("structured_outputs must be an object", param="structured_outputs")
+        given = {k: v for k, v in structured.items() if v is not None and v is not False}
+        unknown = sorted(set(given) - set(STRUCTURED_OUTPUT_KINDS))
+        if unknown:
+            raise InvalidRequestError(f"structured_outputs.{unknown[0]} is not supported (supported: "
+                                      f"{', '.join(STRUCTURED_OUTPUT_KINDS)})", param="structured_outputs")
+        found += [("structured_outputs", {k: v}) for k, v in given.items()]
+    for name, kind in _GUIDED_FIELDS.items():
+        if body.get(name) is not None:
+            found.append((name, {kind: body[name]}))
+    if len(found) > 1:
+        names = sorted({name for name, _ in found})
+        raise InvalidRequestError(f"only one structured output may be asked for; got {' and '.join(names)}"
+                                  if len(names) > 1 else f"{names[0]} must name one kind of structured output",
+                                  param=found[1][0])
+    return found[0][1] if found else None
+
+
+# Keywords whose value maps names to schemas, and keywords whose value is data, not a schema.
+_SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "patternProperties", "dependentSchemas"})
+_LITERALS = frozenset({"enum", "const", "default", "examples"})
+
+
+def _closed_objects(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema that does not say."""
+    if isinstance(schema, list):
+        return [_closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _LITERALS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _closed_objects(sub) for name, sub in value.items()}
+        else:
+            out[key] = _closed_objects(value)
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def _response_format(value: Any) -> dict[str, Any] | None:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise InvalidRequestError("response_format.json_schema must be an object with a 'name' and a 'schema'",
+                                      param="response_format")
+        schema = spec.get("schema", {})
+        if not isinstance(schema, dict):
+            raise InvalidRequestError("response_format.json_schema.schema must be a JSON Schema object",
+                                      param="response_format")
+        # OpenAI's strict mode: an object takes only the properties it lists (the grammar engine, like JSON Schema,
+        # otherwise allows others).
+        return {"json": _closed_objects(schema) if spec.get("strict") is True else schema}
+    raise InvalidRequestError("response_format.type must be 'text', 'json_object' or 'json_schema'",
+                              param="response_format")
 
 
 def _include_usage(body: dict[str, Any], stream: bool) -> bool:

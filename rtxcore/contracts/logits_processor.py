@@ -1,0 +1,95 @@
+"""Logits-processor contract: change a request's next-token scores before the sampler draws from them.
+
+A request names the processors it wants and gives each its arguments (``SamplingParams.processor_args()``: the
+built-in ``logit_bias``, ``allowed_tokens``, ``banned_tokens`` and ``structured_output`` from their own request
+fields, any other plugin from ``logits_processors: {name: args}``). A processor's work is split by thread and cost:
+
+1. :meth:`LogitsProcessor.prepare` checks the arguments and does the expensive, shareable work (compiling a
+   grammar) on the thread that admits the request, never the engine's; a bad argument raises ``ValueError`` with a
+   message for the caller (an HTTP 400 naming the field).
+2. :meth:`LogitsProcessor.new_state` builds the request's own state (a grammar matcher) on the engine's thread, given
+   the tokens the request has already generated (a request resumed after a restart rebuilds its state from them).
+3. :meth:`LogitsProcessor.apply` changes the logits rows of every request using the processor, in one batched call
+   per step. Before it, each state has seen every generated token through :meth:`LogitsProcessor.advance`. Steps
+   with no request using any processor never call anything here.
+
+Speculative decoding verifies proposed tokens: a request then has several rows, the row after ``j`` proposed tokens
+scored as if they had been generated (``RowContext.proposed``). A stateful processor (a grammar) advances over them,
+fills the row and rolls back.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from rtxcore.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class LogitsProcessorContext:
+    # The model's tokenizer (None for a model without one: text-based processors then refuse in prepare).
+    tokenizer: Tokenizer | None
+    # Width of a logits row; may exceed the tokenizer's vocabulary (padded embeddings).
+    vocab_size: int
+    # Tokens that end a sequence: what a grammar allows once it is complete.
+    eos_token_ids: list[int]
+    # Where the logits live.
+    device: torch.device
+    # The processor's own settings (``--logits-processor-option``), empty by default.
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RowContext:
+    """One logits row of a step: whose it is and what comes before it."""
+
+    # Index of the row in the step's logits.
+    row: int
+    # The request's state from new_state.
+    state: Any
+    # Proposed tokens (speculative decoding) to treat as generated before this row; empty for an ordinary row.
+    proposed: Sequence[int] = ()
+
+
+class LogitsProcessor(ABC):
+    """Built as ``cls(context)``, one instance per engine. ``prepare`` may run on any thread at once; the other
+    methods run on the engine's thread, between or inside steps."""
+
+    # True when a state must see each sampled token before the request's next row is processed (a grammar): such a
+    # request's steps are not overlapped with reading their tokens.
+    stateful: ClassVar[bool] = False
+
+    def __init__(self, context: LogitsProcessorContext):
+        self.context = context
+
+    @classmethod
+    def describe(cls) -> dict[str, Any]:
+        return {}
+
+    @abstractmethod
+    def prepare(self, args: Any) -> Any:
+        """Check a request's arguments and turn them into what :meth:`new_state` takes (compiled once, shareable).
+
+        :raises ValueError: the arguments are wrong; the message is shown to the caller as it is.
+        """
+
+    @abstractmethod
+    def new_state(self, prepared: Any, output_token_ids: Sequence[int]) -> Any:
+        """A request's state, having seen ``output_token_ids`` (empty for a new request)."""
+
+    @abstractmethod
+    def apply(self, logits: torch.Tensor, rows: Sequence[RowContext]) -> None:
+        """Change ``logits`` (float [num_rows, vocab_size], on the device) in place at the given rows, in as few
+        device operations as the processor can."""
+
+    def advance(self, state: Any, token_ids: Sequence[int]) -> None:
+        """Tokens the request generated since the state last saw one, in order. Stateless processors ignore them."""
+
+    def finish(self, state: Any) -> None:
+        """The request left the engine: release what the state holds."""

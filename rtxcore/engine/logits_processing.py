@@ -1,0 +1,113 @@
+"""The engine's logits processors (:mod:`rtxcore.contracts.logits_processor`): arguments prepared when a request is
+made, a state per request while it runs, and one batched call per processor between the forward pass and the
+sampler. A step in which no request uses a processor costs one integer test."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rtxcore.contracts.logits_processor import LogitsProcessor, RowContext
+from rtxcore.errors import InvalidRequestError
+from rtxcore.request import Request
+from rtxcore.sampling_params import SamplingParams
+
+# The request field behind each built-in processor, named in errors; other processors come from logits_processors.
+_PARAM_OF = {"logit_bias": "logit_bias", "allowed_tokens": "allowed_token_ids", "banned_tokens": "banned_token_ids",
+             "structured_output": "structured_output"}
+
+
+@dataclass(slots=True, eq=False)
+class RequestLogits:
+    """A request's processors: prepared arguments by processor name, then (in the engine) their states."""
+
+    prepared: dict[str, Any]
+    states: dict[str, Any] = field(default_factory=dict)
+    # Output tokens the states have seen.
+    seen: int = 0
+    # Some processor needs every sampled token before the next row (the overlapped step leaves the request alone).
+    stateful: bool = False
+
+
+class LogitsProcessing:
+    def __init__(self, processors: dict[str, LogitsProcessor]):
+        self.processors = processors
+        # Requests in the engine with processors; steps skip everything while it is empty.
+        self._num_active = 0
+
+    def prepare(self, params: SamplingParams) -> RequestLogits | None:
+        """Check a request's processor arguments and prepare them (any thread); None when it uses no processor.
+
+        :raises InvalidRequestError: naming the request field, with the processor's message.
+        """
+        args = params.processor_args()
+        if not args:
+            return None
+        prepared: dict[str, Any] = {}
+        for name, value in args.items():
+            param = _PARAM_OF.get(name, "logits_processors")
+            processor = self.processors.get(name)
+            if processor is None:
+                raise InvalidRequestError(f"no logits processor named {name!r} is installed (installed: "
+                                          f"{', '.join(sorted(self.processors)) or 'none'})", param=param)
+            try:
+                prepared[name] = processor.prepare(value)
+            except ValueError as exc:
+                raise InvalidRequestError(f"{param}: {exc}", param=param) from None
+        return RequestLogits(prepared)
+
+    def on_add(self, req: Request) -> None:
+        """Build the request's states, having seen the tokens it already generated (a resumed request)."""
+        logits = req.logits
+        if logits is None:
+            return
+        outputs = req.output_token_ids
+        logits.states = {name: self.processors[name].new_state(prepared, outputs)
+                         for name, prepared in logits.prepared.items()}
+        logits.seen = len(outputs)
+        logits.stateful = any(self.processors[name].stateful for name in logits.states)
+        self._num_active += 1
+
+    def on_finish(self, req: Request) -> None:
+        logits = req.logits
+        if logits is None or not logits.states:
+            return
+        for name, state in logits.states.items():
+            self.processors[name].finish(state)
+        logits.states = {}
+        self._num_active -= 1
+
+    def apply(self, logits: torch.Tensor, reqs: Sequence[Request], rows_of: Sequence[int] | None) -> None:
+        """Change the step's logits in place before sampling.
+
+        :param reqs: the step's sampling requests, in row order.
+        :param rows_of: rows per request when some verify proposed tokens (speculative decoding), else None.
+        """
+        if not self._num_active:
+            return
+        rows: dict[str, list[RowContext]] = defaultdict(list)
+        row = 0
+        for i, req in enumerate(reqs):
+            num_rows = rows_of[i] if rows_of is not None else 1
+            state = req.logits
+            if state is not None and state.states:
+                self._catch_up(req, state)
+                for j in range(num_rows):
+                    proposed = req.spec_token_ids[:j] if j else ()
+                    for name, processor_state in state.states.items():
+                        rows[name].append(RowContext(row + j, processor_state, proposed))
+            row += num_rows
+        for name, processor_rows in rows.items():
+            self.processors[name].apply(logits, processor_rows)
+
+    def _catch_up(self, req: Request, state: RequestLogits) -> None:
+        outputs = req.output_token_ids
+        if len(outputs) > state.seen:
+            new = outputs[state.seen:]
+            for name, processor_state in state.states.items():
+                self.processors[name].advance(processor_state, new)
+            state.seen = len(outputs)

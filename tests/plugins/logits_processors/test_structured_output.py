@@ -1,0 +1,120 @@
+"""Structured output on the real default model: every kind of grammar holds, in batches, under speculation, after a
+restart, and a grammar the engine refuses is named."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from rtxcore.engine.config import EngineConfig
+from rtxcore.engine.llm import LLM
+from rtxcore.engine.speculation.config import SpeculativeConfig
+from rtxcore.errors import InvalidRequestError
+from rtxcore.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.model
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
+    },
+    "required": ["name", "age", "role"],
+    "additionalProperties": False,
+}
+PROMPTS = ["Describe a person as JSON.", "Give me a user record.", "A JSON object for Ada Lovelace:",
+           "Make up a guest."]
+
+
+def _chat(engine, text: str) -> str:
+    return engine.inputs.apply_chat_template([{"role": "user", "content": text}])
+
+
+def _run(engine, prompts, structured, **params) -> list:
+    defaults = {"max_tokens": 80, "temperature": 0.0}
+    return engine.generate([_chat(engine, p) for p in prompts],
+                           SamplingParams(structured_output=structured, **{**defaults, **params}))
+
+
+def test_json_schema_output_validates_and_stops(default_engine):
+    for result in _run(default_engine, PROMPTS, {"json": PERSON}):
+        jsonschema.validate(json.loads(result.text), PERSON)
+        assert result.finish_reason == "stop"
+
+
+def test_sampled_json_still_validates(default_engine):
+    results = _run(default_engine, PROMPTS, {"json": PERSON}, temperature=1.0, seed=3)
+    for result in results:
+        jsonschema.validate(json.loads(result.text), PERSON)
+
+
+def test_json_object_regex_choice_and_grammar(default_engine):
+    [obj] = _run(default_engine, ["Answer in JSON."], {"json_object": True})
+    assert isinstance(json.loads(obj.text), dict)
+    pattern = r"\d{4}-\d{2}-\d{2}"
+    [date] = _run(default_engine, ["When did it happen?"], {"regex": pattern})
+    assert re.fullmatch(pattern, date.text)
+    choices = ["red", "green", "blue"]
+    [color] = _run(default_engine, ["Pick a colour."], {"choice": choices})
+    assert color.text in choices
+    # Bounded, so the grammar itself ends the output (an unbounded one is cut by max_tokens).
+    grammar = 'root ::= num ("+" | "*") num\nnum ::= [1-9] [0-9]?'
+    [expr] = _run(default_engine, ["Write a sum."], {"grammar": grammar}, max_tokens=12)
+    assert re.fullmatch(r"[1-9][0-9]?[+*][1-9][0-9]?", expr.text)
+    assert expr.finish_reason == "stop"
+
+
+def test_guided_and_free_requests_share_a_batch(default_engine):
+    free = SamplingParams(max_tokens=12, temperature=0.0)
+    guided = SamplingParams(max_tokens=12, temperature=0.0, structured_output={"choice": ["yes", "no"]})
+    prompts = [_chat(default_engine, "Is the sky blue?"), _chat(default_engine, "Name a fruit.")]
+    alone = default_engine.generate([prompts[1]], free)[0].token_ids
+    both = default_engine.generate(prompts, [guided, free])
+    assert both[0].text in ("yes", "no")
+    assert both[1].token_ids == alone
+
+
+def test_resumed_request_continues_the_grammar(default_engine):
+    params = SamplingParams(max_tokens=60, temperature=0.0, structured_output={"json": PERSON})
+    prompt = _chat(default_engine, PROMPTS[0])
+    [whole] = default_engine.generate([prompt], params)
+    cut = whole.token_ids[:7]
+    req = default_engine.inputs.make_request(prompt, params, "resumed", output_token_ids=cut)
+    default_engine.core.add_request(req)
+    tokens = list(cut)
+    while default_engine.has_unfinished_requests():
+        for out in default_engine.step():
+            tokens += out.new_token_ids
+    assert tokens == whole.token_ids
+
+
+@pytest.mark.parametrize(("structured", "reason"), [
+    ({"json": {"type": "strnig"}}, "strnig"),
+    ({"json": {"type": "object", "not": {"required": ["a"]}}}, "not"),
+    ({"regex": "(unclosed"}, ""),
+    ({"grammar": "root ::= missing_rule"}, "missing_rule"),
+    ({"choice": []}, "choice"),
+])
+def test_bad_grammar_is_refused_with_its_reason(default_engine, structured, reason):
+    with pytest.raises(InvalidRequestError) as info:
+        default_engine.generate(["x"], SamplingParams(max_tokens=4, structured_output=structured))
+    assert info.value.param == "structured_output"
+    assert reason in str(info.value)
+
+
+def test_speculation_keeps_the_grammar_and_the_tokens(registry, default_source):
+    engine = LLM(EngineConfig(speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4)),
+                 registry=registry, source=default_source)
+    plain = LLM(EngineConfig(), registry=registry, source=default_source)
+    prompts = [_chat(engine, "Repeat this JSON: {\"name\": \"Bob\", \"age\": 30, \"role\": \"user\"}"), *PROMPTS[:2]]
+    params = SamplingParams(max_tokens=60, temperature=0.0, structured_output={"json": PERSON})
+    fast, slow = engine.generate(prompts, params), plain.generate(prompts, params)
+    assert [r.token_ids for r in fast] == [r.token_ids for r in slow]
+    for result in fast:
+        jsonschema.validate(json.loads(result.text), PERSON)

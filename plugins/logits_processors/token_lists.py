@@ -53,8 +53,10 @@ class LogitBias(_TokenListProcessor):
         if not isinstance(args, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                                  and -100 <= v <= 100 for v in args.values()):
             raise ValueError("expected an object of token id -> bias, a number in [-100, 100]")
-        ids = self._check_ids(list(args))
-        return ids, [float(args[t]) for t in ids]
+        # JSON object keys are strings: "42" is token 42, as in OpenAI's logit_bias.
+        bias = {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in args.items()}
+        ids = self._check_ids(list(bias))
+        return ids, [float(bias[t]) for t in ids]
 
     def apply(self, logits: torch.Tensor, rows: Sequence[RowContext]) -> None:
         row_idx, token_idx = self._indices(rows, logits)

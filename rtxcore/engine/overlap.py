@@ -32,6 +32,9 @@ class OverlappedSteps:
         # Running requests whose sampling needs all earlier tokens on the host (see SamplingParams): while one runs,
         # steps do not overlap.
         self._num_history_reqs = 0
+        # Running requests with a stateful logits processor (a grammar): their masks need the previous step's
+        # tokens, which are read after this step's forward pass is launched and before its sampling.
+        self._num_stateful_reqs = 0
         # Requests handed back to the scheduler when their last token was launched, before it was read: the
         # scheduler must not hear of them again when they finish.
         self._released: set[str] = set()
@@ -41,13 +44,17 @@ class OverlappedSteps:
         return self._in_flight is not None
 
     def on_add(self, req: Request) -> None:
-        if _needs_history(req):
+        if req.params.needs_output_history:
             self._num_history_reqs += 1
+        if req.logits is not None and req.logits.stateful:
+            self._num_stateful_reqs += 1
 
     def on_finish(self, req: Request) -> bool:
         """A request leaves the engine; returns whether the scheduler still holds it."""
-        if _needs_history(req):
+        if req.params.needs_output_history:
             self._num_history_reqs -= 1
+        if req.logits is not None and req.logits.stateful:
+            self._num_stateful_reqs -= 1
         if req.req_id in self._released:
             self._released.remove(req.req_id)
             return False
@@ -79,6 +86,10 @@ class OverlappedSteps:
             plan.batch.input_ids = self._fill_pending(plan, prev.token_ids)
         logits = core.execute(plan)
         if plan.sampling_reqs:
+            if prev is not None and self._num_stateful_reqs:
+                # A grammar's mask for this step follows the previous step's tokens: read them now, while the
+                # device computes this step's forward pass (queued above), then mask and sample.
+                outputs, prev = outputs + self._process(prev), None
             core.logits.apply(logits, plan.sampling_reqs, None)
             self._in_flight = self._launch(plan.sampling_reqs, core.sampler.sample(logits, plan.sampling))
         if prev is not None:
@@ -109,9 +120,13 @@ class OverlappedSteps:
         """Leave the sampled tokens on the device and queue their copy to the host; the requests count them as
         pending until the copy is read."""
         core = self.core
-        max_model_len = core.max_model_len
+        max_model_len, requests = core.max_model_len, core.requests
         for req in reqs:
             req.num_pending_tokens += 1
+            if requests.get(req.req_id) is not req:
+                # Finished while this step was prepared (a grammar's step reads the previous tokens first): its
+                # token is dropped when read, and the scheduler has heard of its end already.
+                continue
             # Its last token is certain now, whatever its value: hand it back to the scheduler (its KV may be reused
             # after this step, which the device runs first). num_tokens and its outputs written out: a property call
             # costs as much as the test, and this runs for every request every step.
@@ -134,7 +149,3 @@ class OverlappedSteps:
         rows = list(itertools.compress(range(len(reqs)), live))
         return self.core.update([reqs[row] for row in rows], select_rows(host, rows))
 
-
-def _needs_history(req: Request) -> bool:
-    # Penalties, and processors whose state follows every token (a grammar), must see a token before the next row.
-    return req.params.needs_output_history or (req.logits is not None and req.logits.stateful)

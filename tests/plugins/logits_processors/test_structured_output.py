@@ -81,7 +81,7 @@ def test_guided_and_free_requests_share_a_batch(default_engine):
         # In float32 on the CPU a request's tokens do not depend on its batch; bfloat16 GPU kernels chosen by batch
         # size round differently, so there the free request is only checked to run.
         assert both[1].token_ids == alone
-    assert len(both[1].token_ids) == len(alone)
+    assert both[1].token_ids
 
 
 def test_resumed_request_continues_the_grammar(default_engine):

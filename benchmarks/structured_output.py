@@ -1,0 +1,74 @@
+"""The cost of structured output: tokens/s of a batch of JSON-schema requests against the same batch unconstrained.
+
+    python benchmarks/structured_output.py [--model PATH] [--device cpu|cuda] [--batch 32] [--tokens 64] [--runs 3]
+
+Both batches decode exactly ``--tokens`` tokens per request: the schema asks for more items than fit (so the grammar
+never ends a request early) and the free batch ignores EOS. Runs alternate (free, guided, free, ...) in one engine
+after a warm-up of each; the figure is the median of ``--runs``. The model needs a tokenizer (the default model, or
+its GGUF file given by path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from rtxcore.engine.config import EngineConfig
+from rtxcore.engine.llm import LLM
+from rtxcore.sampling_params import SamplingParams
+
+# Items no request can finish within its budget: every guided request runs to max_tokens, like the free ones.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 40},
+        "steps": {"type": "array", "minItems": 60,
+                  "items": {"type": "object", "properties": {"n": {"type": "integer"}, "text": {"type": "string"}},
+                            "required": ["n", "text"]}},
+    },
+    "required": ["title", "steps"],
+}
+TOPICS = ["baking bread", "changing a tyre", "planting a tree", "writing a letter", "making tea", "tying a knot",
+          "cleaning a bike", "painting a wall"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="default: the default model")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    llm = LLM(EngineConfig(model=args.model, device=args.device))
+    prompts = [llm.inputs.apply_chat_template([{"role": "user", "content": f"List the steps of {TOPICS[i % 8]} "
+                                                 f"as JSON (request {i})."}]) for i in range(args.batch)]
+    free = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+    guided = SamplingParams(max_tokens=args.tokens, temperature=0.0, structured_output={"json": SCHEMA})
+
+    def tokens_per_s(params: SamplingParams) -> float:
+        start = time.perf_counter()
+        results = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+        count = sum(len(r.token_ids) for r in results)
+        if count != args.batch * args.tokens:
+            raise SystemExit(f"expected {args.batch * args.tokens} tokens, got {count}: a request ended early")
+        return count / elapsed
+
+    tokens_per_s(free), tokens_per_s(guided)  # warm-up: kernels, graphs, the grammar's compile and lexer
+    rates: dict[str, list[float]] = {"free": [], "guided": []}
+    for _ in range(args.runs):
+        rates["free"].append(tokens_per_s(free))
+        rates["guided"].append(tokens_per_s(guided))
+    sample = llm.generate(prompts[:1], SamplingParams(max_tokens=24, temperature=0.0,
+                                                      structured_output={"json": SCHEMA}))[0].text
+    free_s, guided_s = statistics.median(rates["free"]), statistics.median(rates["guided"])
+    print(json.dumps({"device": str(llm.core.backend.device), "batch": args.batch, "tokens": args.tokens,
+                      "free_tok_s": round(free_s, 1), "guided_tok_s": round(guided_s, 1),
+                      "ratio": round(guided_s / free_s, 3), "runs": rates, "guided_sample": sample}))
+
+
+if __name__ == "__main__":
+    main()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rtxcore.errors import CapacityError, InvalidRequestError
 from rtxcore.lanes import DEFAULT_LANE, check_lane_name
@@ -130,10 +130,11 @@ class InputProcessor:
                 raise CapacityError(f"input is {len(ids)} tokens, longer than the model's context of "
                                     f"{self.limits.max_model_len} tokens", param="input")
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], **template_vars: Any) -> str:
+        """:param template_vars: the template's extra variables (``tools``)."""
         if self.tokenizer is None:
             raise InvalidRequestError(f"model {self.model_name} has no tokenizer and no chat template")
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_vars)
 
     def room_left(self, num_prompt_tokens: int) -> int:
         """Tokens a prompt of this length leaves to generate within the context and the whole KV cache."""

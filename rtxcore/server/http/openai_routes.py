@@ -41,6 +41,7 @@ from rtxcore.server.serving.formats import ResponseSpec
 from rtxcore.server.serving.generation import Generation, Speculation, encode_prediction, tokenize
 from rtxcore.server.serving.lifecycle import Started
 from rtxcore.server.serving.runtime import ServingRuntime
+from rtxcore.server.serving.tool_calls import HERMES, required_grammar, tool_messages
 
 
 class OpenAIRoutes:
@@ -87,10 +88,18 @@ class OpenAIRoutes:
         req = parse_chat(body)
         self.runtime.check_model(req.model)
         where = request_route(self.runtime, request, req.routing)
-        # Reading the tokenizer is thread-safe; the template can be slow, so it runs off the event loop.
-        text = await asyncio.to_thread(inputs.apply_chat_template, req.messages)
-        prompts = await tokenize(inputs, [text], "messages")
+        messages, template_vars = req.messages, dict[str, Any]()
         params = dict(req.params)
+        tools = req.tools if req.tools is not None and req.tools.active else None
+        if tools is not None:
+            template = inputs.tokenizer.chat_template if inputs.tokenizer is not None else None
+            messages, template_vars = tool_messages(req.messages, tools, template)
+            grammar = required_grammar(tools)
+            if grammar is not None:  # a call is required: the grammar makes it one that parses
+                params["structured_output"] = {"grammar": grammar}
+        # Reading the tokenizer is thread-safe; the template can be slow, so it runs off the event loop.
+        text = await asyncio.to_thread(inputs.apply_chat_template, messages, **template_vars)
+        prompts = await tokenize(inputs, [text], "messages")
         params["max_tokens"] = req.max_tokens if req.max_tokens is not None else _room_left(inputs, len(prompts[0]))
         sampling = make_sampling_params(params)
         speculation = await _speculation(inputs, req.speculation)
@@ -99,7 +108,8 @@ class OpenAIRoutes:
                                          trace_headers(request), where, speculation=speculation)
         header = {"id": f"chatcmpl-{gen.req_id}", "object": "chat.completion.chunk" if req.stream else
                   "chat.completion", "created": int(time.time()), "model": self.runtime.model_name}
-        spec = ResponseSpec("chat", req.stream, header, req.include_usage, sampling.logprobs is not None)
+        spec = ResponseSpec("chat", req.stream, header, req.include_usage, sampling.logprobs is not None,
+                            tools=HERMES if tools is not None else None)
         return Started(gen, spec, prompts, sampling)
 
     # -- embeddings -----------------------------------------------------------------------------------------------
@@ -161,10 +171,11 @@ def _encode_vector(vector: list[float], encoding_format: str) -> list[float] | s
 @contextlib.contextmanager
 def _named_as_sent(body: dict[str, Any]) -> Iterator[None]:
     """A grammar the engine refuses is named by the field the body gave it in (``response_format``, a
-    ``guided_*`` field...), not by the engine's own name for it."""
+    ``guided_*`` field, ``tools``...), not by the engine's own name for it."""
     try:
         yield
     except InvalidRequestError as exc:
         if exc.param == "structured_output":
-            exc.param = structured_output_field(body) or exc.param
+            # A required tool call's grammar is built from the tools' parameter schemas.
+            exc.param = structured_output_field(body) or ("tools" if body.get("tools") else exc.param)
         raise

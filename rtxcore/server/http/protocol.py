@@ -12,7 +12,9 @@ from typing import Any
 from rtxcore.errors import InvalidRequestError
 from rtxcore.lanes import check_lane_name
 from rtxcore.sampling_params import STRUCTURED_OUTPUT_KINDS, SamplingParams, is_int
+from rtxcore.server.serving.json_schema import closed_objects
 from rtxcore.server.serving.limits import MAX_BATCH
+from rtxcore.server.serving.tool_calls import ToolRequest, parse_tools, required_grammar
 
 # A prompt as the API takes it: text, or token ids.
 Prompt = str | list[int]
@@ -70,6 +72,8 @@ class ChatRequest:
     include_usage: bool
     routing: RoutingFields
     speculation: SpeculationFields
+    # tools, tool_choice, parallel_tool_calls; None without tools.
+    tools: ToolRequest | None = None
 
 
 @dataclass(slots=True)
@@ -115,8 +119,7 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
 
 def parse_chat(body: dict[str, Any]) -> ChatRequest:
     _refuse_unsupported(body)
-    if body.get("tools"):
-        raise InvalidRequestError("tools are not supported", param="tools")
+    tools = parse_tools(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of {'role', 'content'} objects",
@@ -133,8 +136,11 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
             max_tokens = _int(body[name], name, 1)
             break
     stream = _bool(body.get("stream", False), "stream")
+    if tools is not None and tools.active and required_grammar(tools) is not None and "structured_output" in params:
+        raise InvalidRequestError("tool_choice that requires a call cannot be combined with a structured output "
+                                  f"({structured_output_field(body)})", param="tool_choice")
     return ChatRequest(_model(body), [_message(m, i) for i, m in enumerate(messages)], params, max_tokens, stream,
-                       _include_usage(body, stream), parse_routing(body), _openai_speculation(body))
+                       _include_usage(body, stream), parse_routing(body), _openai_speculation(body), tools)
 
 
 def parse_embedding(body: dict[str, Any]) -> EmbeddingRequest:
@@ -343,30 +349,6 @@ def _structured_output(body: dict[str, Any]) -> dict[str, Any] | None:
     return found[0][1] if found else None
 
 
-# Keywords whose value maps names to schemas, and keywords whose value is data, not a schema.
-_SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "patternProperties", "dependentSchemas"})
-_LITERALS = frozenset({"enum", "const", "default", "examples"})
-
-
-def _closed_objects(schema: Any) -> Any:
-    """``schema`` with ``additionalProperties: false`` on every object schema that does not say."""
-    if isinstance(schema, list):
-        return [_closed_objects(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out: dict[str, Any] = {}
-    for key, value in schema.items():
-        if key in _LITERALS:
-            out[key] = value
-        elif key in _SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: _closed_objects(sub) for name, sub in value.items()}
-        else:
-            out[key] = _closed_objects(value)
-    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
-
-
 def _response_format(value: Any) -> dict[str, Any] | None:
     kind = value.get("type") if isinstance(value, dict) else None
     if kind == "text":
@@ -384,7 +366,7 @@ def _response_format(value: Any) -> dict[str, Any] | None:
                                       param="response_format")
         # OpenAI's strict mode: an object takes only the properties it lists (the grammar engine, like JSON Schema,
         # otherwise allows others).
-        return {"json": _closed_objects(schema) if spec.get("strict") is True else schema}
+        return {"json": closed_objects(schema) if spec.get("strict") is True else schema}
     raise InvalidRequestError("response_format.type must be 'text', 'json_object' or 'json_schema'",
                               param="response_format")
 

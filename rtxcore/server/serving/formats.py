@@ -16,6 +16,7 @@ from typing import Any
 from rtxcore.engine.outputs import RequestOutput, TokenLogprob
 from rtxcore.errors import ErrorCode, RequestError
 from rtxcore.server.serving.generation import Choice, Generation
+from rtxcore.server.serving.tool_calls import parse_output
 from rtxcore.tokenizer import Tokenizer
 
 # OpenAI's error ``type`` for each code, and the ``code`` field when the error names no reason of its own.
@@ -83,6 +84,8 @@ class ResponseSpec:
     include_usage: bool = False
     # Whether the request asked for logprobs (and so every chunk carries a logprobs field).
     logprobs: bool = False
+    # The tool-call format the chat output is parsed with (rtxcore.server.serving.tool_calls), None without tools.
+    tools: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -166,17 +169,46 @@ class ChatFormat(CompletionFormat):
     def chunk(self, gen: Generation, choice: Choice, out: RequestOutput) -> dict[str, Any] | None:
         if not (out.new_text or out.finished or out.logprobs):
             return None
-        delta = {"content": out.new_text} if out.new_text else {}
+        finish_reason = out.finish_reason
+        if self.spec.tools is None:
+            delta: dict[str, Any] = {"content": out.new_text} if out.new_text else {}
+        else:
+            delta, called = self._tool_delta(gen, choice, out)
+            if out.finished and called and finish_reason == "stop":
+                finish_reason = "tool_calls"
+            if not (delta or out.finished or out.logprobs):
+                return None
         part = {"index": choice.index, "delta": delta, "logprobs": self._chat_logprobs(out.logprobs or []),
-                "finish_reason": out.finish_reason}
+                "finish_reason": finish_reason}
         return {**self.spec.header, "choices": [part], **self._null_usage()}
+
+    def _tool_delta(self, gen: Generation, choice: Choice, out: RequestOutput) -> tuple[dict[str, Any], bool]:
+        """What this output adds to the content and to the calls, from the text before and after it (a pure
+        function of the text: a resumed stream repeats it exactly); and whether the output holds any call."""
+        prefix = f"call_{gen.req_id}"
+        before = parse_output(choice.text[:len(choice.text) - len(out.new_text)], prefix, final=False)
+        after = parse_output(choice.text, prefix, final=out.finished)
+        delta: dict[str, Any] = {}
+        if len(after.content) > len(before.content):
+            delta["content"] = after.content[len(before.content):]
+        new_calls = after.calls[len(before.calls):]
+        if new_calls:
+            delta["tool_calls"] = [{"index": len(before.calls) + i, **call} for i, call in enumerate(new_calls)]
+        return delta, bool(after.calls)
 
     def body(self, gen: Generation) -> dict[str, Any]:
         choice = gen.choices[0]
+        message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+        finish_reason = choice.finish_reason
+        if self.spec.tools is not None:
+            parsed = parse_output(choice.text, f"call_{gen.req_id}", final=True)
+            if parsed.calls:
+                message = {"role": "assistant", "content": parsed.content.strip() or None,
+                           "tool_calls": parsed.calls}
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         return {**self.spec.header, "choices": [{
-            "index": 0, "message": {"role": "assistant", "content": choice.text},
-            "logprobs": self._chat_logprobs(choice.logprobs), "finish_reason": choice.finish_reason}],
-            "usage": gen.usage()}
+            "index": 0, "message": message, "logprobs": self._chat_logprobs(choice.logprobs),
+            "finish_reason": finish_reason}], "usage": gen.usage()}
 
     def _chat_logprobs(self, lps: list[TokenLogprob]) -> dict[str, Any] | None:
         if not self.spec.logprobs:

@@ -138,3 +138,94 @@ def test_bad_values_answer_400_naming_the_field(server, body, param, reason):
                           json={"messages": _messages("hi"), "max_tokens": 4, **body})
     error = assert_error(response, 400, param)
     assert reason in error["message"], error
+
+
+# -- tools -------------------------------------------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Current time in a time zone.",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 30}},
+                   "required": ["zone"]}}}
+CITIES = ["Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Perth", "Quito", "Dakar", "Seoul", "Rome", "Delhi", "Nairobi",
+          "Austin", "Hanoi", "Bergen", "Porto", "Kyiv", "Accra", "Havana", "Riga"]
+
+
+def test_a_forced_tool_call_parses_for_20_prompts(server):
+    async def one(client: openai.AsyncOpenAI, city: str):
+        response = await client.chat.completions.create(
+            model="smollm2-135m", messages=_messages(f"What is the weather like in {city}?"), max_tokens=80,
+            temperature=0.8, seed=len(city), tools=[WEATHER, TIME],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        return response.choices[0]
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0,
+                                      timeout=300) as client:
+            return await asyncio.gather(*(one(client, c) for c in CITIES))
+
+    for choice in asyncio.run(run()):
+        assert choice.finish_reason == "tool_calls", choice.message
+        [call] = choice.message.tool_calls[:1]
+        assert call.function.name == "get_weather" and call.id
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, WEATHER["function"]["parameters"])
+
+
+def test_streamed_tool_call_deltas_reassemble_the_call(client):
+    ask = {"model": "smollm2-135m", "messages": _messages("What time is it in Tokyo?"), "max_tokens": 80,
+           "temperature": 0, "tools": [WEATHER, TIME], "tool_choice": "required", "parallel_tool_calls": False}
+    whole = client.chat.completions.create(**ask).choices[0]
+    calls: dict[int, dict[str, str]] = {}
+    finish = None
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or []:
+                entry = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+                entry["id"] += delta.id or ""
+                entry["name"] += delta.function.name or ""
+                entry["arguments"] += delta.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert finish == whole.finish_reason == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == \
+        [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+
+
+def test_tool_results_go_back_to_the_model_and_auto_may_answer(client):
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": "Oslo", "unit": "celsius"})}}
+    messages = [*_messages("What is the weather in Oslo?"),
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "3 degrees and snowing"}]
+    answer = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=40, temperature=0,
+                                            tools=[WEATHER], tool_choice="none")
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+    auto = client.chat.completions.create(model="smollm2-135m", messages=_messages("Weather in Lima?"),
+                                          max_tokens=80, temperature=0, tools=[WEATHER])
+    message = auto.choices[0].message
+    assert message.content or message.tool_calls
+    for tool_call in message.tool_calls or []:
+        assert tool_call.function.name == "get_weather"
+        json.loads(tool_call.function.arguments)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tools": "get_weather"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice"),
+    ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strnig"}}}],
+      "tool_choice": "required"}, "tools"),
+])
+def test_bad_tool_fields_answer_400(server, body, param):
+    response = httpx.post(server.base_url + "/v1/chat/completions", timeout=60,
+                          json={"messages": _messages("hi"), "max_tokens": 4, **body})
+    assert_error(response, 400, param)

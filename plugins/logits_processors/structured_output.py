@@ -157,9 +157,6 @@ class StructuredOutput(LogitsProcessor):
         index = torch.tensor(rows, device=device)
         logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
-    def finish(self, state: GrammarState) -> None:
-        pass
-
 
 def _mask_threads(device: torch.device) -> int:
     cores = os.cpu_count() or 1

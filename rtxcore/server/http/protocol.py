@@ -112,8 +112,8 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
         params["logprobs"] = _int(logprobs, "logprobs")
     max_tokens = body.get("max_tokens")
     params["max_tokens"] = 16 if max_tokens is None else max_tokens
-    stream = _bool(body.get("stream", False), "stream")
-    return CompletionRequest(_model(body), parse_prompts(body["prompt"], "prompt"), params, stream,
+    stream = bool_field(body.get("stream", False), "stream")
+    return CompletionRequest(model_field(body), parse_prompts(body["prompt"], "prompt"), params, stream,
                              _include_usage(body, stream), parse_routing(body), _openai_speculation(body))
 
 
@@ -125,7 +125,7 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
         raise InvalidRequestError("messages must be a non-empty list of {'role', 'content'} objects",
                                   param="messages")
     params = _openai_sampling(body)
-    if _bool(body.get("logprobs") or False, "logprobs"):
+    if bool_field(body.get("logprobs") or False, "logprobs"):
         top = body.get("top_logprobs")
         params["logprobs"] = 0 if top is None else _int(top, "top_logprobs", 0, 20)
     elif body.get("top_logprobs") is not None:
@@ -135,11 +135,11 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
         if body.get(name) is not None:
             max_tokens = _int(body[name], name, 1)
             break
-    stream = _bool(body.get("stream", False), "stream")
+    stream = bool_field(body.get("stream", False), "stream")
     if tools is not None and tools.active and required_grammar(tools) is not None and "structured_output" in params:
         raise InvalidRequestError("tool_choice that requires a call cannot be combined with a structured output "
                                   f"({structured_output_field(body)})", param="tool_choice")
-    return ChatRequest(_model(body), [_message(m, i) for i, m in enumerate(messages)], params, max_tokens, stream,
+    return ChatRequest(model_field(body), [_message(m, i) for i, m in enumerate(messages)], params, max_tokens, stream,
                        _include_usage(body, stream), parse_routing(body), _openai_speculation(body), tools)
 
 
@@ -152,7 +152,7 @@ def parse_embedding(body: dict[str, Any]) -> EmbeddingRequest:
     encoding = body.get("encoding_format") or "float"
     if encoding not in ("float", "base64"):
         raise InvalidRequestError("encoding_format must be 'float' or 'base64'", param="encoding_format")
-    return EmbeddingRequest(_model(body), parse_prompts(body["input"], "input"), encoding)
+    return EmbeddingRequest(model_field(body), parse_prompts(body["input"], "input"), encoding)
 
 
 def parse_prompts(value: Any, param: str) -> list[Prompt]:
@@ -197,8 +197,8 @@ def parse_generate(body: dict[str, Any]) -> GenerateRequest:
                                                                                        draft_token_ids)):
         raise InvalidRequestError("draft_token_ids must be a list of token ids", param="draft_token_ids")
     speculation = SpeculationFields(draft_token_ids=draft_token_ids,
-                                    speculative=_bool(body.get("speculative", True), "speculative"))
-    return GenerateRequest(prompts[0], params, _bool(body.get("stream", True), "stream"), parse_routing(body),
+                                    speculative=bool_field(body.get("speculative", True), "speculative"))
+    return GenerateRequest(prompts[0], params, bool_field(body.get("stream", True), "stream"), parse_routing(body),
                            speculation)
 
 
@@ -272,14 +272,14 @@ def _check_lists(params: dict[str, Any]) -> None:
         raise InvalidRequestError("stop_token_ids must be a list of integers", param="stop_token_ids")
     for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
         if name in params:
-            _bool(params[name], name)
+            bool_field(params[name], name)
 
 
 def _openai_speculation(body: dict[str, Any]) -> SpeculationFields:
     # null is "not given", as for OpenAI's other optional fields.
     speculative = body.get("speculative")
     return SpeculationFields(prediction=_prediction(body.get("prediction")),
-                             speculative=True if speculative is None else _bool(speculative, "speculative"))
+                             speculative=True if speculative is None else bool_field(speculative, "speculative"))
 
 
 def _prediction(value: Any) -> str | None:
@@ -379,7 +379,7 @@ def _include_usage(body: dict[str, Any], stream: bool) -> bool:
         raise InvalidRequestError("stream_options is only allowed with stream=true", param="stream_options")
     if not isinstance(options, dict):
         raise InvalidRequestError("stream_options must be an object", param="stream_options")
-    return _bool(options.get("include_usage", False), "stream_options.include_usage")
+    return bool_field(options.get("include_usage", False), "stream_options.include_usage")
 
 
 def _message(message: Any, index: int) -> dict[str, Any]:
@@ -404,7 +404,7 @@ def _message(message: Any, index: int) -> dict[str, Any]:
     return {**message, "content": content}
 
 
-def _model(body: dict[str, Any]) -> str | None:
+def model_field(body: dict[str, Any]) -> str | None:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise InvalidRequestError("model must be a string", param="model")
@@ -420,7 +420,7 @@ def _int(value: Any, param: str, low: int | None = None, high: int | None = None
     return value
 
 
-def _bool(value: Any, param: str) -> bool:
+def bool_field(value: Any, param: str) -> bool:
     if not isinstance(value, bool):
         raise InvalidRequestError(f"{param} must be true or false", param=param)
     return value

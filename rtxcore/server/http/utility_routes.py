@@ -19,7 +19,7 @@ from rtxcore.engine.input_processor import InputProcessor
 from rtxcore.errors import InvalidRequestError
 from rtxcore.sampling_params import is_int
 from rtxcore.server.http.common import read_json
-from rtxcore.server.http.protocol import parse_chat
+from rtxcore.server.http.protocol import bool_field, model_field, parse_chat
 from rtxcore.server.serving.runtime import ServingRuntime
 from rtxcore.tokenizer import Tokenizer
 
@@ -66,7 +66,7 @@ def parse_tokenize(body: dict[str, Any]) -> TokenizeRequest:
         raise InvalidRequestError("prompt must be a string", param="prompt")
     if messages is not None:
         messages = parse_chat({"messages": messages}).messages  # checked and flattened as chat completions do
-    return TokenizeRequest(_model(body), prompt, messages, _flag(body, "add_generation_prompt", True),
+    return TokenizeRequest(model_field(body), prompt, messages, _flag(body, "add_generation_prompt", True),
                            _flag(body, "add_special_tokens", True), _flag(body, "return_token_strs", False))
 
 
@@ -76,7 +76,7 @@ def parse_detokenize(body: dict[str, Any]) -> DetokenizeRequest:
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(is_int(t) for t in tokens):
         raise InvalidRequestError("tokens must be a list of token ids", param="tokens")
-    return DetokenizeRequest(_model(body), tokens)
+    return DetokenizeRequest(model_field(body), tokens)
 
 
 class UtilityRoutes:
@@ -138,17 +138,6 @@ def _tokenizer(inputs: InputProcessor, param: str) -> Tokenizer:
     return inputs.tokenizer
 
 
-def _model(body: dict[str, Any]) -> str | None:
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise InvalidRequestError("model must be a string", param="model")
-    return model
-
-
 def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
     value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise InvalidRequestError(f"{name} must be true or false", param=name)
-    return value
+    return default if value is None else bool_field(value, name)

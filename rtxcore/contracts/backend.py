@@ -208,6 +208,14 @@ class ExecutionBackend(ABC):
         ``data`` may be on the host or on the device."""
         raise NotImplementedError(f"backend {type(self).__name__} cannot copy KV blocks in")
 
+    def score(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits at every token, [num_tokens, vocab_size] float32, for a batch of whole prompts with
+        ``write_kv=False`` (the cache is neither read nor written): what prompt log-probabilities (``echo`` with
+        ``logprobs``) are computed from. Optional."""
+        from rtxcore.errors import InvalidRequestError
+
+        raise InvalidRequestError(f"backend {type(self).__name__} does not score prompts", param="logprobs")
+
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
         """Final hidden states of every token, [num_tokens, hidden_size] float32, for a batch of whole prompts with
         ``write_kv=False`` (the cache is neither read nor written). Optional."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from rtxcore.engine.core import EngineCore
 from rtxcore.engine.input_processor import InputProcessor, Prompt
-from rtxcore.engine.outputs import RequestOutput
+from rtxcore.engine.outputs import RequestOutput, TokenLogprob
 from rtxcore.errors import EngineFailed
 from rtxcore.lanes import DEFAULT_LANE
 from rtxcore.request import Request
@@ -157,6 +157,10 @@ class AsyncEngine:
         token_lists = [self.inputs.encode(x) for x in inputs]
         self.inputs.check_embedding_inputs(token_lists)
         return await self.run_on_engine(lambda core: core.embed(token_lists))
+
+    async def prompt_logprobs(self, token_lists: Sequence[list[int]], num_top: int) -> list[list[TokenLogprob | None]]:
+        """EngineCore.prompt_logprobs on the engine thread, between two steps."""
+        return await self.run_on_engine(lambda core: core.prompt_logprobs(token_lists, num_top))
 
     async def run_on_engine(self, fn: Callable[[EngineCore], object]):
         """Run ``fn(core)`` on the engine thread between two steps and return its result."""

@@ -19,7 +19,8 @@ from rtxcore.engine.batch_builder import StepPlan, build_embedding_batch, build_
 from rtxcore.engine.components import EngineComponents, build_components
 from rtxcore.engine.config import EngineConfig
 from rtxcore.engine.input_processor import InputLimits, InputProcessor
-from rtxcore.engine.outputs import RequestOutput
+from rtxcore.engine.outputs import RequestOutput, TokenLogprob
+from rtxcore.engine.prompt_scoring import prompt_logprobs
 from rtxcore.errors import InvalidRequestError
 from rtxcore.models.source import ModelSource
 from rtxcore.registry import PluginRegistry
@@ -196,6 +197,11 @@ class EngineCore:
                 pooled = hidden[start:start + len(ids)].mean(dim=0)
                 vectors.append(torch.nn.functional.normalize(pooled, dim=0).tolist())
         return vectors
+
+    def prompt_logprobs(self, token_lists: Sequence[list[int]], num_top: int) -> list[list[TokenLogprob | None]]:
+        """Each prompt token's log-probability given those before it (None for the first), with ``num_top``
+        alternatives; computed without touching the KV cache (rtxcore.engine.prompt_scoring)."""
+        return prompt_logprobs(self.backend, token_lists, num_top, self.config.block_size)
 
 
 def resumed_seed(seed: int, num_output_tokens: int) -> int:

@@ -80,3 +80,28 @@ def test_stop_strings_and_eos(default_engine):
         [{"role": "user", "content": "Say hello."}])], SamplingParams(max_tokens=200, temperature=0.0))[0]
     assert short.finish_reason == "stop" and len(short.token_ids) < 200
     default_engine.core.kv_cache.reset_prefix_cache()
+
+
+@pytest.mark.hf
+def test_prompt_logprobs_equal_hugging_face(default_engine, hf_model):
+    prompts = [default_engine.inputs.encode(p) for p in PLAIN[:3]]
+    scored = default_engine.core.prompt_logprobs(prompts, num_top=3)
+    for ids, ours in zip(prompts, scored):
+        with torch.inference_mode():
+            ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+        assert ours[0] is None and len(ours) == len(ids)
+        want = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+        got = torch.tensor([lp.logprob for lp in ours[1:]])
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
+        assert [[t for t, _ in lp.top] for lp in ours[1:]] == ref[:-1].topk(3).indices.tolist()
+
+
+def test_prompt_logprobs_agree_with_the_sampled_tokens_logprobs(default_engine):
+    """Scoring prompt + output gives each output token the log-probability the engine reported when sampling it."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True)
+    result = default_engine.generate([PLAIN[0]], params)[0]
+    scored = default_engine.core.prompt_logprobs([result.prompt_token_ids + result.token_ids], num_top=2)[0]
+    tail = scored[len(result.prompt_token_ids):]
+    assert [lp.token_id for lp in tail] == result.token_ids
+    torch.testing.assert_close(torch.tensor([lp.logprob for lp in tail]),
+                               torch.tensor([lp.logprob for lp in result.logprobs]), atol=2e-3, rtol=0)

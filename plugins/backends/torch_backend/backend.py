@@ -312,6 +312,11 @@ class TorchBackend(ExecutionBackend):
         # Whole prompts with no cache: the torch path's attention over the fresh K/V serves every device.
         return self._torch_hidden_states(batch).float()
 
+    @torch.inference_mode()
+    def score(self, batch: ForwardBatch) -> torch.Tensor:
+        self._refuse_when_split("prompt log-probabilities")
+        return self.model.compute_logits(self._torch_hidden_states(batch)).float()
+
     def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
                        layers: Sequence[int] | None = None) -> torch.Tensor:
         hidden = self.model.hidden_states(input_ids, positions, self.kv_caches, meta,

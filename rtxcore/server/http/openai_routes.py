@@ -7,7 +7,7 @@ import asyncio
 import base64
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from rtxcore.engine.input_processor import InputProcessor
+from rtxcore.engine.input_processor import InputProcessor, Prompt
 from rtxcore.errors import InvalidRequestError
 from rtxcore.server.http.common import (
     read_json,
@@ -68,15 +68,38 @@ class OpenAIRoutes:
         self.runtime.check_model(req.model)
         where = request_route(self.runtime, request, req.routing)
         prompts = await tokenize(inputs, req.prompts)
-        params = make_sampling_params(req.params)
+        logprobs = req.params.get("logprobs") is not None
+        # best_of ranks choices by their log-probability: the engine reports it even when the body did not ask.
+        params = make_sampling_params(req.params if logprobs or req.best_of == req.n else {**req.params, "logprobs": 0})
         speculation = await _speculation(inputs, req.speculation)
         with _named_as_sent(body):
             gen = await Generation.start(self.runtime, request_id(request), prompts, params, trace_headers(request),
-                                         where, speculation=speculation)
+                                         where, speculation=speculation, n=req.best_of)
+        try:
+            echo = await self._echo(req.prompts, prompts, params.logprobs if logprobs else None) if req.echo else None
+        except BaseException:
+            gen.close()
+            raise
         header = {"id": f"cmpl-{gen.req_id}", "object": "text_completion", "created": int(time.time()),
                   "model": self.runtime.model_name}
-        spec = ResponseSpec("completion", req.stream, header, req.include_usage, params.logprobs is not None)
-        return Started(gen, spec, prompts, params)
+        spec = ResponseSpec("completion", req.stream, header, req.include_usage, logprobs, n=req.n,
+                            best_of=req.best_of, echo=echo)
+        return Started(gen, spec, prompts, params, n=req.best_of)
+
+    async def _echo(self, sent: Sequence[Prompt], prompts: list[list[int]],
+                    num_top: int | None) -> list[dict[str, Any]]:
+        """What echo puts before each prompt's choices: the prompt as sent (token ids decoded), and with logprobs,
+        each prompt token's log-probability from one scoring pass (rtxcore.engine.prompt_scoring)."""
+        engine = self.runtime.engine()
+        tokenizer = engine.inputs.tokenizer  # token-id prompts of a model without one echo no text (their logprobs
+        texts = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False) if tokenizer else ""
+                 for p in sent]  # name each token as token_id:N)
+        if num_top is None:
+            return [{"text": text, "logprobs": None} for text in texts]
+        scored = await engine.prompt_logprobs(prompts, num_top)
+        return [{"text": text, "logprobs": [[ids[0], None, None], *[
+                    [lp.token_id, lp.logprob, [[t, p] for t, p in lp.top]] for lp in lps[1:] if lp is not None]]}
+                for text, ids, lps in zip(texts, prompts, scored)]
 
     # -- chat -----------------------------------------------------------------------------------------------------
 
@@ -105,12 +128,12 @@ class OpenAIRoutes:
         speculation = await _speculation(inputs, req.speculation)
         with _named_as_sent(body):
             gen = await Generation.start(self.runtime, request_id(request), prompts, sampling,
-                                         trace_headers(request), where, speculation=speculation)
+                                         trace_headers(request), where, speculation=speculation, n=req.n)
         header = {"id": f"chatcmpl-{gen.req_id}", "object": "chat.completion.chunk" if req.stream else
                   "chat.completion", "created": int(time.time()), "model": self.runtime.model_name}
         spec = ResponseSpec("chat", req.stream, header, req.include_usage, sampling.logprobs is not None,
-                            tools=HERMES if tools is not None else None)
-        return Started(gen, spec, prompts, sampling)
+                            tools=HERMES if tools is not None else None, n=req.n)
+        return Started(gen, spec, prompts, sampling, n=req.n)
 
     # -- embeddings -----------------------------------------------------------------------------------------------
 

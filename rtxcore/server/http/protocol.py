@@ -59,6 +59,12 @@ class CompletionRequest:
     include_usage: bool
     routing: RoutingFields
     speculation: SpeculationFields
+    # Choices returned per prompt; ``best_of`` of them are sampled and the ``n`` with the highest cumulative
+    # log-probability returned (best_of == n: all of them, in order).
+    n: int = 1
+    best_of: int = 1
+    # Whether each choice's text (and logprobs) starts with its prompt's.
+    echo: bool = False
 
 
 @dataclass(slots=True)
@@ -74,6 +80,8 @@ class ChatRequest:
     speculation: SpeculationFields
     # tools, tool_choice, parallel_tool_calls; None without tools.
     tools: ToolRequest | None = None
+    # Choices sampled for the conversation.
+    n: int = 1
 
 
 @dataclass(slots=True)
@@ -99,9 +107,7 @@ class GenerateRequest:
 
 
 def parse_completion(body: dict[str, Any]) -> CompletionRequest:
-    _refuse_unsupported(body)
-    if body.get("echo"):
-        raise InvalidRequestError("echo=true is not supported", param="echo")
+    echo = bool_field(body.get("echo") or False, "echo")
     if body.get("suffix") not in (None, ""):
         raise InvalidRequestError("suffix is not supported", param="suffix")
     if "prompt" not in body:
@@ -113,12 +119,17 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
     max_tokens = body.get("max_tokens")
     params["max_tokens"] = 16 if max_tokens is None else max_tokens
     stream = bool_field(body.get("stream", False), "stream")
-    return CompletionRequest(model_field(body), parse_prompts(body["prompt"], "prompt"), params, stream,
-                             _include_usage(body, stream), parse_routing(body), _openai_speculation(body))
+    prompts = parse_prompts(body["prompt"], "prompt")
+    n, best_of = _num_choices(body, len(prompts))
+    if best_of > n and stream:
+        raise InvalidRequestError("best_of greater than n cannot stream: the best choices are known only at the end",
+                                  param="best_of")
+    return CompletionRequest(model_field(body), prompts, params, stream, _include_usage(body, stream),
+                             parse_routing(body), _openai_speculation(body), n, best_of, echo)
 
 
 def parse_chat(body: dict[str, Any]) -> ChatRequest:
-    _refuse_unsupported(body)
+    n, _ = _num_choices(body, 1)
     tools = parse_tools(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -140,7 +151,7 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
         raise InvalidRequestError("tool_choice that requires a call cannot be combined with a structured output "
                                   f"({structured_output_field(body)})", param="tool_choice")
     return ChatRequest(model_field(body), [_message(m, i) for i, m in enumerate(messages)], params, max_tokens, stream,
-                       _include_usage(body, stream), parse_routing(body), _openai_speculation(body), tools)
+                       _include_usage(body, stream), parse_routing(body), _openai_speculation(body), tools, n)
 
 
 def parse_embedding(body: dict[str, Any]) -> EmbeddingRequest:
@@ -297,13 +308,20 @@ def _prediction(value: Any) -> str | None:
                               "{'type': 'text', 'text': <a string>} parts>}", param="prediction")
 
 
-def _refuse_unsupported(body: dict[str, Any]) -> None:
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise InvalidRequestError("only n=1 is supported: send several prompts or requests instead", param="n")
-    best_of = body.get("best_of")
-    if best_of is not None and best_of != 1:
-        raise InvalidRequestError("only best_of=1 is supported", param="best_of")
+def _num_choices(body: dict[str, Any], num_prompts: int) -> tuple[int, int]:
+    """``n`` and ``best_of`` (chat has no best_of: it stays 1 there, its field ignored as OpenAI's chat has none).
+    Each sampled choice is an engine request: all of a request's together stay within :data:`MAX_BATCH`."""
+    n = 1 if body.get("n") is None else _int(body["n"], "n", 1, MAX_BATCH)
+    best_of = n
+    if "prompt" in body and body.get("best_of") is not None:
+        best_of = _int(body["best_of"], "best_of", 1, MAX_BATCH)
+        if best_of < n:
+            raise InvalidRequestError(f"best_of must be at least n ({n}), got {best_of}", param="best_of")
+    if best_of * num_prompts > MAX_BATCH:
+        param = "best_of" if best_of > n else "n"
+        raise InvalidRequestError(f"{param} x prompts is {best_of * num_prompts}: at most {MAX_BATCH} choices are "
+                                  "sampled per request", param=param)
+    return n, best_of
 
 
 # vLLM's older names for structured output, each one kind of SamplingParams.structured_output.

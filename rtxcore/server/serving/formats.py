@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -86,6 +87,12 @@ class ResponseSpec:
     logprobs: bool = False
     # The tool-call format the chat output is parsed with (rtxcore.server.serving.tool_calls), None without tools.
     tools: str | None = None
+    # Choices returned per prompt, and sampled per prompt (more than n: the n most likely are returned).
+    n: int = 1
+    best_of: int = 1
+    # Completions' echo: per prompt, {"text": the prompt's text, "logprobs": per prompt token [token_id, logprob,
+    # [[token_id, logprob], ...]], null for the first, or null when logprobs were not asked for}; None without echo.
+    echo: list[dict[str, Any]] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -93,6 +100,13 @@ class ResponseSpec:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ResponseSpec:
         return cls(**data)
+
+
+@dataclass(slots=True, frozen=True)
+class PromptToken:
+    """A prompt's first token in echoed logprobs: nothing before it predicts it, so it has no log-probability."""
+
+    token_id: int
 
 
 class ResponseFormat(ABC):
@@ -129,10 +143,21 @@ class ResponseFormat(ABC):
 
 
 class CompletionFormat(ResponseFormat):
+    def opening(self) -> list[dict[str, Any]]:
+        """With echo, each choice's prompt, before any of its output."""
+        if self.spec.echo is None:
+            return []
+        parts = []
+        for index in range(len(self.spec.echo) * self.spec.n):
+            echo = self.spec.echo[index // self.spec.n]
+            parts.append({"index": index, "text": echo["text"],
+                          "logprobs": self._logprobs(self._echo_logprobs(echo), 0), "finish_reason": None})
+        return [{**self.spec.header, "choices": parts, **self._null_usage()}]
+
     def chunk(self, gen: Generation, choice: Choice, out: RequestOutput) -> dict[str, Any] | None:
         if not (out.new_text or out.finished or out.logprobs):
             return None
-        offset = len(choice.text) - len(out.new_text)
+        offset = len(self._echo_text(choice.index)) + len(choice.text) - len(out.new_text)
         part = {"index": choice.index, "text": out.new_text, "logprobs": self._logprobs(out.logprobs or [], offset),
                 "finish_reason": out.finish_reason}
         return {**self.spec.header, "choices": [part], **self._null_usage()}
@@ -141,30 +166,68 @@ class CompletionFormat(ResponseFormat):
         return [{**self.spec.header, "choices": [], "usage": gen.usage()}] if self.spec.include_usage else []
 
     def body(self, gen: Generation) -> dict[str, Any]:
-        choices = [{"index": c.index, "text": c.text, "logprobs": self._logprobs(c.logprobs, 0),
-                    "finish_reason": c.finish_reason} for c in gen.choices]
+        choices = []
+        for index, c in enumerate(self._returned(gen.choices)):
+            echo = self.spec.echo[c.index // self.spec.best_of] if self.spec.echo is not None else None
+            prefix = echo["text"] if echo is not None else ""
+            logprobs = [*self._echo_logprobs(echo), *c.logprobs] if echo is not None else c.logprobs
+            choices.append({"index": index, "text": prefix + c.text, "logprobs": self._logprobs(logprobs, 0),
+                            "finish_reason": c.finish_reason})
         return {**self.spec.header, "choices": choices, "usage": gen.usage()}
+
+    def _returned(self, choices: list[Choice]) -> list[Choice]:
+        """The choices a body returns: all, or with best_of, the n of each prompt's with the highest cumulative
+        log-probability (ties keep their order), as OpenAI's legacy completions rank them."""
+        n, best_of = self.spec.n, self.spec.best_of
+        if best_of == n:
+            return choices
+        kept: list[Choice] = []
+        for start in range(0, len(choices), best_of):
+            group = choices[start:start + best_of]
+            kept += sorted(group, key=lambda c: -sum(lp.logprob for lp in c.logprobs))[:n]
+        return kept
+
+    def _echo_text(self, index: int) -> str:
+        return self.spec.echo[index // self.spec.n]["text"] if self.spec.echo is not None else ""
+
+    @staticmethod
+    def _echo_logprobs(echo: dict[str, Any] | None) -> list[TokenLogprob | PromptToken]:
+        if echo is None or echo["logprobs"] is None:
+            return []
+        return [PromptToken(lp[0]) if lp[1] is None else TokenLogprob(lp[0], lp[1], [(t, p) for t, p in lp[2]])
+                for lp in echo["logprobs"]]
 
     def _null_usage(self) -> dict[str, Any]:
         return {"usage": None} if self.spec.include_usage else {}
 
-    def _logprobs(self, lps: list[TokenLogprob], offset: int) -> dict[str, Any] | None:
+    def _logprobs(self, lps: Sequence[TokenLogprob | PromptToken], offset: int) -> dict[str, Any] | None:
+        """OpenAI's legacy logprobs object."""
         if not self.spec.logprobs:
             return None
-        tokens = [token_text(self.tokenizer, lp.token_id) for lp in lps]
-        offsets = []
-        for token in tokens:
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        top_logprobs: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        for lp in lps:
+            token = token_text(self.tokenizer, lp.token_id)
+            tokens.append(token)
+            if isinstance(lp, TokenLogprob):
+                token_logprobs.append(lp.logprob)
+                top_logprobs.append({token_text(self.tokenizer, t): p for t, p in lp.top})
+            else:
+                token_logprobs.append(None)
+                top_logprobs.append(None)
             offsets.append(offset)
             offset += len(token)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{token_text(self.tokenizer, t): p for t, p in lp.top} for lp in lps],
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": offsets}
 
 
 class ChatFormat(CompletionFormat):
     def opening(self) -> list[dict[str, Any]]:
-        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        return [{**self.spec.header, "choices": [first], **self._null_usage()}]
+        firsts = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                  for i in range(self.spec.n)]
+        return [{**self.spec.header, "choices": firsts, **self._null_usage()}]
 
     def chunk(self, gen: Generation, choice: Choice, out: RequestOutput) -> dict[str, Any] | None:
         if not (out.new_text or out.finished or out.logprobs):
@@ -185,7 +248,7 @@ class ChatFormat(CompletionFormat):
     def _tool_delta(self, gen: Generation, choice: Choice, out: RequestOutput) -> tuple[dict[str, Any], bool]:
         """What this output adds to the content and to the calls, from the text before and after it (a pure
         function of the text: a resumed stream repeats it exactly); and whether the output holds any call."""
-        prefix = f"call_{gen.req_id}"
+        prefix = _call_prefix(gen, choice)
         before = parse_output(choice.text[:len(choice.text) - len(out.new_text)], prefix, final=False)
         after = parse_output(choice.text, prefix, final=out.finished)
         delta: dict[str, Any] = {}
@@ -197,18 +260,19 @@ class ChatFormat(CompletionFormat):
         return delta, bool(after.calls)
 
     def body(self, gen: Generation) -> dict[str, Any]:
-        choice = gen.choices[0]
+        return {**self.spec.header, "choices": [self._message(gen, c) for c in gen.choices], "usage": gen.usage()}
+
+    def _message(self, gen: Generation, choice: Choice) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": choice.text}
         finish_reason = choice.finish_reason
         if self.spec.tools is not None:
-            parsed = parse_output(choice.text, f"call_{gen.req_id}", final=True)
+            parsed = parse_output(choice.text, _call_prefix(gen, choice), final=True)
             if parsed.calls:
                 message = {"role": "assistant", "content": parsed.content.strip() or None,
                            "tool_calls": parsed.calls}
                 finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
-        return {**self.spec.header, "choices": [{
-            "index": 0, "message": message, "logprobs": self._chat_logprobs(choice.logprobs),
-            "finish_reason": finish_reason}], "usage": gen.usage()}
+        return {"index": choice.index, "message": message, "logprobs": self._chat_logprobs(choice.logprobs),
+                "finish_reason": finish_reason}
 
     def _chat_logprobs(self, lps: list[TokenLogprob]) -> dict[str, Any] | None:
         if not self.spec.logprobs:
@@ -220,6 +284,11 @@ class ChatFormat(CompletionFormat):
 
         return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, p) for t, p in lp.top]}
                             for lp in lps]}
+
+
+def _call_prefix(gen: Generation, choice: Choice) -> str:
+    """Tool-call ids start with it: unique per request, and per choice when there are several."""
+    return f"call_{gen.req_id}" if choice.index == 0 else f"call_{gen.req_id}_{choice.index}"
 
 
 class NativeFormat(ResponseFormat):

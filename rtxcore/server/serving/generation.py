@@ -1,14 +1,15 @@
 """One request's trip through the engine, whatever its protocol: admission, tokenization, submission, streaming,
 timeout and abort.
 
-A request with several prompts becomes one engine request per prompt; :class:`Generation` merges their outputs
-into one stream of ``(choice, output)``. Whatever ends it (finished, client gone, timeout, error),
-:meth:`Generation.close` aborts what is still running and gives back its admission slots.
+A request with several prompts, or several choices per prompt (``n``), becomes one engine request per choice;
+:class:`Generation` merges their outputs into one stream of ``(choice, output)``. Whatever ends it (finished, client
+gone, timeout, error), :meth:`Generation.close` aborts what is still running and gives back its admission slots.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
@@ -104,11 +105,14 @@ class Generation:
     def __init__(self, runtime: ServingRuntime, req_id: str, prompts: list[list[int]], params: SamplingParams,
                  trace: TraceHeaders, route: Route, lease: Lease, resumed: list[Choice] | None = None,
                  resumed_token_ids: list[list[int]] | None = None, protocol: str = "http",
-                 speculation: Speculation = NO_SPECULATION):
-        """:param resumed: the choices as a journal left them (a request resumed after a restart); finished ones
+                 speculation: Speculation = NO_SPECULATION, n: int = 1):
+        """:param prompts: one per prompt; each gives ``n`` choices, those of prompt ``i`` numbered ``i * n`` to
+            ``i * n + n - 1`` (OpenAI's order).
+        :param resumed: the choices as a journal left them (a request resumed after a restart); finished ones
             are not run again, the others go on after ``resumed_token_ids``, their tokens so far.
         :param protocol: "http" or "grpc", for the requests' traces.
-        :param speculation: applies to every prompt."""
+        :param speculation: applies to every prompt.
+        :param n: choices per prompt (see :func:`choice_params` for how they differ)."""
         assert runtime.async_engine is not None
         self.runtime = runtime
         self.req_id = req_id
@@ -116,6 +120,8 @@ class Generation:
         self.trace = trace
         self.speculation = speculation
         self._lease = lease
+        self.n = n
+        prompts = [p for p in prompts for _ in range(n)]
         self.choices = resumed or [Choice(i, len(p)) for i, p in enumerate(prompts)]
         outputs_so_far = resumed_token_ids or [[] for _ in prompts]
         running = [i for i, c in enumerate(self.choices) if c.finish_reason is None]
@@ -129,7 +135,8 @@ class Generation:
                                      protocol=protocol, lane=route.lane, tenant=route.tenant_name or "")
         self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
         self._buffer: deque[tuple[int, RequestOutput | BaseException]] = deque()
-        self._tasks = [asyncio.ensure_future(self._pump(i, prompts[i], params, outputs_so_far[i])) for i in running]
+        self._tasks = [asyncio.ensure_future(self._pump(i, prompts[i], choice_params(params, i % n), outputs_so_far[i]))
+                       for i in running]
         self._num_running = len(running)
         self._num_finished = len(self.choices) - len(running)
         self._closed = False
@@ -137,7 +144,7 @@ class Generation:
     @classmethod
     async def start(cls, runtime: ServingRuntime, req_id: str, prompts: list[list[int]], params: SamplingParams,
                     trace: TraceHeaders, route: Route, protocol: str = "http",
-                    speculation: Speculation = NO_SPECULATION) -> Generation:
+                    speculation: Speculation = NO_SPECULATION, n: int = 1) -> Generation:
         """Admit and submit; returns once the engine has accepted every prompt (so errors are still 4xx).
 
         :raises RequestError: RESOURCE_EXHAUSTED when the server, the tenant's limits or the lane are full,
@@ -145,17 +152,19 @@ class Generation:
             DEADLINE_EXCEEDED on timeout.
         """
         metrics = runtime.metrics
+        num_choices = len(prompts) * n
         try:
-            lease = runtime.tenants.acquire(route.tenant, len(prompts),
-                                            sum(len(p) for p in prompts) + params.max_tokens * len(prompts))
+            lease = runtime.tenants.acquire(route.tenant, num_choices,
+                                            n * sum(len(p) for p in prompts) + params.max_tokens * num_choices)
         except RateLimited as exc:
             metrics.record_rejection(exc.limit, lane=route.lane, tenant=route.tenant_name)
             raise
-        if not runtime.try_admit(len(prompts)):
+        if not runtime.try_admit(num_choices):
             runtime.tenants.release(lease, 0)
             metrics.record_rejection("overloaded", lane=route.lane, tenant=route.tenant_name)
             raise overloaded(runtime.settings.max_active_requests)
-        gen = cls(runtime, req_id, prompts, params, trace, route, lease, protocol=protocol, speculation=speculation)
+        gen = cls(runtime, req_id, prompts, params, trace, route, lease, protocol=protocol, speculation=speculation,
+                  n=n)
         try:
             await gen._wait_accepted()
         except AdmissionRefused as exc:
@@ -168,13 +177,13 @@ class Generation:
         except BaseException:
             gen.close()
             raise
-        metrics.record_admission(route.lane, route.tenant_name, len(prompts))
+        metrics.record_admission(route.lane, route.tenant_name, num_choices)
         return gen
 
     @classmethod
     async def resume(cls, runtime: ServingRuntime, req_id: str, prompts: list[list[int]], params: SamplingParams,
                      route: Route, choices: list[Choice], token_ids: list[list[int]], trace: TraceHeaders,
-                     protocol: str = "http", speculation: Speculation = NO_SPECULATION) -> Generation:
+                     protocol: str = "http", speculation: Speculation = NO_SPECULATION, n: int = 1) -> Generation:
         """Go on with a request accepted before a restart. It was admitted then: tenant limits and the server's
         request limit do not refuse it now (it counts towards them, not against them). It is traced under the trace
         it came with.
@@ -182,10 +191,11 @@ class Generation:
         :raises AdmissionRefused: the scheduler cannot take it yet (the caller retries).
         :raises InvalidRequestError: the engine can no longer run it (another model or context).
         """
-        runtime.force_admit(len(prompts))
+        runtime.force_admit(len(choices))
         # Reserved as a new request would be: the whole of each prompt plus max_tokens (the buckets started anew).
-        lease = runtime.tenants.take(route.tenant, len(prompts), sum(len(p) + params.max_tokens for p in prompts))
-        gen = cls(runtime, req_id, prompts, params, trace, route, lease, choices, token_ids, protocol, speculation)
+        lease = runtime.tenants.take(route.tenant, len(choices),
+                                     n * sum(len(p) + params.max_tokens for p in prompts))
+        gen = cls(runtime, req_id, prompts, params, trace, route, lease, choices, token_ids, protocol, speculation, n)
         try:
             await gen._wait_accepted()
         except BaseException:
@@ -202,9 +212,12 @@ class Generation:
         return self._engine.core.tokenizer
 
     def usage(self) -> dict[str, object]:
-        prompt = sum(c.num_prompt_tokens for c in self.choices)
+        # A prompt counts once however many choices it gives (as OpenAI counts it); its cache hits, its first
+        # choice's (the others find the whole prompt cached, which says nothing about the caller's reuse).
+        firsts = self.choices[::self.n]
+        prompt = sum(c.num_prompt_tokens for c in firsts)
         completion = sum(c.num_tokens for c in self.choices)
-        cached = sum(c.num_cached_tokens for c in self.choices)
+        cached = sum(c.num_cached_tokens for c in firsts)
         usage: dict[str, object] = {"prompt_tokens": prompt, "completion_tokens": completion,
                                     "total_tokens": prompt + completion,
                                     "prompt_tokens_details": {"cached_tokens": cached}}
@@ -278,6 +291,15 @@ class Generation:
     async def _get(self) -> tuple[int, RequestOutput | BaseException]:
         async with asyncio.timeout_at(self.deadline):
             return await self._queue.get()
+
+
+def choice_params(params: SamplingParams, choice: int) -> SamplingParams:
+    """The parameters of a prompt's ``choice``-th choice. Unseeded choices differ by their random draws; seeded ones
+    draw from ``seed + choice``, so that they differ from each other and each is reproducible (a request with
+    ``n=3, seed=s`` gives as its choice 2 what ``n=1, seed=s+2`` gives)."""
+    if choice == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + choice) % 2**63)
 
 
 def overloaded(max_active_requests: int) -> RequestError:

@@ -39,6 +39,8 @@ class Started:
     spec: ResponseSpec
     prompts: list[list[int]]
     params: SamplingParams
+    # Choices per prompt (Generation's n).
+    n: int = 1
 
 
 async def begin(runtime: ServingRuntime, started: Started, claim: IdempotencyClaim | None = None) -> ServedRequest:
@@ -178,6 +180,7 @@ def accept_record(entry: ServedRequest, started: Started) -> dict[str, Any]:
     route = gen.route
     return {"t": "accept", "id": entry.req_id, "time": entry.accepted_at, "spec": started.spec.to_json(),
             "gen_id": gen.req_id, "prompts": started.prompts, "params": dataclasses.asdict(started.params),
+            "n": started.n,
             "lane": route.lane, "tenant": route.tenant_name, "cache_salt": route.cache_salt, "stream": entry.stream,
             "trace": dataclasses.asdict(gen.trace), **gen.speculation.to_json(),
             "idempotency": dataclasses.asdict(entry.idempotency) if entry.idempotency is not None else None}

@@ -88,8 +88,9 @@ async def _resume(runtime: ServingRuntime, durable: DurableRequests, entry: Serv
         params = SamplingParams(**accept["params"])
         trace = TraceHeaders.from_json(accept.get("trace"))
         speculation = Speculation.from_json(accept)
-        choices = [Choice(i, len(p)) for i, p in enumerate(prompts)]
-        token_ids: list[list[int]] = [[] for _ in prompts]
+        n = int(accept.get("n", 1))  # a record from before n existed: one choice per prompt
+        choices = [Choice(i, len(p)) for i, p in enumerate(p for p in prompts for _ in range(n))]
+        token_ids: list[list[int]] = [[] for _ in choices]
         for output in journaled.outputs:
             choices[output["c"]].add(_request_output(output))
             token_ids[output["c"]].extend(output["tok"])
@@ -103,7 +104,7 @@ async def _resume(runtime: ServingRuntime, durable: DurableRequests, entry: Serv
     while True:
         try:
             gen = await Generation.resume(runtime, accept["gen_id"], prompts, params, route, choices, token_ids, trace,
-                                          "grpc" if spec.kind == "grpc" else "http", speculation)
+                                          "grpc" if spec.kind == "grpc" else "http", speculation, n)
             break
         except AdmissionRefused as exc:  # the scheduler is full for now: it was accepted once, so it waits its turn
             await asyncio.sleep(max(0.05, exc.retry_after_s or 0.0))

@@ -8,13 +8,10 @@ A restart is simulated by what a crash leaves: the journal of a finished run cut
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import shutil
 import time
-from pathlib import Path
-from typing import Iterator
 
 import pytest
 from starlette.testclient import TestClient
@@ -22,9 +19,9 @@ from starlette.testclient import TestClient
 from rtxcore.engine.config import EngineConfig
 from rtxcore.server.http import build_app
 from rtxcore.server.serving.durable.records import decode_records, encode_record
-from rtxcore.server.serving.recovery import recover
-from rtxcore.server.serving.runtime import ServeSettings, ServingRuntime
+from rtxcore.server.serving.runtime import ServingRuntime
 from rtxcore.server.serving.tenants import TenantRegistry
+from tests.helpers.durable_app import crash_copy, events, make_runtime, records, serving
 
 PROMPT = [3, 14, 15, 92, 65, 35]
 STREAM = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True}
@@ -32,48 +29,6 @@ FULL = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True
 # dummy:tiny has no tokenizer: logprobs make every output a chunk (it names its token).
 COMPLETION_STREAM = {**FULL, "stream": True}
 KEYS = {"alice": "alice-key", "bob": "bob-key"}
-
-
-def make_runtime(state_dir: Path, tenants: TenantRegistry | None = None, **settings) -> ServingRuntime:
-    runtime = ServingRuntime(EngineConfig(model="dummy:tiny"), ServeSettings(state_dir=str(state_dir), **settings),
-                             tenants)
-    runtime.load()
-    assert runtime.load_error is None
-    return runtime
-
-
-@contextlib.contextmanager
-def serving(runtime: ServingRuntime, app=None) -> Iterator[TestClient]:
-    """The app on ``runtime`` after the journal's recovery, as the launcher runs it; stopped as on SIGTERM."""
-    with TestClient(app or build_app(runtime)) as client:
-        client.portal.call(recover, runtime)
-        try:
-            yield client
-        finally:
-            client.portal.call(runtime.durable.stop_producers)
-    runtime.stop()
-
-
-def events(body: str) -> list[tuple[int, str]]:
-    """``(id, data)`` of each SSE event of a response body."""
-    out = []
-    for block in body.strip().split("\n\n"):
-        lines = dict(line.split(": ", 1) for line in block.split("\n"))
-        out.append((int(lines["id"]), lines["data"]))
-    return out
-
-
-def records(state_dir: Path) -> list[dict]:
-    return decode_records((state_dir / "journal" / "journal.log").read_bytes()).records
-
-
-def crash_copy(state_dir: Path, to: Path, keep) -> Path:
-    """A state dir holding the records of ``state_dir`` for which ``keep(record, index)`` is true, as a crash
-    would have left them."""
-    kept = [r for i, r in enumerate(records(state_dir)) if keep(r, i)]
-    (to / "journal").mkdir(parents=True)
-    (to / "journal" / "journal.log").write_bytes(b"".join(encode_record(r) for r in kept))
-    return to
 
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from rtxcore.engine.outputs import RequestOutput
 from rtxcore.errors import InvalidRequestError
 from rtxcore.sampling_params import SamplingParams
@@ -37,7 +40,36 @@ def prompt_from(request: rtx_pb2.GenerateRequest) -> str | list[int]:
 def sampling_params_from(request: rtx_pb2.GenerateRequest) -> SamplingParams:
     fields = {name: getattr(request, name) for name in OPTIONAL_SAMPLING_FIELDS if request.HasField(name)}
     return SamplingParams(stop=list(request.stop), stop_token_ids=list(request.stop_token_ids),
-                          ignore_eos=request.ignore_eos, **fields)
+                          ignore_eos=request.ignore_eos, logit_bias=dict(request.logit_bias) or None,
+                          allowed_token_ids=list(request.allowed_token_ids.ids)
+                          if request.HasField("allowed_token_ids") else None,
+                          banned_token_ids=list(request.banned_token_ids) or None,
+                          structured_output=_structured_output(request),
+                          logits_processors={name: _json_arg(name, text)
+                                             for name, text in request.logits_processors.items()},
+                          **fields)
+
+
+def _structured_output(request: rtx_pb2.GenerateRequest) -> dict[str, Any] | None:
+    """SamplingParams.structured_output from the request's oneof (None when unset)."""
+    kind = request.WhichOneof("structured_output")
+    match kind:
+        case None:
+            return None
+        case "json_schema":
+            return {"json": _json_arg("json_schema", request.json_schema)}
+        case "json_object":
+            return {"json_object": True} if request.json_object else None
+        case "choice":
+            return {"choice": list(request.choice.items)}
+    return {kind: getattr(request, kind)}  # regex, grammar: text as it is
+
+
+def _json_arg(param: str, text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError(f"{param} must be JSON text: {exc}", param=param) from None
 
 
 def speculation_from(request: rtx_pb2.GenerateRequest) -> Speculation:

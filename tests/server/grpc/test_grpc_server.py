@@ -166,6 +166,18 @@ def test_embed_matches_the_engine(runtime, stub, registry):
     assert response.model == runtime.model_name
 
 
+def test_token_lists_hold_the_sampled_tokens(stub):
+    allowed = [r.token_ids for r in stub.Generate(request([5, 6, 7], max_tokens=12, temperature=1.0, seed=2,
+                                                          allowed_token_ids=rtx_pb2.TokenIds(ids=[41, 42])))]
+    assert set(t for ids in allowed for t in ids) <= {41, 42}
+    biased = [t for r in stub.Generate(request([5, 6, 7], max_tokens=8, temperature=1.0, seed=2,
+                                               logit_bias={77: 100.0})) for t in r.token_ids]
+    assert biased == [77] * 8
+    banned = [t for r in stub.Generate(request([5, 6, 7], max_tokens=8, temperature=0.0, banned_token_ids=biased[:1],
+                                               logit_bias={77: 100.0, 78: 50.0})) for t in r.token_ids]
+    assert banned == [78] * 8
+
+
 # -- errors -------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fields, param", [

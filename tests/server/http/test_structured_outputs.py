@@ -34,7 +34,7 @@ SUBJECTS = ["a baker", "a pilot", "a teacher", "a farmer", "a nurse", "a painter
 
 @pytest.fixture(scope="module")
 def server():
-    srv = start_server("--no-grpc")
+    srv = start_server()  # with gRPC: structured output through it too
     yield srv
     assert srv.stop() == 0, srv.output()
 
@@ -229,3 +229,34 @@ def test_bad_tool_fields_answer_400(server, body, param):
     response = httpx.post(server.base_url + "/v1/chat/completions", timeout=60,
                           json={"messages": _messages("hi"), "max_tokens": 4, **body})
     assert_error(response, 400, param)
+
+
+# -- gRPC ---------------------------------------------------------------------------------------------------------
+
+
+def test_grpc_structured_output_and_token_lists(server):
+    import grpc
+
+    from rtxcore.server.grpc.codegen import ensure_generated
+
+    ensure_generated()
+    from rtxcore._generated import rtx_pb2, rtx_pb2_grpc
+
+    def generate(**fields) -> str:
+        with grpc.insecure_channel(server.grpc_target) as channel:
+            stub = rtx_pb2_grpc.RtxStub(channel)
+            return "".join(r.text for r in stub.Generate(rtx_pb2.GenerateRequest(
+                text="Describe a baker as JSON:", max_tokens=120, temperature=0.7, seed=1, **fields), timeout=300))
+
+    jsonschema.validate(json.loads(generate(json_schema=json.dumps(PERSON))), PERSON)
+    assert generate(choice=rtx_pb2.Choices(items=["yes", "no"])) in ("yes", "no")
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", generate(regex=r"[0-9]{3}-[0-9]{4}"))
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        stub = rtx_pb2_grpc.RtxStub(channel)
+        for fields, param in [({"json_schema": "{not json"}, "json_schema"),
+                              ({"regex": "(unclosed"}, "structured_output"),
+                              ({"logit_bias": {1: 500.0}}, "logit_bias")]:
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Generate(rtx_pb2.GenerateRequest(text="hi", max_tokens=4, **fields), timeout=60))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, fields
+            assert dict(info.value.trailing_metadata())["rtx-param"] == param, info.value.details()

@@ -41,7 +41,8 @@ from rtxcore.server.serving.formats import ResponseSpec
 from rtxcore.server.serving.generation import Generation, Speculation, encode_prediction, tokenize
 from rtxcore.server.serving.lifecycle import Started
 from rtxcore.server.serving.runtime import ServingRuntime
-from rtxcore.server.serving.tool_calls import HERMES, required_grammar, tool_messages
+from rtxcore.server.serving.tool_calls import required_grammar, tool_messages
+from rtxcore.server.serving.tool_formats import format_for
 
 
 class OpenAIRoutes:
@@ -114,12 +115,16 @@ class OpenAIRoutes:
         messages, template_vars = req.messages, dict[str, Any]()
         params = dict(req.params)
         tools = req.tools if req.tools is not None and req.tools.active else None
+        call_format = None
         if tools is not None:
             template = inputs.tokenizer.chat_template if inputs.tokenizer is not None else None
-            messages, template_vars = tool_messages(req.messages, tools, template)
-            grammar = required_grammar(tools)
+            call_format = format_for(template)
+            messages, template_vars = tool_messages(req.messages, tools, template, call_format)
+            grammar = required_grammar(tools, call_format)
             if grammar is not None:  # a call is required: the grammar makes it one that parses
                 params["structured_output"] = {"grammar": grammar}
+            if call_format.keeps_special_tokens:  # its tags are special tokens: skipped, the calls would vanish
+                params["skip_special_tokens"] = False
         # Reading the tokenizer is thread-safe; the template can be slow, so it runs off the event loop.
         text = await asyncio.to_thread(inputs.apply_chat_template, messages, **template_vars)
         prompts = await tokenize(inputs, [text], "messages")
@@ -132,7 +137,7 @@ class OpenAIRoutes:
         header = {"id": f"chatcmpl-{gen.req_id}", "object": "chat.completion.chunk" if req.stream else
                   "chat.completion", "created": int(time.time()), "model": self.runtime.model_name}
         spec = ResponseSpec("chat", req.stream, header, req.include_usage, sampling.logprobs is not None,
-                            tools=HERMES if tools is not None else None, n=req.n)
+                            tools=call_format.name if call_format is not None else None, n=req.n)
         return Started(gen, spec, prompts, sampling, n=req.n)
 
     # -- embeddings -----------------------------------------------------------------------------------------------

@@ -249,8 +249,9 @@ class ChatFormat(CompletionFormat):
         """What this output adds to the content and to the calls, from the text before and after it (a pure
         function of the text: a resumed stream repeats it exactly); and whether the output holds any call."""
         prefix = _call_prefix(gen, choice)
-        before = parse_output(choice.text[:len(choice.text) - len(out.new_text)], prefix, final=False)
-        after = parse_output(choice.text, prefix, final=out.finished)
+        call_format = self.spec.tools or ""  # set: only requests with tools come here
+        before = parse_output(choice.text[:len(choice.text) - len(out.new_text)], prefix, False, call_format)
+        after = parse_output(choice.text, prefix, out.finished, call_format)
         delta: dict[str, Any] = {}
         if len(after.content) > len(before.content):
             delta["content"] = after.content[len(before.content):]
@@ -266,7 +267,7 @@ class ChatFormat(CompletionFormat):
         message: dict[str, Any] = {"role": "assistant", "content": choice.text}
         finish_reason = choice.finish_reason
         if self.spec.tools is not None:
-            parsed = parse_output(choice.text, _call_prefix(gen, choice), final=True)
+            parsed = parse_output(choice.text, _call_prefix(gen, choice), True, self.spec.tools)
             if parsed.calls:
                 message = {"role": "assistant", "content": parsed.content.strip() or None,
                            "tool_calls": parsed.calls}

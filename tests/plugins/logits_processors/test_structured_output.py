@@ -136,3 +136,22 @@ def test_overlapped_steps_give_the_serial_tokens(registry, default_source, defau
     assert [r.token_ids for r in overlapped.generate(prompts, params)] == [r.token_ids for r in serial]
     jsonschema.validate(json.loads(serial[0].text), PERSON)
     assert serial[2].text in ("yes", "no")
+
+
+def test_preempted_guided_requests_recompute_to_the_same_tokens(registry, default_source, default_engine):
+    # A KV cache that holds about two of these at full length: the others are preempted and recomputed, and the
+    # grammar state of each is rebuilt from its tokens (never advanced twice over the recomputed ones).
+    tight = LLM(EngineConfig(num_kv_blocks=12, enable_prefix_caching=False), registry=registry, source=default_source)
+    prompts = [_chat(default_engine, p) for p in (*PROMPTS[:3], "Name a colour.")]
+    params = [SamplingParams(max_tokens=40, temperature=0.0, structured_output={"json": PERSON})] * 3 + \
+             [SamplingParams(max_tokens=40, temperature=0.0, structured_output={"regex": "[a-z ]{3,60}"})]
+    expected = [r.token_ids for r in default_engine.generate(prompts, params)]
+    ids = [tight.add_request(p, sp) for p, sp in zip(prompts, params)]
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    preempted = set()
+    while tight.has_unfinished_requests():
+        for out in tight.step():
+            tokens[out.req_id] += out.new_token_ids
+        preempted |= {r.req_id for r in tight.core.requests.values() if r.num_preemptions}
+    assert preempted, "a cache of 12 blocks must force preemption"
+    assert [tokens[i] for i in ids] == expected

@@ -53,5 +53,30 @@ fi
 # The C++ CPU decode-attention kernel: built now rather than by the first `rtx generate` (about a minute on two cores;
 # kernels/cpu_ops.py says where it goes). A machine without a compiler uses the torch path instead.
 $VPY -c "from rtx_kernels.cpu_ops import paged_decode_kernel; paged_decode_kernel()"
+
+# --- Rust client (clients/rust/rtx-client) ---------------------------------------------------------------------
+# Its crates come from Debian's librust-*-dev packages (its .cargo/config.toml reads /usr/share/cargo/registry), as
+# crates.io is out of reach; only where a Rust toolchain is installed. A failure here is reported, not fatal: the
+# Rust client's test then fails with cargo's error.
+RUST_CRATE_PACKAGES="librust-reqwest-dev librust-tokio-dev librust-serde-dev librust-serde-derive-dev \
+librust-serde-json-dev librust-futures-core-dev librust-futures-util-dev librust-bytes-dev librust-httpdate-dev \
+librust-fastrand-dev"
+if command -v cargo >/dev/null 2>&1 || [ -x "${CARGO_HOME:-$HOME/.cargo}/bin/cargo" ]; then
+  missing=$(for p in $RUST_CRATE_PACKAGES; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || echo "$p"; done)
+  if [ -n "$missing" ]; then
+    as_root=""
+    [ "$(id -u)" = 0 ] || as_root="sudo -n"
+    # shellcheck disable=SC2086  # word splitting of the package list is wanted
+    apt="$as_root env DEBIAN_FRONTEND=noninteractive apt-get"
+    if ! { $apt install -y -qq --no-install-recommends $missing >/dev/null 2>&1 \
+           || { $apt update -qq >/dev/null 2>&1 && $apt install -y -qq --no-install-recommends $missing >/dev/null; }; }
+    then
+      echo "warning: could not install the Rust client's crates ($(echo $missing)); see docs/clients.md" >&2
+    fi
+  fi
+fi
+# --- end of Rust client -----------------------------------------------------------------------------------------
+
 echo "$want" > "$STAMP"
 echo "set-up done: $(.venv/bin/rtx --version), $(.tools/bin/helm version --short)"

@@ -1,11 +1,16 @@
-"""docs/plugins.md documents every hook with its signature and every conformance rule."""
+"""docs/plugins.md documents every hook with its signature, every conformance rule, and each kind's contract to the
+signature as the code has it (the generated blocks)."""
 
 from __future__ import annotations
 
 import inspect
 
+import pytest
+
+from rtx_conformance.contract_docs import BEGIN, blocks, render_kind
 from rtx_conformance.rules import RULES
 from rtxcore import hookspecs
+from rtxcore.registry import KINDS
 from tests.helpers import REPO
 
 DOC = (REPO / "docs" / "plugins.md").read_text()
@@ -30,3 +35,22 @@ def test_every_hookspec_is_documented_with_its_signature():
 def test_every_conformance_rule_is_documented():
     missing = [rule for rule in RULES if f"`{rule}`" not in DOC]
     assert not missing, f"docs/plugins.md lacks the rules {missing}"
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_each_kind_is_documented_to_the_signature_as_the_code_says(kind):
+    """The generated block of each kind (members, data types, rules, example) is what the contract renders to now."""
+    block = blocks(DOC).get(kind)
+    assert block is not None, f"docs/plugins.md lacks the generated block of {kind} ({BEGIN.format(kind=kind)})"
+    assert block == render_kind(kind), (
+        f"docs/plugins.md's {kind} block is out of date with the contract: run "
+        "`python -m rtx_conformance.contract_docs docs/plugins.md`")
+
+
+def test_the_generated_block_shows_signatures_and_required_methods():
+    eviction = render_kind("eviction_policy")
+    assert "| `__len__` | `__len__(self) -> int` | required |" in eviction
+    assert "| `__contains__` | `__contains__(self, block_id: int) -> bool` | required |" in eviction
+    sampler = render_kind("sampler")
+    assert "| `token_ids` | `torch.Tensor` |" in sampler and "int64 [num_rows]" in sampler
+    assert "`sampler.temperature`" in sampler and "rtx plugins new sampler my-sampler" in sampler

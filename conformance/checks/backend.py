@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from rtx_conformance.checks.paged_driver import PagedDriver, Sequence
-from rtx_conformance.rules import require
+from rtx_conformance.rules import build, require
 from rtxcore.contracts.backend import BackendCapabilities, BackendOptions, ExecutionBackend
 from rtxcore.models.source import ModelSource
 
@@ -43,8 +43,8 @@ def run_against_reference(backend_cls: type[ExecutionBackend], source: ModelSour
                           seed: int = 0) -> BackendRun:
     """Prefill the prompts (the longest in two chunks, the rest whole) next to decodes, then decode greedily; compare
     every logits row with ``reference`` (a transformers causal LM) and the tokens with its ``generate``."""
-    backend = backend_cls(BackendOptions(device="cpu", dtype="float32", max_batch_size=8,
-                                         max_model_len=max(prompt_lens) + num_new_tokens))
+    backend = build("backend", backend_cls, BackendOptions(device="cpu", dtype="float32", max_batch_size=8,
+                                                           max_model_len=max(prompt_lens) + num_new_tokens))
     backend.load(source)
     rng = random.Random(seed)
     vocab = source.config.vocab_size

@@ -52,8 +52,8 @@ def run_events(policy: EvictionPolicy, events: Iterable[tuple[int, int]], model:
     rule after each. Events that apply to no block are skipped."""
     model = model or PoolModel.empty(policy.capacity)
     for number, (event, choice) in enumerate(events):
-        _apply(policy, model, event, choice, number)
-        _check_agreement(policy, model, number)
+        calls = _apply(policy, model, event, choice, number)
+        _check_agreement(policy, model, number, calls)
     return model
 
 
@@ -101,62 +101,89 @@ def _pick(blocks: Iterable[int], choice: int) -> int | None:
     return ordered[choice % len(ordered)] if ordered else None
 
 
-def _apply(policy: EvictionPolicy, model: PoolModel, event: int, choice: int, number: int) -> None:
+def _apply(policy: EvictionPolicy, model: PoolModel, event: int, choice: int, number: int) -> str:
+    """Make the event's calls; returns them as text (``"remove(5), touch(5)"``), empty when the event applied to no
+    block."""
     if event == CACHE_NEW:
         block = _pick(model.free_blocks(), choice)
-        if block is not None:
-            model.in_use.add(block)
-            # Keys from a space about twice the capacity: content comes back after eviction, as in a real cache.
-            policy.cached(block, (choice % (2 * model.capacity)).to_bytes(16, "little"))
-    elif event == RELEASE:
+        if block is None:
+            return ""
+        model.in_use.add(block)
+        # Keys from a space about twice the capacity: content comes back after eviction, as in a real cache.
+        policy.cached(block, (choice % (2 * model.capacity)).to_bytes(16, "little"))
+        return f"cached({block}, key)"
+    if event == RELEASE:
         block = _pick(model.in_use, choice)
-        if block is not None:
-            model.in_use.remove(block)
-            model.candidates.add(block)
-            policy.add(block)
-    elif event == HIT_CANDIDATE:
+        if block is None:
+            return ""
+        model.in_use.remove(block)
+        model.candidates.add(block)
+        policy.add(block)
+        return f"add({block})"
+    if event == HIT_CANDIDATE:
         block = _pick(model.candidates, choice)
-        if block is not None:
-            model.candidates.remove(block)
-            model.in_use.add(block)
-            policy.remove(block)
-            policy.touch(block)
-    elif event == HIT_IN_USE:
+        if block is None:
+            return ""
+        model.candidates.remove(block)
+        model.in_use.add(block)
+        policy.remove(block)
+        policy.touch(block)
+        return f"remove({block}), touch({block})"
+    if event == HIT_IN_USE:
         block = _pick(model.in_use, choice)
-        if block is not None:
-            policy.touch(block)
-    elif event == EVICT:
-        _evict(policy, model, number)
-    elif event == RESET:
+        if block is None:
+            return ""
+        policy.touch(block)
+        return f"touch({block})"
+    if event == EVICT:
+        return f"evict() -> {_evict(policy, model, number)!r}"
+    if event == RESET:
         for block in sorted(model.candidates):
             policy.remove(block)
         for block in sorted(model.cached):
             policy.forget(block)
         model.candidates.clear()
         model.in_use.clear()
+        return "remove() of every candidate, forget() of every cached block"
+    return ""
 
 
-def _evict(policy: EvictionPolicy, model: PoolModel, number: int) -> None:
+def _evict(policy: EvictionPolicy, model: PoolModel, number: int) -> int | None:
     victim = policy.evict()
+    require(victim is None or (isinstance(victim, int) and not isinstance(victim, bool)), "eviction.api",
+            f"event {number}: evict() returned {victim!r} ({type(victim).__name__}): a block id (int) or None")
     require(victim not in model.in_use, "eviction.only_candidates",
             f"event {number}: evicted block {victim}, which is in use")
     if not model.candidates:
         require(victim is None, "eviction.evicts_when_asked",
                 f"event {number}: evict() returned {victim!r} with no candidate")
-        return
+        return None
     require(victim is not None, "eviction.evicts_when_asked",
             f"event {number}: evict() returned None with {len(model.candidates)} candidate(s)")
     require(victim in model.candidates, "eviction.only_candidates",
             f"event {number}: evicted block {victim!r}, which is not a candidate "
             f"(candidates: {sorted(model.candidates)[:8]}...)")
     model.candidates.remove(victim)
+    return victim
 
 
-def _check_agreement(policy: EvictionPolicy, model: PoolModel, number: int) -> None:
-    require(len(policy) == len(model.candidates), "eviction.no_silent_eviction",
-            f"after event {number} the policy reports {len(policy)} candidates, the pool gave it "
-            f"{len(model.candidates)}")
+def _check_agreement(policy: EvictionPolicy, model: PoolModel, number: int, calls: str) -> None:
+    """len() and ``in`` against the pool's own record; called directly, so that a wrong type shows (``len()`` and
+    ``in`` would convert it)."""
+    rule = "eviction.tracks_candidates"
+    after = f"after event {number}, {calls}" if calls else f"after event {number}"
     for block in range(policy.capacity):
-        require((block in policy) == (block in model.candidates), "eviction.no_silent_eviction",
-                f"after event {number}: `{block} in policy` is {block in policy}, expected "
-                f"{block in model.candidates}")
+        held = policy.__contains__(block)
+        require(isinstance(held, bool), "eviction.api",
+                f"{after}: __contains__({block}) returned {held!r} ({type(held).__name__}), not a bool")
+        if held and block not in model.candidates:
+            taken = "the pool took it back with remove()" if block in model.in_use else "it was evicted or forgotten"
+            require(False, rule, f"{after}: block {block} is still a candidate for the policy, but {taken}")
+        require(held or block not in model.candidates, rule,
+                f"{after}: block {block} is no longer a candidate for the policy, but nothing took it (no remove, "
+                f"forget or evict of it)")
+    size = policy.__len__()
+    require(isinstance(size, int) and not isinstance(size, bool), "eviction.api",
+            f"{after}: __len__() returned {size!r} ({type(size).__name__}), not an int")
+    require(size == len(model.candidates), rule,
+            f"{after}: len(policy) is {size}, but the pool has {len(model.candidates)} candidates")

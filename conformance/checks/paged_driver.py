@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rtx_conformance.rules import require
 from rtxcore.contracts.backend import ExecutionBackend, ForwardBatch
 
 
@@ -59,10 +60,8 @@ class PagedDriver:
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
             logits_indices=torch.tensor(logit_rows, dtype=torch.int64), block_size=self.block_size,
             num_decodes=sum(1 for _, n in work if n == 1))
-        logits = self.backend.execute(batch).float().cpu()
         sampling = [seq for seq, n in work if seq.num_computed + n == len(seq.token_ids)]
-        if logits.shape[0] != len(sampling):
-            raise ValueError(f"execute() returned {logits.shape[0]} logits rows for {len(sampling)} requested")
+        logits = self._execute(batch, len(sampling))
         for seq, n in work:
             seq.num_computed += n
         for seq, row in zip(sampling, logits):
@@ -76,6 +75,14 @@ class PagedDriver:
         seq = self.add(token_ids, len(token_ids))
         batch = ForwardBatch.prefill(token_ids, seq.block_ids, self.block_size,
                                      torch.arange(len(token_ids) - 1, dtype=torch.int64))
-        logits = self.backend.execute(batch).float().cpu()
+        logits = self._execute(batch, len(token_ids) - 1)
         self._free += seq.block_ids
         return logits
+
+    def _execute(self, batch: ForwardBatch, num_rows: int) -> torch.Tensor:
+        """``execute(batch)`` as float32 on the host, checked to hold one row per requested position."""
+        logits = self.backend.execute(batch)
+        require(isinstance(logits, torch.Tensor) and logits.dim() == 2 and logits.shape[0] == num_rows,
+                "backend.api", f"execute() returned {type(logits).__name__} {tuple(getattr(logits, 'shape', ()))} "
+                f"for {num_rows} requested rows: a tensor [rows, vocab_size]")
+        return logits.float().cpu()

@@ -17,9 +17,24 @@ from rtxcore.contracts.quantizer import QuantizedTensor, Quantizer, concat_rows
 SHAPES = ((64, 64), (128, 256), (192, 576))
 
 
-def relative_error(quantizer: Quantizer, weight: torch.Tensor) -> float:
+def quantize(quantizer: Quantizer, weight: torch.Tensor) -> QuantizedTensor:
+    """``quantizer.quantize(weight)``, checked to return a :class:`QuantizedTensor`."""
     qt = quantizer.quantize(weight)
+    require(isinstance(qt, QuantizedTensor), "quantizer.api",
+            f"quantize() returned {type(qt).__name__}, not a QuantizedTensor")
+    return qt
+
+
+def dequantize(quantizer: Quantizer, qt: QuantizedTensor) -> torch.Tensor:
+    """``quantizer.dequantize(qt)``, checked to return a tensor."""
     restored = quantizer.dequantize(qt)
+    require(isinstance(restored, torch.Tensor), "quantizer.api",
+            f"dequantize() returned {type(restored).__name__}, not a tensor")
+    return restored
+
+
+def relative_error(quantizer: Quantizer, weight: torch.Tensor) -> float:
+    restored = dequantize(quantizer, quantize(quantizer, weight))
     return ((weight.float() - restored.float()).norm() / weight.float().norm()).item()
 
 
@@ -44,7 +59,8 @@ def check_linear(quantizer: Quantizer, weight: torch.Tensor, seed: int, dtype: t
     x = torch.randn(5, weight.shape[1], generator=gen).to(dtype)
     bias = torch.randn(weight.shape[0], generator=gen).to(dtype)
     exact = x.float() @ weight.float().t()
-    out = quantizer.linear(x, quantizer.quantize(weight), bias)
+    out = quantizer.linear(x, quantize(quantizer, weight), bias)
+    require(isinstance(out, torch.Tensor), "quantizer.api", f"linear() returned {type(out).__name__}, not a tensor")
     require(tuple(out.shape) == tuple(exact.shape) and out.dtype == dtype, "quantizer.linear",
             f"linear gave {tuple(out.shape)} {out.dtype} for {tuple(exact.shape)} {dtype}")
     error = ((out.float() - bias.float() - exact).norm() / exact.norm()).item()
@@ -60,7 +76,7 @@ def check_fusable(quantizer: Quantizer, weight: torch.Tensor) -> None:
     """Backends fuse layers that share an input (q|k|v) by stacking their quantized tensors along dimension 0: that
     must give the stacked weights' quantized form."""
     half = weight.shape[0] // 2
-    top, bottom = quantizer.quantize(weight[:half]), quantizer.quantize(weight[half:])
+    top, bottom = quantize(quantizer, weight[:half]), quantize(quantizer, weight[half:])
     for key, t in top.tensors.items():
         along, size = ("input", weight.shape[1]) if key.startswith("input_") else ("output", half)
         require(t.dim() >= 1 and t.shape[0] == size, "quantizer.fusable",
@@ -69,17 +85,17 @@ def check_fusable(quantizer: Quantizer, weight: torch.Tensor) -> None:
         stacked = concat_rows([top, bottom])
     except ValueError as exc:
         require(False, "quantizer.fusable", f"two halves of one weight cannot be stacked: {exc}")
-    whole = torch.cat([quantizer.dequantize(top), quantizer.dequantize(bottom)])
-    require(torch.equal(quantizer.dequantize(stacked), whole), "quantizer.fusable",
+    whole = torch.cat([dequantize(quantizer, top), dequantize(quantizer, bottom)])
+    require(torch.equal(dequantize(quantizer, stacked), whole), "quantizer.fusable",
             "dequantizing the stacked tensors differs from stacking the dequantized halves")
 
 
 def check_shape(quantizer: Quantizer, name: str, weight: torch.Tensor) -> None:
-    qt = quantizer.quantize(weight)
+    qt = quantize(quantizer, weight)
     require(qt.method == name, "quantizer.shape", f"method is {qt.method!r}, expected the registered name {name!r}")
     require(tuple(qt.shape) == tuple(weight.shape) and qt.dtype == weight.dtype, "quantizer.shape",
             f"recorded {tuple(qt.shape)} {qt.dtype} for a {tuple(weight.shape)} {weight.dtype} weight")
-    restored = quantizer.dequantize(qt)
+    restored = dequantize(quantizer, qt)
     require(tuple(restored.shape) == tuple(weight.shape) and restored.dtype == weight.dtype, "quantizer.shape",
             f"dequantize gave {tuple(restored.shape)} {restored.dtype}, expected {tuple(weight.shape)} {weight.dtype}")
 
@@ -101,7 +117,7 @@ def load_quantized(path: Path) -> QuantizedTensor:
 
 
 def check_round_trip(quantizer: Quantizer, weight: torch.Tensor, directory: Path) -> None:
-    qt = quantizer.quantize(weight)
+    qt = quantize(quantizer, weight)
     try:
         json.dumps(qt.meta)
     except TypeError as exc:
@@ -111,7 +127,7 @@ def check_round_trip(quantizer: Quantizer, weight: torch.Tensor, directory: Path
         save_quantized(qt, path)
     except Exception as exc:  # what safetensors refuses (non-tensors, shared storage) is the plugin's problem
         require(False, "quantizer.round_trip", f"its tensors cannot be saved: {type(exc).__name__}: {exc}")
-    before = quantizer.dequantize(qt)
-    after = quantizer.dequantize(load_quantized(path))
+    before = dequantize(quantizer, qt)
+    after = dequantize(quantizer, load_quantized(path))
     require(torch.equal(before, after), "quantizer.round_trip",
             f"dequantized weight differs after save and load (max difference {(before - after).abs().max().item()})")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from rtx_conformance.rules import ContractViolation, require
+from rtx_conformance.rules import ContractViolation, build, require
 from rtxcore.contracts.eviction import EvictionPolicy
 from rtxcore.contracts.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from rtxcore.errors import AdmissionRefused, RtxError
@@ -93,8 +93,12 @@ class SchedulerRun:
 def run_workload(scheduler_cls: type[Scheduler], workload: SchedulerWorkload) -> SchedulerRun:
     """Drive a fresh scheduler through ``workload``; raise :class:`ContractViolation` at the first broken rule."""
     kv = KVCacheManager(workload.num_kv_blocks, workload.block_size, _Candidates(workload.num_kv_blocks), True)
-    scheduler = scheduler_cls(workload.config, kv)
-    return _Harness(scheduler, kv, workload).run()
+    scheduler = build("scheduler", scheduler_cls, workload.config, kv)
+    run = _Harness(scheduler, kv, workload).run()
+    require(run.num_finished + run.num_aborted + run.num_refused == len(workload.requests), "scheduler.no_drop",
+            f"{len(workload.requests)} requests, but {run.num_finished} finished, {run.num_aborted} aborted and "
+            f"{run.num_refused} refused")
+    return run
 
 
 class _Harness:
@@ -161,11 +165,18 @@ class _Harness:
 
     def _schedule(self, step: int) -> SchedulerOutput:
         try:
-            return self.scheduler.schedule()
+            out = self.scheduler.schedule()
         except ContractViolation:
             raise
         except RtxError as exc:  # the KV-cache manager refusing a call: a misuse, reported as such
             raise ContractViolation("scheduler.kv_protocol", f"step {step}: {exc}") from exc
+        require(isinstance(out, SchedulerOutput), "scheduler.api",
+                f"step {step}: schedule() returned {type(out).__name__}, not a SchedulerOutput")
+        for name in ("num_waiting", "num_running"):
+            value = getattr(self.scheduler, name)
+            require(isinstance(value, int) and not isinstance(value, bool), "scheduler.api",
+                    f"step {step}: {name} is {value!r} ({type(value).__name__}), not an int")
+        return out
 
     def _check(self, step: int, out: SchedulerOutput) -> None:
         config = self.workload.config

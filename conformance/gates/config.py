@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from rtxcore.errors import ConfigError
+from rtxcore.spec_files import spec_path
 
-# spec/ sits next to conformance/ in the source tree (the project is installed in editable mode).
-DEFAULT_GATES_FILE = Path(__file__).resolve().parents[2] / "spec" / "gates.toml"
+# Package data in a wheel, spec/gates.toml in a checkout (rtxcore/spec_files.py).
+DEFAULT_GATES_FILE = spec_path("gates.toml")
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,10 +20,12 @@ def tiny_reference():
     return source, load_hf_model(source, "cpu", torch.float32)
 
 
+@pytest.mark.rtx_rules("backend.capabilities")
 def test_capabilities(component):
     check_capabilities(component.cls)
 
 
+@pytest.mark.rtx_rules("backend.builds", "backend.logits_match", "backend.greedy_tokens")
 def test_matches_reference(component, tiny_reference, record_figures):
     caps = check_capabilities(component.cls)
     if not caps.available:

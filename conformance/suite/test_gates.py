@@ -17,6 +17,7 @@ from rtx_conformance.gates.quality import (
     run_backend_quality,
     run_quantizer_quality,
 )
+from rtx_conformance.rules import build
 from rtxcore.errors import ModelLoadError
 from rtxcore.models.resolve import resolve_model
 
@@ -87,7 +88,7 @@ def test_gate_quality(component, conformance, quality_reference, record_figures,
     if component.kind == "backend":
         result = run_backend_quality(gate, component.cls, source, token_ids, reference_ppl)
     else:
-        quantizer = component.cls()
+        quantizer = build("quantizer", component.cls)
         stats = request.getfixturevalue("quality_calibration") if quantizer.calibrated else None
         baseline = gate.quantizer_must_beat.get(component.name)
         result = run_quantizer_quality(gate, quantizer, component.name, model, token_ids, reference_ppl, stats,

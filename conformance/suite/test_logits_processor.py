@@ -46,47 +46,58 @@ def harness(component, declared, logits_models) -> Harness:
     return logits_models.harness(component)
 
 
+@pytest.mark.rtx_rules("logits_processor.example_args")
 def test_example_args(component):
     example_args(component)
 
 
+@pytest.mark.rtx_rules("logits_processor.builds")
 def test_builds(component, declared, logits_models):
     build(component, logits_models.context(logits_models.needs_tokenizer(component)))
 
 
+@pytest.mark.rtx_rules("logits_processor.builds", "logits_processor.prepare")
 def test_prepare(harness):
     check_prepare(harness)
 
 
+@pytest.mark.rtx_rules("logits_processor.builds", "logits_processor.rows_only", "logits_processor.valid_logits")
 def test_apply(harness):
     check_apply(harness)
 
 
+@pytest.mark.rtx_rules("logits_processor.builds", "logits_processor.apply_pure")
 def test_apply_pure(harness):
     check_apply_pure(harness)
 
 
+@pytest.mark.rtx_rules("logits_processor.builds", "logits_processor.proposed_rows")
 def test_proposed_rows(harness):
     check_proposed_rows(harness)
 
 
+@pytest.mark.rtx_rules("logits_processor.builds", "logits_processor.advance")
 def test_advance(harness, record_figures):
     tokens = check_advance(harness)
     record_figures({"walked_tokens": sum(len(t) for t in tokens)})
 
 
+@pytest.mark.rtx_rules("logits_processor.builds", "logits_processor.resume")
 def test_resume(harness):
     check_resume(harness)
 
 
+@pytest.mark.rtx_rules("logits_processor.builds", "logits_processor.independent_states")
 def test_independent_states(harness):
     check_independent_states(harness)
 
 
+@pytest.mark.rtx_rules("logits_processor.builds", "logits_processor.finish")
 def test_finish(harness):
     check_finish(harness)
 
 
+@pytest.mark.rtx_rules("logits_processor.builds", "logits_processor.engine")
 def test_engine(harness, logits_models, record_figures):
     run = check_engine(harness, logits_models)
     record_figures({"generated_tokens": run.num_tokens})

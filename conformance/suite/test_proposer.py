@@ -41,16 +41,20 @@ def reference(conformance):
     return greedy_reference(conformance.registry)
 
 
+@pytest.mark.rtx_rules("proposer.builds", "proposer.output_shape", "proposer.request_unchanged",
+                       "proposer.confidences", "proposer.finish")
 @pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
 def test_propose(component, conformance, proposer_engine, case, record_figures):
     num_proposed = run_propose_case(component, proposer_engine, conformance.registry, case)
     record_figures({"proposed": num_proposed})
 
 
+@pytest.mark.rtx_rules("proposer.builds", "proposer.finish", "proposer.request_unchanged")
 def test_finish(component, conformance, proposer_engine):
     run_finish_case(component, proposer_engine, conformance.registry)
 
 
+@pytest.mark.rtx_rules("proposer.builds", "proposer.greedy_unchanged")
 def test_greedy_unchanged(component, conformance, reference, record_figures):
     run = run_greedy_with(component, conformance.registry, reference)
     record_figures({"proposed": run.num_proposed, "acceptance_rate": round(run.acceptance_rate, 3),

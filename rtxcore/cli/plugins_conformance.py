@@ -15,7 +15,10 @@ REPORT_FILES = {"json": "rtx-conformance.json", "junit": "rtx-conformance.xml"}
 
 
 def add_test_parser(psub) -> None:
-    t = psub.add_parser("test", help="run the conformance suite for the named (or all) plugin components")
+    t = psub.add_parser("test", help="run the conformance suite for the named (or all) plugin components",
+                        description="Each component's contract, rule by rule (and with --gates the gates that "
+                                    "measure its kind). Exit code 1 when a rule or gate fails or a plugin failed to "
+                                    "load, 2 on bad input.")
     t.add_argument("names", nargs="*", metavar="NAME", help="component names (default: every registered one)")
     t.add_argument("--kind", action="append", choices=list(KINDS), default=[],
                    help="only components of this kind (repeatable)")
@@ -23,7 +26,8 @@ def add_test_parser(psub) -> None:
     t.add_argument("--report", choices=list(REPORT_FILES), default=None, help="also write a JSON or JUnit report")
     t.add_argument("--report-file", type=output_file, default=None,
                    help="where the report goes (default: rtx-conformance.json / .xml in the current directory)")
-    t.add_argument("--gates-file", type=Path, default=None, help="gate thresholds (default: spec/gates.toml)")
+    t.add_argument("--gates-file", type=Path, default=None,
+                   help="gate thresholds (default: the gates.toml rtx-serve ships, spec/gates.toml in a checkout)")
     t.add_argument("--verbose", action="store_true", help="also print pytest's own output")
     t.set_defaults(run=run_test)
 
@@ -47,14 +51,18 @@ def run_test(args: argparse.Namespace) -> int:
     if args.verbose or run.exit_code not in (0, 1):
         sys.stderr.write(run.log)
     summaries = summarize(run.session)
-    passed = run.passed and all(s.passed for s in summaries)
-    sys.stdout.write(render_table(summaries))
+    # A plugin that failed to load and a name not found fail the run as a broken rule does.
+    passed = run.passed and all(s.passed for s in summaries) and not run.session.missing
+    sys.stdout.write(render_table(summaries, run.session.missing))
     if report_file is not None and args.report == "json":
         report_file.write_text(to_json(run.session, summaries, passed) + "\n")
     if report_file is not None:
         sys.stdout.write(f"{args.report} report: {report_file}\n")
+    # Failures of other packages than the components asked for: shown, but they are not this run's verdict.
     for failure in registry.failures:
-        sys.stdout.write(f"NOT LOADED plugin {failure.plugin} ({failure.package}): {failure.error}\n")
+        if failure not in run.session.load_failures:
+            sys.stdout.write(f"NOT LOADED plugin {failure.plugin} ({failure.package}), not tested: "
+                             f"{failure.error}\n")
     if run.exit_code not in (0, 1):
         sys.stderr.write(f"rtx: error: the conformance run itself failed (pytest exit code {run.exit_code})\n")
         return 1

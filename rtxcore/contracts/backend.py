@@ -155,6 +155,7 @@ class ExecutionBackend(ABC):
 
     @classmethod
     def describe(cls) -> dict[str, Any]:
+        """What ``rtx plugins list`` shows: the capabilities, by default."""
         return cls.capabilities().as_dict()
 
     @abstractmethod

@@ -70,6 +70,8 @@ class LogitsProcessor(ABC):
 
     @classmethod
     def describe(cls) -> dict[str, Any]:
+        """What ``rtx plugins list --verbose`` shows; ``"example_args"`` (required by ``rtx plugins test``) lists
+        arguments a request may give, as ``prepare`` receives them."""
         return {}
 
     @abstractmethod

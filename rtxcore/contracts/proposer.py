@@ -58,6 +58,7 @@ class Proposer(ABC):
 
     @classmethod
     def describe(cls) -> dict[str, Any]:
+        """What ``rtx plugins list`` shows; list the option names under ``"options"``."""
         return {}
 
     @abstractmethod

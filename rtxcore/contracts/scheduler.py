@@ -72,10 +72,12 @@ class SchedulerOutput:
 
     @property
     def total_num_scheduled_tokens(self) -> int:
+        """Tokens computed this step, over every scheduled request."""
         return sum(self.num_scheduled_tokens)
 
     @property
     def is_empty(self) -> bool:
+        """Whether nothing is scheduled this step."""
         return not self.scheduled
 
 
@@ -121,6 +123,7 @@ class Scheduler(ABC):
         """Requests holding KV space."""
 
     def has_unfinished_requests(self) -> bool:
+        """Whether any request is waiting or running (the engine steps while one is)."""
         return self.num_waiting + self.num_running > 0
 
     def allows_speculation(self) -> bool:

@@ -74,7 +74,7 @@ def test_builtin_proposers_pass_by_name():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {line.split()[0]: line for line in proc.stdout.splitlines()[1:] if line.strip()}
     assert rows.keys() == {"ngram", "layer-skip"}
-    assert all("proposer" in row and "pass (4/4)" in row for row in rows.values()), proc.stdout
+    assert all("proposer" in row and "pass (7/7 rules)" in row for row in rows.values()), proc.stdout
 
 
 @pytest.mark.parametrize("args, fragment", [

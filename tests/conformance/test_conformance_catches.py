@@ -37,7 +37,8 @@ def test_wrong_plugin_is_caught_naming_the_rule(wrong_run, kind, name, rule, det
 def test_the_run_fails_and_the_table_says_why(wrong_run):
     assert not wrong_run.passed
     table = render_table(summarize(wrong_run.session))
-    assert "FAILED sampler leaky-top-k: allowed_set: [sampler.allowed_set]" in table
+    # Each failure line starts with the rule it broke (not the test that found it).
+    assert "FAILED sampler leaky-top-k: [sampler.allowed_set]" in table
     assert "FAILED scheduler over-budget" in table and "[scheduler.token_budget]" in table
 
 

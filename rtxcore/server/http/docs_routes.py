@@ -1,7 +1,7 @@
 """``GET /openapi.json``: ``spec/openapi.yaml`` as JSON; ``GET /docs``: a page listing its operations.
 
 The page is self-contained (no Swagger UI or Redoc: nothing is fetched from the internet) and renders the spec with
-a little plain JavaScript. The spec is read from the source tree, once, on the first request that needs it.
+a little plain JavaScript. The spec is read once, on the first request that needs it.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 
+from rtxcore import spec_files
 from rtxcore.server.http.errors import APIError
 
-# The spec lives beside the package in the source tree (as spec/gates.toml does); a wheel does not carry it.
-OPENAPI_SPEC = Path(__file__).resolve().parents[3] / "spec" / "openapi.yaml"
+# spec/openapi.yaml in a checkout, package data in a wheel (rtxcore/spec_files.py).
+OPENAPI_SPEC = spec_files.spec_path("openapi.yaml")
 
 _STYLE = """
 body { font: 15px/1.45 system-ui, sans-serif; margin: 0 auto; max-width: 60rem; padding: 1rem 1.5rem; color: #222; }

@@ -12,7 +12,8 @@ import pytest
 
 from tests.helpers.cli import RTX
 
-pytestmark = pytest.mark.model
+# Serial: it times start-up against `import torch`, which a test running beside it would slow unevenly.
+pytestmark = [pytest.mark.model, pytest.mark.serial]
 
 BUILD_LINE = "building the CPU attention kernel"
 

@@ -19,7 +19,9 @@ from tests.helpers.conformance_plugins import WrongPlugins
 @pytest.mark.hf
 def test_quality_gate_for_backend_and_quantizers(tmp_path):
     registry = load_plugins(extra=[("wrong", WrongPlugins())])
-    names = ("torch", "int8", "int8-sq", "fp8", "int4", "int4-gptq", "int4-overpromising")
+    # Every built-in quantizer's quality is `rtx gates`' quality gate, which CI runs; here the suite's own path for
+    # a plain and a calibrated method, and a plugin that promises more than it keeps.
+    names = ("torch", "int8", "int4-gptq", "int4-overpromising")
     run = run_suite(registry, Selection(names=names), gates=True, junit_path=tmp_path / "r.xml")
     summaries = {s.name: s for s in summarize(run.session)}
     torch_quality = summaries["torch"].gates["quality"]
@@ -31,15 +33,14 @@ def test_quality_gate_for_backend_and_quantizers(tmp_path):
     # Measured, with figures; its verdict depends on the machine's load (see test_conformance_cli).
     assert summaries["torch"].gates["latency"].figures["p99_itl_ms"] > 0
     quality = {name: summaries[name].gates["quality"] for name in names[1:]}
-    for name in ("int8", "int8-sq", "fp8", "int4", "int4-gptq"):
+    for name in ("int8", "int4-gptq"):
         assert summaries[name].contract == "pass", summaries[name]
         assert quality[name].status == "pass", quality[name]
         assert quality[name].figures["bound"] == "absolute"
     # The issue's bar: int8 within 0.5 perplexity of the float model; calibrated int4 better than plain rounding.
     assert quality["int8"].figures["ppl"] - reference <= 0.5
-    assert quality["int8-sq"].figures["ppl"] - reference <= 0.5  # activations in int8 too
     gptq = quality["int4-gptq"].figures
-    assert gptq["ppl"] < gptq["baseline_ppl"] == quality["int4"].figures["ppl"]
+    assert gptq["ppl"] < gptq["baseline_ppl"]
     assert reference < quality["int8"].figures["ppl"] < gptq["ppl"]
     # Its contract fails (error bound); its quality gate measures what it costs, pass or fail, with figures.
     overpromising = summaries["int4-overpromising"]

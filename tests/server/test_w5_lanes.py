@@ -23,6 +23,9 @@ from rtxcore.bench.loadgen import (
 from tests.helpers import REPO
 from tests.helpers.server import start_server
 
+# Serial: latency under load against targets in seconds, which a test running beside it would eat into.
+pytestmark = pytest.mark.serial
+
 W5_CONFIG = REPO / "benchmarks" / "w5_cpu.toml"
 # W5's mix (10% realtime with short prompts, 60% standard, 30% bulk with long prompts), lengths scaled to 2 cores.
 W5_LANES = (

@@ -1,0 +1,58 @@
+"""The quality gate: each built-in quantizer's perplexity on the default model against the unquantized reference
+(Hugging Face transformers on the same GGUF), held to ``[quality.quantizer_max_ppl_increase]`` of spec/gates.toml
+(the conformance suite's quality gate, run for every built-in at once), and a calibrated method to beating its
+uncalibrated baseline."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+from rtx_conformance.gates.config import load_gates
+from rtx_conformance.gates.quality import (
+    calibrate_reference,
+    evaluation_tokens,
+    load_reference,
+    reference_perplexity,
+    run_quantizer_quality,
+)
+from rtxcore.gates.outcome import Check, skipped
+from rtxcore.models.resolve import resolve_model
+from rtxcore.registry import load_plugins
+
+GATE = "quality"
+
+
+@dataclass(frozen=True, slots=True)
+class QualitySettings:
+    quantizers: list[str]
+
+
+def run(settings: QualitySettings, say) -> list[Check]:
+    if importlib.util.find_spec("transformers") is None:
+        return [skipped(GATE, "quantizers' perplexity increase", "the reference is Hugging Face transformers, "
+                                                                  "which is not installed")]
+    gate = load_gates().quality
+    registry = load_plugins()
+    source = resolve_model(None)
+    token_ids = evaluation_tokens(source, gate.num_tokens)
+    say(f"quality: the reference perplexity on {len(token_ids)} tokens...")
+    model = load_reference(source)
+    reference = reference_perplexity(model, token_ids)
+    stats = None
+    checks = []
+    for name in settings.quantizers:
+        quantizer = registry.create("quantizer", name)
+        if quantizer.calibrated and stats is None:
+            say(f"quality: calibrating on {gate.calibration_tokens} tokens...")
+            stats = calibrate_reference(model, source, gate.calibration_tokens, gate.calibration_chunk_len)
+        say(f"quality: {name}...")
+        baseline = gate.quantizer_must_beat.get(name)
+        result = run_quantizer_quality(gate, quantizer, name, model, token_ids, reference, stats,
+                                       registry.create("quantizer", baseline) if baseline else None)
+        detail = f"perplexity {result.perplexity:.3f} against {reference:.3f}"
+        checks.append(Check(GATE, f"{name}: perplexity increase", result.change, result.budget, "<=", detail))
+        if result.baseline_perplexity is not None:
+            checks.append(Check(GATE, f"{name}: perplexity / {baseline}'s", result.perplexity /
+                                result.baseline_perplexity, 1.0, "<=", f"{baseline}: {result.baseline_perplexity:.3f}"))
+    return checks

@@ -1,0 +1,81 @@
+"""Run the phase gates asked for, in an order that keeps the run short: offline gates first, then the live server's
+(latency, with the overload part of reliability on the same server), the restart drill, security and quality.
+
+A gate that raises (a server that does not start, a timeout) is one failed check naming the error, and the other
+gates still run."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from rtxcore.gates import cache, online, quality, restart, security, throughput
+from rtxcore.gates.outcome import Check, Report, current_commit
+from rtxcore.gates.thresholds import MACHINE_CLASSES, load_phase_tables, machine_class, settings
+
+
+def device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+def run_gates(names: tuple[str, ...], gates_file: Path | None = None, workdir: Path | None = None,
+              say: Callable[[str], None] = print) -> Report:
+    """:raises ConfigError: a bad gates file (before anything runs)."""
+    tables = load_phase_tables(gates_file)
+    machine = machine_class()
+    # Every table is read first, so a bad one is found before minutes of measuring.
+    reliability = ("overload", "overload_duration_s")
+    throughput_s = settings(throughput.ThroughputSettings, tables, "throughput", machine)
+    latency_s = settings(online.LatencySettings, tables, "latency", machine)
+    cache_s = settings(cache.CacheSettings, tables, "cache", machine)
+    overload_s = settings(online.OverloadSettings, _only(tables, "reliability", reliability), "reliability", machine)
+    restart_s = settings(restart.RestartSettings, _without(tables, "reliability", reliability), "reliability",
+                         machine)
+    security_s = settings(security.SecuritySettings, tables, "security", machine)
+    quality_s = settings(quality.QualitySettings, tables, "quality", machine)
+    report = Report(machine, device_name(), current_commit())
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="rtx-gates-") as tmp:
+        work = workdir or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        overload = overload_s if "reliability" in names else None
+        steps: list[tuple[str, Callable[[], list[Check]]]] = [
+            ("throughput", lambda: throughput.run(throughput_s, say)),
+            ("cache", lambda: cache.run(cache_s, say)),
+            ("latency", lambda: online.run(latency_s, overload, work, say)),
+            ("reliability", lambda: restart.run(restart_s, work, say)),
+            ("security", lambda: security.run(security_s, work, say)),
+            ("quality", lambda: quality.run(quality_s, say)),
+        ]
+        if "reliability" in names and "latency" not in names:  # the overload part runs on the latency gate's server
+            steps.insert(2, ("reliability", lambda: online.run(latency_s, overload_s, work, say)))
+        for gate, step in steps:
+            if gate not in names:
+                continue
+            began = time.monotonic()
+            try:
+                # The overload part needs the latency gate's server: asked for alone, only its checks are kept.
+                report.checks += [c for c in step() if c.gate in names]
+            except Exception as exc:  # one gate's failure to run fails that gate, not the run
+                report.checks.append(Check(gate, "ran to the end", 0.0, 1.0, ">=",
+                                           f"{type(exc).__name__}: {exc}"))
+            say(f"{gate}: done in {time.monotonic() - began:.0f} s")
+    report.elapsed_s = time.monotonic() - start
+    return report
+
+
+def _only(tables: dict, gate: str, keys: tuple[str, ...], keep: bool = True) -> dict:
+    """``[phase.<gate>]`` (and its machine-class tables) with only ``keys``, or (``keep=False``) without them."""
+    def part(table: dict) -> dict:
+        return {k: part(v) if k in MACHINE_CLASSES else v for k, v in table.items()
+                if k in MACHINE_CLASSES or (k in keys) == keep}
+
+    return {gate: part(tables.get(gate, {}))}
+
+
+def _without(tables: dict, gate: str, keys: tuple[str, ...]) -> dict:
+    return _only(tables, gate, keys, keep=False)

@@ -5,7 +5,10 @@ uncalibrated baseline."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from rtx_conformance.gates.config import load_gates
@@ -37,7 +40,8 @@ def run(settings: QualitySettings, say) -> list[Check]:
     source = resolve_model(None)
     token_ids = evaluation_tokens(source, gate.num_tokens)
     say(f"quality: the reference perplexity on {len(token_ids)} tokens...")
-    model = load_reference(source)
+    with _quiet_tqdm():  # transformers' GGUF reader draws a progress bar of its own into the report
+        model = load_reference(source)
     reference = reference_perplexity(model, token_ids)
     stats = None
     checks = []
@@ -56,3 +60,16 @@ def run(settings: QualitySettings, say) -> list[Check]:
             checks.append(Check(GATE, f"{name}: perplexity / {baseline}'s", result.perplexity /
                                 result.baseline_perplexity, 1.0, "<=", f"{baseline}: {result.baseline_perplexity:.3f}"))
     return checks
+
+
+@contextlib.contextmanager
+def _quiet_tqdm() -> Iterator[None]:
+    before = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TQDM_DISABLE"]
+        else:
+            os.environ["TQDM_DISABLE"] = before

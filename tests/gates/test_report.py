@@ -56,7 +56,7 @@ def test_json_and_junit_carry_every_check():
 def test_machine_class_tables_override_and_bad_tables_are_named(tmp_path):
     tables = load_phase_tables()
     assert settings(ThroughputSettings, tables, "throughput", "gpu").num_requests == 256
-    assert settings(ThroughputSettings, tables, "throughput", "cpu").num_requests == 16
+    assert settings(ThroughputSettings, tables, "throughput", "cpu").num_requests == 64
     with pytest.raises(ConfigError, match=r"\[phase.throughput\] has unknown keys \['bogus'\]"):
         settings(ThroughputSettings, {"throughput": {**tables["throughput"], "bogus": 1}}, "throughput", "cpu")
     (tmp_path / "none.toml").write_text("[latency]\n")

@@ -6,6 +6,7 @@ least ``min_hit_rate`` (the seed's 85%). The small cache without the host tier i
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from rtx_conformance.gates.cache import run_cache
 from rtx_conformance.gates.config import load_gates
@@ -21,8 +22,8 @@ class CacheSettings:
     min_hit_rate: float
 
 
-def run(settings: CacheSettings, say) -> list[Check]:
-    workload = replace(load_gates().cache, min_hit_rate=settings.min_hit_rate)
+def run(settings: CacheSettings, gates_file: Path | None, say) -> list[Check]:
+    workload = replace(load_gates(gates_file).cache, min_hit_rate=settings.min_hit_rate)
     registry = load_plugins()
     defaults = EngineConfig()  # the scheduler in its slot; the default eviction policy and the rest beside it
     say(f"cache: {workload.num_conversations} conversations x {workload.num_turns} turns ({defaults.scheduler} "

@@ -24,6 +24,7 @@ from rtxcore.bench.loadgen import (
     run_loadgen,
 )
 from rtxcore.gates.outcome import Check
+from rtxcore.gates.restart import ReliabilitySettings
 from rtxcore.gates.served import ServedProcess
 
 
@@ -41,13 +42,7 @@ class LatencySettings:
     seed: int = 1
 
 
-@dataclass(frozen=True, slots=True)
-class OverloadSettings:
-    overload: float
-    overload_duration_s: float
-
-
-def run(latency: LatencySettings, overload: OverloadSettings | None, workdir: Path, say) -> list[Check]:
+def run(latency: LatencySettings, overload: ReliabilitySettings | None, workdir: Path, say) -> list[Check]:
     config_file = workdir / "lanes.toml"
     config_file.write_text("".join(f"[lanes.{lane}]\nttft_target_s = {ttft}\nitl_target_s = {itl}\n\n"
                                    for lane, (ttft, itl) in latency.targets.items()))

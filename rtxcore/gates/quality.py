@@ -10,6 +10,7 @@ import importlib.util
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from rtx_conformance.gates.config import load_gates
 from rtx_conformance.gates.quality import (
@@ -31,11 +32,11 @@ class QualitySettings:
     quantizers: list[str]
 
 
-def run(settings: QualitySettings, say) -> list[Check]:
+def run(settings: QualitySettings, gates_file: Path | None, say) -> list[Check]:
     if importlib.util.find_spec("transformers") is None:
         return [skipped(GATE, "quantizers' perplexity increase", "the reference is Hugging Face transformers, "
                                                                   "which is not installed")]
-    gate = load_gates().quality
+    gate = load_gates(gates_file).quality
     registry = load_plugins()
     source = resolve_model(None)
     token_ids = evaluation_tokens(source, gate.num_tokens)

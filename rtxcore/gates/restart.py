@@ -30,7 +30,11 @@ _TIMEOUT = 300
 
 
 @dataclass(frozen=True, slots=True)
-class RestartSettings:
+class ReliabilitySettings:
+    """``[phase.reliability]``: the overload run (on the latency gate's server, rtxcore.gates.online) and the drill."""
+
+    overload: float
+    overload_duration_s: float
     num_streams: int
     num_full: int
     max_tokens: int
@@ -129,8 +133,9 @@ class _Full:
             self.response = None  # the server was killed under it
 
     def output(self) -> str | None:
-        ok = self.response is not None and self.response.status_code == 200
-        return self.response.json()["choices"][0]["text"] if ok and self.response is not None else None
+        if self.response is None or self.response.status_code != 200:
+            return None
+        return self.response.json()["choices"][0]["text"]
 
 
 @dataclass
@@ -175,7 +180,7 @@ def _wait(condition, what: str, timeout_s: float = 300.0) -> None:
         time.sleep(0.05)
 
 
-def run(settings: RestartSettings, workdir: Path, say) -> list[Check]:
+def run(settings: ReliabilitySettings, workdir: Path, say) -> list[Check]:
     state_dir = workdir / "state"
     args = ["--state-dir", str(state_dir), "--kv-snapshot-interval", "0.5"]
     log = workdir / "restart-server.log"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rtxcore.gates import cache, online, quality, restart, security, throughput
 from rtxcore.gates.outcome import Check, Report, current_commit
-from rtxcore.gates.thresholds import MACHINE_CLASSES, load_phase_tables, machine_class, settings
+from rtxcore.gates.thresholds import load_phase_tables, machine_class, settings
 
 
 def device_name() -> str:
@@ -28,13 +28,10 @@ def run_gates(names: tuple[str, ...], gates_file: Path | None = None, workdir: P
     tables = load_phase_tables(gates_file)
     machine = machine_class()
     # Every table is read first, so a bad one is found before minutes of measuring.
-    reliability = ("overload", "overload_duration_s")
     throughput_s = settings(throughput.ThroughputSettings, tables, "throughput", machine)
     latency_s = settings(online.LatencySettings, tables, "latency", machine)
     cache_s = settings(cache.CacheSettings, tables, "cache", machine)
-    overload_s = settings(online.OverloadSettings, _only(tables, "reliability", reliability), "reliability", machine)
-    restart_s = settings(restart.RestartSettings, _without(tables, "reliability", reliability), "reliability",
-                         machine)
+    reliability_s = settings(restart.ReliabilitySettings, tables, "reliability", machine)
     security_s = settings(security.SecuritySettings, tables, "security", machine)
     quality_s = settings(quality.QualitySettings, tables, "quality", machine)
     report = Report(machine, device_name(), current_commit())
@@ -42,17 +39,17 @@ def run_gates(names: tuple[str, ...], gates_file: Path | None = None, workdir: P
     with tempfile.TemporaryDirectory(prefix="rtx-gates-") as tmp:
         work = workdir or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        overload = overload_s if "reliability" in names else None
+        overload = reliability_s if "reliability" in names else None
         steps: list[tuple[str, Callable[[], list[Check]]]] = [
             ("throughput", lambda: throughput.run(throughput_s, say)),
-            ("cache", lambda: cache.run(cache_s, say)),
+            ("cache", lambda: cache.run(cache_s, gates_file, say)),
             ("latency", lambda: online.run(latency_s, overload, work, say)),
-            ("reliability", lambda: restart.run(restart_s, work, say)),
+            ("reliability", lambda: restart.run(reliability_s, work, say)),
             ("security", lambda: security.run(security_s, work, say)),
-            ("quality", lambda: quality.run(quality_s, say)),
+            ("quality", lambda: quality.run(quality_s, gates_file, say)),
         ]
         if "reliability" in names and "latency" not in names:  # the overload part runs on the latency gate's server
-            steps.insert(2, ("reliability", lambda: online.run(latency_s, overload_s, work, say)))
+            steps.insert(2, ("reliability", lambda: online.run(latency_s, reliability_s, work, say)))
         for gate, step in steps:
             if gate not in names:
                 continue
@@ -66,16 +63,3 @@ def run_gates(names: tuple[str, ...], gates_file: Path | None = None, workdir: P
             say(f"{gate}: done in {time.monotonic() - began:.0f} s")
     report.elapsed_s = time.monotonic() - start
     return report
-
-
-def _only(tables: dict, gate: str, keys: tuple[str, ...], keep: bool = True) -> dict:
-    """``[phase.<gate>]`` (and its machine-class tables) with only ``keys``, or (``keep=False``) without them."""
-    def part(table: dict) -> dict:
-        return {k: part(v) if k in MACHINE_CLASSES else v for k, v in table.items()
-                if k in MACHINE_CLASSES or (k in keys) == keep}
-
-    return {gate: part(tables.get(gate, {}))}
-
-
-def _without(tables: dict, gate: str, keys: tuple[str, ...]) -> dict:
-    return _only(tables, gate, keys, keep=False)

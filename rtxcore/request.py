@@ -23,6 +23,8 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop", True
     FINISHED_LENGTH = "length", True
     FINISHED_ABORTED = "abort", True
+    # A plugin failed on this request alone (rtxcore.engine.faults).
+    FINISHED_ERROR = "error", True
 
     def __new__(cls, value: str, finished: bool) -> Self:
         member = object.__new__(cls)

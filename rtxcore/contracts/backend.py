@@ -190,6 +190,13 @@ class ExecutionBackend(ABC):
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
         """Run one step: write the new tokens' K/V into their slots and return logits [num_logits, vocab_size]."""
 
+    def recover(self) -> None:
+        """Free what a failed :meth:`execute` may have left behind, before the engine retries the step once (see
+        :mod:`rtxcore.engine.faults`). The default hands PyTorch's cached device memory back, which is what an
+        out-of-memory failure needs; a backend holding more state (captured graphs, a runtime session) resets it."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def execute_layers(self, batch: ForwardBatch, layers: Sequence[int]) -> torch.Tensor:
         """Like :meth:`execute`, through the decoder layers ``layers`` only (increasing indices), then the final
         norm and the LM head: the model drafting for itself (self-speculation, early exit). Writes only those layers'

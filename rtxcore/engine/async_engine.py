@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from rtxcore.engine.core import EngineCore
 from rtxcore.engine.input_processor import InputProcessor, Prompt
 from rtxcore.engine.outputs import RequestOutput, TokenLogprob
-from rtxcore.errors import EngineFailed
+from rtxcore.errors import EngineFailed, ErrorCode, RequestError
 from rtxcore.lanes import DEFAULT_LANE
 from rtxcore.request import Request
 from rtxcore.sampling_params import SamplingParams
@@ -197,7 +197,8 @@ class AsyncEngine:
                 for out in outputs:
                     sink = self._sinks.pop(out.req_id, None) if out.finished else self._sinks.get(out.req_id)
                     if sink is not None:
-                        self._deliver(out.req_id, sink, out)
+                        self._deliver(out.req_id, sink, out if out.error is None else
+                                      RequestError(ErrorCode.INTERNAL, out.error.describe(), reason="plugin_failed"))
         except BaseException as exc:  # the loop must never die silently: fail every waiting stream
             self.error = exc
             log.exception("engine loop failed")

@@ -9,6 +9,7 @@ facade :class:`rtxcore.engine.llm.LLM`, serving through :class:`rtxcore.engine.a
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable, Sequence
 
@@ -18,8 +19,9 @@ from rtxcore.contracts.sampler import SamplerOutput
 from rtxcore.engine.batch_builder import StepPlan, build_embedding_batch, build_step
 from rtxcore.engine.components import EngineComponents, build_components
 from rtxcore.engine.config import EngineConfig
+from rtxcore.engine.faults import StepFaults
 from rtxcore.engine.input_processor import InputLimits, InputProcessor
-from rtxcore.engine.outputs import RequestOutput, TokenLogprob
+from rtxcore.engine.outputs import RequestFailure, RequestOutput, TokenLogprob
 from rtxcore.engine.prompt_scoring import prompt_logprobs
 from rtxcore.errors import InvalidRequestError
 from rtxcore.models.source import ModelSource
@@ -27,6 +29,7 @@ from rtxcore.registry import PluginRegistry
 from rtxcore.request import Request, RequestStatus
 
 Progress = Callable[[int, int], None]
+log = logging.getLogger(__name__)
 
 
 class EngineCore:
@@ -62,10 +65,13 @@ class EngineCore:
             from rtxcore.engine.overlap import OverlappedSteps
 
             self._overlap: OverlappedSteps | None = OverlappedSteps(self)
-            self.step: Callable[[], list[RequestOutput]] = self._overlap.step
+            self._step: Callable[[], list[RequestOutput]] = self._overlap.step
         else:
             self._overlap = None
-            self.step = self.step_serial
+            self._step = self.step_serial
+        self.faults = StepFaults(self)
+        # Final outputs of requests that failed during the step (see rtxcore.engine.faults), returned with its own.
+        self._failed: list[RequestOutput] = []
 
     def input_processor(self) -> InputProcessor:
         """A processor checking requests against this engine's vocabulary, context and cache."""
@@ -120,6 +126,14 @@ class EngineCore:
 
     # -- the loop -------------------------------------------------------------------------------------------------
 
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns every output it produced, failed requests' last ones included."""
+        outputs = self._step()
+        if self._failed:
+            outputs += self._failed
+            self._failed = []
+        return outputs
+
     @torch.inference_mode()
     def step_serial(self) -> list[RequestOutput]:
         self.maintain()
@@ -128,18 +142,21 @@ class EngineCore:
         if sched.is_empty:
             return []
         plan = build_step(sched, self.kv_cache.block_table, self.config.block_size, self.generators, ())
-        logits = self.execute(plan)
-        if not plan.sampling_reqs:
+        logits = self.faults.execute(plan)
+        if logits is None or not plan.sampling_reqs:
             return []
-        self.logits.apply(logits, plan.sampling_reqs, plan.num_rows)
-        sampled = self.sampler.sample(logits, plan.sampling)
-        if plan.num_rows is None:
-            outputs = self.update(plan.sampling_reqs, sampled)
+        reqs, num_rows, sampled = self.faults.sample(logits, plan.sampling_reqs, plan.num_rows, plan.sampling)
+        if sampled is None:
+            return []
+        if num_rows is None:
+            outputs = self.update(reqs, sampled)
         else:  # proposed tokens verified
-            outputs = self.speculator.verify(plan.sampling_reqs, plan.num_rows, sampled, self.output_processor)
+            outputs = self.speculator.verify(reqs, num_rows, sampled, self.output_processor)
+            self._fail_detokenization()
             self._finish_outputs(outputs)
         if self.speculator.active:
-            self.speculator.propose(plan.sampling_reqs, self.scheduler.num_running)
+            self.faults.each(reqs, "proposer", self.config.speculative.method or "assisted",
+                             lambda group: self.speculator.propose(group, self.scheduler.num_running))
         return outputs
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
@@ -155,8 +172,27 @@ class EngineCore:
     def update(self, reqs: list[Request], sampled: SamplerOutput) -> list[RequestOutput]:
         """Apply sampled tokens (on the host) to their requests; finished ones leave the engine."""
         outputs = self.output_processor.process(reqs, sampled)
+        self._fail_detokenization()
         self._finish_outputs(outputs)
         return outputs
+
+    def _fail_detokenization(self) -> None:
+        if self.output_processor.failures:
+            for req, failure in self.output_processor.failures:
+                self.fail(req, failure)
+            self.output_processor.failures.clear()
+
+    def fail(self, req: Request, failure: RequestFailure) -> None:
+        """End a request that a plugin failed on, alone: its last output carries the error (finish_reason
+        "error"), and the step goes on for the others."""
+        if self.requests.get(req.req_id) is not req:
+            return  # gone already (a grammar's step can end it before the fault is found)
+        log.error("request %s failed: %s", req.req_id, failure.describe())
+        req.status = RequestStatus.FINISHED_ERROR
+        out = self.output_processor.make_output(req, [], "")
+        out.error = failure
+        self.finish(req)
+        self._failed.append(out)
 
     def _finish_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -95,3 +95,4 @@ def _accumulate(result: CompletionResult, out: RequestOutput) -> None:
         result.logprobs = (result.logprobs or []) + out.logprobs
     if out.finished:
         result.finish_reason = out.finish_reason
+        result.error = out.error

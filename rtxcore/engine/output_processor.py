@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from rtxcore.contracts.sampler import SamplerOutput
-from rtxcore.engine.outputs import RequestOutput, RequestTimings, TokenLogprob
+from rtxcore.engine.outputs import RequestFailure, RequestOutput, RequestTimings, TokenLogprob
 from rtxcore.request import Request, RequestStatus
 from rtxcore.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -16,6 +16,8 @@ class OutputProcessor:
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        # Requests whose token could not be applied (the detokenizer raised on it), for the engine to fail alone.
+        self.failures: list[tuple[Request, RequestFailure]] = []
 
     def add(self, req: Request) -> None:
         """Track a new request; one resumed with output tokens (from a journal) has its detokenizer caught up with
@@ -53,43 +55,46 @@ class OutputProcessor:
         outputs = []
         # Runs for every request every step: plain attribute reads, and only the work a request asked for.
         for row, (req, token) in enumerate(zip(reqs, token_ids)):
-            all_token_ids = req.all_token_ids
-            all_token_ids.append(token)
-            num_output_tokens = len(all_token_ids) - len(req.prompt_token_ids)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            p = req.params
-            detok = detokenizers.get(req.req_id) if detokenizers else None
-            text = ""
-            status: RequestStatus | None = None
-            stop_reason: str | int | None = None
-            if token in p.stop_token_ids:
-                status, stop_reason = RequestStatus.FINISHED_STOPPED, token
-            elif not p.ignore_eos and token in eos_token_ids:
-                status = RequestStatus.FINISHED_STOPPED
-            else:
-                if detok is not None:
-                    text = detok.update([token])
-                    if detok.finished_by_stop:
-                        status, stop_reason = RequestStatus.FINISHED_STOPPED, detok.stop_reason
-                if status is None and (num_output_tokens >= p.max_tokens
-                                       or len(all_token_ids) + req.num_pending_tokens >= max_model_len):
-                    status = RequestStatus.FINISHED_LENGTH
-            token_logprobs = logprobs[row] if logprobs is not None else None
-            if status is not None:
-                req.status = status
-                req.finish_time = time.monotonic()
-                if detok is not None and not detok.finished_by_stop:
-                    text += detok.flush()
-                outputs.append(self.make_output(req, [token], text, token_logprobs, stop_reason))
-            else:
-                # What make_output gives a running request, built directly and with positional arguments: matching
-                # keywords takes as long as the rest of this loop's body.
-                outputs.append(RequestOutput(
-                    req.req_id, [token], text,
-                    False, None, None,  # finished, finish_reason, stop_reason
-                    token_logprobs, len(req.prompt_token_ids), num_output_tokens, req.num_cached_tokens,
-                ))
+            try:
+                all_token_ids = req.all_token_ids
+                all_token_ids.append(token)
+                num_output_tokens = len(all_token_ids) - len(req.prompt_token_ids)
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                p = req.params
+                detok = detokenizers.get(req.req_id) if detokenizers else None
+                text = ""
+                status: RequestStatus | None = None
+                stop_reason: str | int | None = None
+                if token in p.stop_token_ids:
+                    status, stop_reason = RequestStatus.FINISHED_STOPPED, token
+                elif not p.ignore_eos and token in eos_token_ids:
+                    status = RequestStatus.FINISHED_STOPPED
+                else:
+                    if detok is not None:
+                        text = detok.update([token])
+                        if detok.finished_by_stop:
+                            status, stop_reason = RequestStatus.FINISHED_STOPPED, detok.stop_reason
+                    if status is None and (num_output_tokens >= p.max_tokens
+                                           or len(all_token_ids) + req.num_pending_tokens >= max_model_len):
+                        status = RequestStatus.FINISHED_LENGTH
+                token_logprobs = logprobs[row] if logprobs is not None else None
+                if status is not None:
+                    req.status = status
+                    req.finish_time = time.monotonic()
+                    if detok is not None and not detok.finished_by_stop:
+                        text += detok.flush()
+                    outputs.append(self.make_output(req, [token], text, token_logprobs, stop_reason))
+                else:
+                    # What make_output gives a running request, built directly and with positional arguments: matching
+                    # keywords takes as long as the rest of this loop's body.
+                    outputs.append(RequestOutput(
+                        req.req_id, [token], text,
+                        False, None, None,  # finished, finish_reason, stop_reason
+                        token_logprobs, len(req.prompt_token_ids), num_output_tokens, req.num_cached_tokens,
+                    ))
+            except Exception as exc:  # this request alone fails (rtxcore.engine.faults); the loop goes on
+                self.failures.append((req, RequestFailure("detokenizer", "tokenizer", f"{type(exc).__name__}: {exc}")))
         return outputs
 
     @staticmethod

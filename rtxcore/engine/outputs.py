@@ -13,6 +13,19 @@ class TokenLogprob:
     top: list[tuple[int, float]] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True)
+class RequestFailure:
+    """Why a request ended with an error (:mod:`rtxcore.engine.faults`): the kind of plugin at fault (the ``cause``
+    label of ``rtx_request_failures_total``), its name, and the exception in one line."""
+
+    cause: str
+    plugin: str
+    message: str
+
+    def describe(self) -> str:
+        return f"{self.cause} plugin {self.plugin!r} failed on this request: {self.message}"
+
+
 @dataclass(slots=True)
 class RequestTimings:
     """When a request passed each stage, on the ``time.monotonic()`` clock (seconds); for metrics and timelines."""
@@ -37,7 +50,8 @@ class RequestOutput:
     # Text finalized this step (may lag tokens while a character or a possible stop string is incomplete).
     new_text: str
     finished: bool = False
-    # "stop" (EOS, stop token or stop string), "length" (max_tokens or context) or "abort"; None while running.
+    # "stop" (EOS, stop token or stop string), "length" (max_tokens or context), "abort", or "error" (a plugin
+    # failed on this request: see ``error``); None while running.
     finish_reason: str | None = None
     # The stop string or stop token id that ended the request, if any.
     stop_reason: str | int | None = None
@@ -51,6 +65,8 @@ class RequestOutput:
     # Final output only: the caller's predicted tokens the model accepted and refused (speculative decoding).
     num_accepted_prediction_tokens: int = 0
     num_rejected_prediction_tokens: int = 0
+    # Final output only, when finish_reason is "error": which plugin failed and how.
+    error: RequestFailure | None = None
 
 
 @dataclass(slots=True)
@@ -64,3 +80,5 @@ class CompletionResult:
     finish_reason: str | None
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
+    # Why it ended with finish_reason "error".
+    error: RequestFailure | None = None

@@ -203,6 +203,8 @@ class EngineMetrics:
         if finished is None:
             finished = m.finished[reason] = self._families.finished.labels(self.model_name, reason)
         finished.inc()
+        if out.error is not None:
+            self._families.request_failures.labels(self.model_name, out.error.cause, out.error.plugin).inc()
         m.prompt_tokens.inc(out.num_prompt_tokens)
         if reason == "abort":
             m.aborts.inc()

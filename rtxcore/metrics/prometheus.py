@@ -119,8 +119,11 @@ class Families:
             "rtx_request_aborts", "Requests aborted while in the engine (client gone, cancelled, timed out).")
         self.timeouts = counter("rtx_request_timeouts", "Requests the server aborted for running past its timeout.")
         self.finished = counter(
-            "rtx_requests_finished", "Requests that left the engine, by finish reason (stop, length, abort).",
+            "rtx_requests_finished", "Requests that left the engine, by finish reason (stop, length, abort, error).",
             ("finish_reason",))
+        self.request_failures = counter(
+            "rtx_request_failures", "Requests a plugin failed on alone (the others went on), by the kind of plugin "
+            "at fault (sampler, logits_processor, detokenizer, proposer, backend) and its name.", ("cause", "plugin"))
         self.rejected = counter(
             "rtx_requests_rejected", "Requests the server refused before they reached the engine, by reason.",
             ("reason",))

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from rtx_plugins.backends.torch_backend.layers import ParallelContext
 from rtx_plugins.backends.torch_backend.parallel import messages
 from rtxcore.contracts.backend import BackendOptions, ForwardBatch
-from rtxcore.errors import ConfigError
+from rtxcore.errors import ConfigError, EngineFailed
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
@@ -113,8 +113,8 @@ class ParallelRanks:
         deadline = time.monotonic() + grace_s
         while True:
             for rank, w in enumerate(self._workers, start=1):
-                if w.exitcode is not None:
-                    raise RuntimeError(f"parallel worker rank {rank} (pid {w.pid}) exited with code {w.exitcode}")
+                if w.exitcode is not None:  # nothing in this process will step again: not a fault to retry
+                    raise EngineFailed(f"parallel worker rank {rank} (pid {w.pid}) exited with code {w.exitcode}")
             if time.monotonic() >= deadline:
                 return
             time.sleep(0.05)

@@ -1,0 +1,200 @@
+"""Faults that stay small (rtxcore.engine.faults): a plugin raising on one request fails that request alone."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from rtx_plugins.samplers.default import DefaultSampler
+from rtxcore.contracts.logits_processor import LogitsProcessor
+from rtxcore.engine.async_engine import AsyncEngine
+from rtxcore.engine.config import EngineConfig
+from rtxcore.engine.llm import LLM
+from rtxcore.errors import EngineFailed, RequestError
+from rtxcore.hookspecs import hookimpl
+from rtxcore.metrics.engine_metrics import EngineMetrics
+from rtxcore.registry import load_plugins
+from rtxcore.sampling_params import SamplingParams
+from tests.helpers.engines import make_engine
+
+# The faulty plugins below pick their victim by this top_k (which a greedy request ignores).
+MARK = 13
+
+
+class FlakySampler(DefaultSampler):
+    """Raises for the whole batch whenever a marked request that has generated two tokens is in it (mid-stream, when
+    the overlapped step has the previous step's tokens in flight)."""
+
+    def sample(self, logits, batch):
+        if any(p.top_k == MARK and len(out) >= 2 for p, out in zip(batch.params, batch.output_token_ids)):
+            raise RuntimeError("flaky sampler refuses top_k=13")
+        return super().sample(logits, batch)
+
+
+class ExplodingProcessor(LogitsProcessor):
+    """Bans nothing; raises on the rows of requests that asked it to."""
+
+    def prepare(self, args):
+        return bool(args)
+
+    def new_state(self, prepared, output_token_ids):
+        return prepared
+
+    def apply(self, logits, rows):
+        if any(r.state for r in rows):
+            raise ValueError("exploding processor went off")
+
+
+class FaultyPlugins:
+    @hookimpl
+    def register_samplers(self, register):
+        register("flaky", FlakySampler)
+
+    @hookimpl
+    def register_logits_processors(self, register):
+        register("exploding", ExplodingProcessor)
+
+
+@pytest.fixture(scope="module")
+def faulty_registry():
+    return load_plugins(extra=[("faulty-plugins", FaultyPlugins())])
+
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+MARKED = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, top_k=MARK)
+PROMPTS = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(16)]
+
+
+def test_a_sampler_raising_on_one_request_of_16_fails_it_alone(faulty_registry, default_source):
+    engine = LLM(EngineConfig(sampler="flaky"), registry=faulty_registry, source=default_source)
+    params = [MARKED if i == 5 else GREEDY for i in range(16)]
+    results = engine.generate(PROMPTS, params)
+    failed = results[5]
+    assert failed.finish_reason == "error"
+    assert failed.error is not None and (failed.error.cause, failed.error.plugin) == ("sampler", "flaky")
+    assert "refuses top_k=13" in failed.error.message
+    others = [r for i, r in enumerate(results) if i != 5]
+    reference = engine.generate([p for i, p in enumerate(PROMPTS) if i != 5], GREEDY)
+    assert [r.text for r in others] == [r.text for r in reference]
+    assert all(r.finish_reason == "length" and len(r.token_ids) == 6 for r in others)
+    assert not engine.has_unfinished_requests()
+    engine.core.kv_cache.check_invariants()
+
+
+def test_a_seeded_request_draws_the_same_tokens_when_a_fault_elsewhere_makes_the_step_retry(faulty_registry):
+    engine = make_engine(registry=faulty_registry, sampler="flaky")
+    seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
+    [alone] = engine.generate([[5, 6, 7]], seeded)
+    together = engine.generate([[5, 6, 7], [9, 9, 9]], [seeded, MARKED])
+    assert together[0].token_ids == alone.token_ids
+    assert together[1].finish_reason == "error"
+
+
+def test_a_logits_processor_raising_fails_only_its_request(faulty_registry):
+    engine = make_engine(registry=faulty_registry)
+    bad = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logits_processors={"exploding": True})
+    calm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logits_processors={"exploding": False})
+    results = engine.generate([[1, 2, 3], [4, 5, 6], [7, 8, 9]], [calm, bad, GREEDY])
+    assert results[1].finish_reason == "error"
+    assert (results[1].error.cause, results[1].error.plugin) == ("logits_processor", "exploding")
+    reference = engine.generate([[1, 2, 3], [7, 8, 9]], [calm, GREEDY])
+    assert [results[0].token_ids, results[2].token_ids] == [r.token_ids for r in reference]
+
+
+def test_a_detokenizer_raising_on_one_request_fails_it_alone(default_engine):
+    core = default_engine.core
+    good = default_engine.add_request("The sky is", GREEDY)
+    bad = default_engine.add_request("The sea is", GREEDY)
+
+    class BrokenDetokenizer:
+        def update(self, token_ids):
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+
+    core.output_processor._detokenizers[bad] = BrokenDetokenizer()
+    outputs = []
+    while default_engine.has_unfinished_requests():
+        outputs += default_engine.step()
+    [failed] = [o for o in outputs if o.req_id == bad]
+    assert failed.finish_reason == "error" and failed.error.cause == "detokenizer"
+    finals = [o for o in outputs if o.req_id == good and o.finished]
+    assert finals and finals[0].finish_reason == "length"
+
+
+def _fail_backend(engine: LLM, times: int) -> list[int]:
+    """Make the backend's next ``times`` execute calls raise; returns the list of calls that raised."""
+    backend = engine.core.backend
+    real, raised = backend.execute, []
+
+    def execute(batch):
+        if len(raised) < times:
+            raised.append(batch.num_tokens)
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+        return real(batch)
+    backend.execute = execute
+    return raised
+
+
+def test_a_backend_step_failing_once_is_retried_and_nobody_notices(tiny_engine):
+    reference = tiny_engine.generate([[1, 2, 3], [4, 5]], GREEDY)
+    raised = _fail_backend(tiny_engine, 1)
+    results = tiny_engine.generate([[1, 2, 3], [4, 5]], GREEDY)
+    assert len(raised) == 1
+    assert [r.token_ids for r in results] == [r.token_ids for r in reference]
+
+
+def test_a_backend_step_failing_twice_fails_its_requests_and_the_engine_goes_on(tiny_engine):
+    raised = _fail_backend(tiny_engine, 2)
+    results = tiny_engine.generate([[1, 2, 3], [4, 5]], GREEDY)
+    assert len(raised) == 2
+    assert [(r.finish_reason, r.error.cause) for r in results] == [("error", "backend")] * 2
+    [after] = tiny_engine.generate([[1, 2, 3]], GREEDY)
+    assert after.finish_reason == "length" and len(after.token_ids) == 6
+    tiny_engine.core.kv_cache.check_invariants()
+
+
+def test_backend_steps_failing_in_a_row_give_up_on_the_engine(tiny_engine):
+    _fail_backend(tiny_engine, 4)
+    tiny_engine.add_request([1, 2, 3], GREEDY)
+    tiny_engine.add_request([4, 5, 6], GREEDY)
+    tiny_engine.step()  # its requests fail
+    tiny_engine.add_request([7, 8, 9], GREEDY)
+    with pytest.raises(EngineFailed, match="2 steps in a row"):
+        tiny_engine.step()
+
+
+def test_a_served_request_a_plugin_fails_on_ends_with_an_error_naming_it(faulty_registry):
+    metrics = EngineMetrics("tiny")
+    engine = AsyncEngine(make_engine(registry=faulty_registry, sampler="flaky").core, [metrics.observer()])
+    engine.start()
+
+    async def run(params):
+        return [out async for out in engine.generate([1, 2, 3], params)]
+
+    async def both():
+        return await asyncio.gather(run(GREEDY), run(MARKED), return_exceptions=True)
+    try:
+        good, bad = asyncio.run(both())
+    finally:
+        engine.stop()
+    assert good[-1].finish_reason == "length"
+    assert isinstance(bad, RequestError) and bad.reason == "plugin_failed"
+    assert "sampler plugin 'flaky'" in bad.message
+    assert engine.error is None
+    text = metrics.render()[0].decode()
+    assert 'rtx_request_failures_total{cause="sampler",model="tiny",plugin="flaky"} 1.0' in text
+    assert 'rtx_requests_finished_total{finish_reason="error",model="tiny"} 1.0' in text
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_faults_are_isolated_in_the_serial_and_the_overlapped_step(faulty_registry, async_scheduling):
+    engine = make_engine(registry=faulty_registry, sampler="flaky", async_scheduling=async_scheduling)
+    prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11]]
+    reference = engine.generate(prompts, GREEDY)
+    _fail_backend(engine, 1)
+    results = engine.generate(prompts + [[3, 3, 3]], [GREEDY] * 4 + [MARKED])
+    assert [r.token_ids for r in results[:4]] == [r.token_ids for r in reference]
+    assert results[4].finish_reason == "error" and len(results[4].token_ids) == 2
+    assert not engine.has_unfinished_requests()
+    engine.core.kv_cache.check_invariants()

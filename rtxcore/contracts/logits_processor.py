@@ -12,9 +12,6 @@ fields, any other plugin from ``logits_processors: {name: args}``). A processor'
 3. :meth:`LogitsProcessor.apply` changes the logits rows of every request using the processor, in one batched call
    per step. Before it, each state has seen every generated token through :meth:`LogitsProcessor.advance`. Steps
    with no request using any processor never call anything here.
-4. :meth:`LogitsProcessor.prefetch` (optional): in the overlapped step, the engine's early thread waits for the
-   previous step's tokens, advances the states with them and hands them to ``prefetch``, where a processor can do
-   its next rows' work (a grammar's masks) while the engine's thread builds and launches the step.
 
 Speculative decoding verifies proposed tokens: a request then has several rows, the row after ``j`` proposed tokens
 scored as if they had been generated (``RowContext.proposed``). A stateful processor (a grammar) advances over them,
@@ -92,13 +89,6 @@ class LogitsProcessor(ABC):
     def apply(self, logits: torch.Tensor, rows: Sequence[RowContext]) -> None:
         """Change ``logits`` (float [num_rows, vocab_size], on the device) in place at the given rows, in as few
         device operations as the processor can."""
-
-    def prefetch(self, states: Sequence[Any]) -> None:
-        """Optional, called on the engine's early thread (not the engine's): these states have each seen every
-        token of their request, and their next rows will most likely be in the coming :meth:`apply`, with no
-        proposed tokens. A processor may compute what those rows need here; the engine's thread does not touch the
-        states until this returns. apply must still handle any row on its own (a state that advanced since, a row
-        not given here). The default does nothing."""
 
     def advance(self, state: Any, token_ids: Sequence[int]) -> None:
         """Tokens the request generated since the state last saw one, in order. Stateless processors ignore them."""

@@ -69,13 +69,11 @@ class OverlappedSteps:
         if core.speculator.active:
             # Requests with tokens of their own to verify: the previous step's tokens are needed on the host to
             # propose, so this step runs serially.
-            self._fail_early()
             if prev is not None:
                 outputs = self._process(prev)
             return outputs + core.step_serial()
         if prev is not None and self._num_history_reqs:
             # Penalties need every earlier token on the host before sampling: no overlap this step.
-            self._fail_early()
             outputs, prev = self._process(prev), None
         core.maintain()
         sched = core.scheduler.schedule()
@@ -89,23 +87,15 @@ class OverlappedSteps:
         logits = core.faults.execute(plan)
         if logits is not None and plan.sampling_reqs:
             if prev is not None and self._num_stateful_reqs:
-                # A grammar's masks for this step follow step N's tokens, which the early thread is reading and
-                # computing them from (see _launch_step): make step N's outputs meanwhile, then mask and sample.
+                # A grammar's mask for this step follows the previous step's tokens: read them now, while the
+                # device computes this step's forward pass (queued above), then mask and sample.
                 outputs, prev = outputs + self._process(prev), None
-            self._fail_early()
             reqs, _, sampled = core.faults.sample(logits, plan.sampling_reqs, None, plan.sampling)
             if sampled is not None:
                 self._in_flight = self._launch(reqs, sampled)
-                if self._num_stateful_reqs:
-                    core.logits.start_early(reqs, self._in_flight)
         if prev is not None:
             outputs += self._process(prev)
         return outputs
-
-    def _fail_early(self) -> None:
-        core = self.core
-        for req, fault in core.logits.take_failures():
-            core.fail(req, fault.failure())
 
     def _fill_pending(self, plan: StepPlan, prev_token_ids: torch.Tensor) -> torch.Tensor:
         """The step's input ids on the device, with each not-yet-read token taken from the previous step's samples."""

@@ -17,6 +17,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from rtxcore.engine.config import EngineConfig
+from rtxcore.errors import EngineFailed
 from rtxcore.server.http import build_app
 from rtxcore.server.serving.durable.records import decode_records, encode_record
 from rtxcore.server.serving.runtime import ServingRuntime
@@ -358,18 +359,21 @@ def test_a_resumed_request_keeps_its_draft_token_ids(tmp_path, old_record):
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the engine thread's error
 def test_a_failed_engine_leaves_journaled_requests_for_the_restart(tmp_path):
-    # The engine loop dies under a request (a backend step raising, as when a parallel rank is gone): not the
-    # request's fault, so it ends for its client as in a crash (503, retry) and stays unfinished in the journal.
+    # The engine loop dies under a request (the backend says nothing will step again, as when a parallel rank is
+    # gone): not the request's fault, so it ends for its client as in a crash (503, retry) and stays unfinished in
+    # the journal.
     state = tmp_path / "state"
     runtime = make_runtime(state)
-    sampler = runtime.async_engine.core.sampler
-    sample, calls = sampler.sample, []
+    backend = runtime.async_engine.core.backend
+    execute, calls = backend.execute, []
 
-    def sample_then_fail(*args):  # a few tokens first: the request is accepted and journaled
+    def execute_then_fail(batch):  # a few tokens first: the request is accepted and journaled
         calls.append(1)
-        return sample(*args) if len(calls) <= 5 else 1 / 0
+        if len(calls) <= 5:
+            return execute(batch)
+        raise EngineFailed("parallel worker rank 1 (pid 1) exited with code -9")
 
-    sampler.sample = sample_then_fail
+    backend.execute = execute_then_fail
     with serving(runtime) as client:
         resp = client.post("/v1/completions", json=FULL, headers={"Idempotency-Key": "k1"})
         assert resp.status_code == 503 and resp.headers["retry-after"]

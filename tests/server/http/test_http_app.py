@@ -92,13 +92,23 @@ def test_a_failed_engine_fails_the_liveness_probe():
     runtime.load()
     try:
         engine = runtime.async_engine.core
+        request = {"prompt": [5, 6], "max_tokens": 4, "stream": False}
+        sample = engine.sampler.sample
         engine.sampler.sample = lambda *args: 1 / 0  # a sampler plugin that raises in the step
         with TestClient(build_app(runtime), raise_server_exceptions=False) as c:
             assert c.get("/health").status_code == 200
-            assert_error(c.post("/generate", json={"prompt": [5, 6], "max_tokens": 4, "stream": False}), 500)
+            # A plugin failing on a request fails that request (naming the plugin), not the engine.
+            error = assert_error(c.post("/generate", json=request), 500)
+            assert "sampler plugin 'default' failed" in error["message"], error
+            assert c.get("/health").status_code == 200
+            # A backend failing every step: its requests fail, then the second step in a row ends the engine.
+            engine.sampler.sample = sample
+            engine.backend.execute = lambda batch: 1 / 0
+            assert_error(c.post("/generate", json=request), 500)
+            assert_error(c.post("/generate", json=request), 500)
             health = c.get("/health")
             assert health.status_code == 503 and health.json()["state"] == "failed"
-            assert "ZeroDivisionError" in health.json()["error"]
+            assert "2 steps in a row" in health.json()["error"] and "ZeroDivisionError" in health.json()["error"]
             assert_error(c.get("/ready"), 503)
     finally:
         runtime.stop()

@@ -145,7 +145,7 @@ class EngineCore:
         logits = self.faults.execute(plan)
         if logits is None or not plan.sampling_reqs:
             return []
-        reqs, num_rows, sampled = self.faults.sample(logits, plan.sampling_reqs, plan.num_rows, plan.sampling)
+        reqs, num_rows, sampled = self.faults.sample(logits, plan, plan.sampling_reqs, plan.num_rows, plan.sampling)
         if sampled is None:
             return []
         if num_rows is None:

@@ -2,8 +2,10 @@
 
 A plugin that raises for one request (a third-party sampler on one row's parameters, a grammar on one request's
 state, a proposer, the detokenizer on an odd token) would otherwise end the engine loop and every request on it.
-Here the batched call is tried once as usual; only when it raises is each request tried alone, on a copy of the
-step's logits and with its generator rewound, to find the ones that fail. Those end with an error naming the plugin
+Here the batched call is tried once as usual; only when it raises is each request tried alone, on logits computed
+again (processors and samplers may have changed the first ones in place; the step's forward pass is run once more,
+rewriting the same KV, which costs nothing on the happy path, unlike a copy of every step's logits) and with its
+generator rewound, to find the ones that fail. Those end with an error naming the plugin
 (``finish_reason`` "error"); the others are sampled together again, so they get the tokens they would have got.
 
 A backend step that raises cannot be pinned on a request: it is retried once after the backend has freed what it
@@ -92,20 +94,26 @@ class StepFaults:
 
     # -- logits processors and the sampler --------------------------------------------------------------------------
 
-    def sample(self, logits: torch.Tensor, reqs: list[Request], num_rows: list[int] | None,
+    def sample(self, logits: torch.Tensor, plan: StepPlan, reqs: list[Request], num_rows: list[int] | None,
                batch: SamplingBatch) -> tuple[list[Request], list[int] | None, SamplerOutput | None]:
-        """Apply the logits processors and sample, failing the requests on which either raises.
+        """Apply the logits processors and sample the step's ``reqs`` (``plan``'s), failing the requests on which
+        either raises.
 
         :returns: the requests that sampled, their rows per request (as ``num_rows``), and their samples (None
             when none is left).
         """
         core = self.core
-        backup = logits.clone()  # processors and samplers may change logits in place; a retry needs them as they were
         rewind = _generator_states(batch.generators)
         try:
             return reqs, num_rows, self._sample(logits, reqs, num_rows, batch)
         except Exception:
             pass  # find out which requests it fails on
+        try:
+            backup = core.backend.execute(plan.batch)  # the logits as they were before anything changed them
+        except Exception as exc:
+            for req in reqs:
+                core.fail(req, fault_of(exc, "backend", core.config.backend))
+            return [], None, None
         spans = _row_spans(reqs, num_rows)
         kept: list[int] = []
         for i, req in enumerate(reqs):

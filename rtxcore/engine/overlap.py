@@ -90,7 +90,7 @@ class OverlappedSteps:
                 # A grammar's mask for this step follows the previous step's tokens: read them now, while the
                 # device computes this step's forward pass (queued above), then mask and sample.
                 outputs, prev = outputs + self._process(prev), None
-            reqs, _, sampled = core.faults.sample(logits, plan.sampling_reqs, None, plan.sampling)
+            reqs, _, sampled = core.faults.sample(logits, plan, plan.sampling_reqs, None, plan.sampling)
             if sampled is not None:
                 self._in_flight = self._launch(reqs, sampled)
         if prev is not None:

@@ -68,29 +68,28 @@ class StepFaults:
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
         """The step's logits, or None when the backend failed twice on it (its requests have failed)."""
         core = self.core
-        try:
-            logits = core.execute(plan)
-        except EngineFailed:
-            raise  # the backend knows nothing here will step again (a parallel rank is gone)
-        except Exception as exc:
-            log.error("backend %r failed a step of %d requests (%s: %s); retrying it once",
-                      core.config.backend, len(plan.reqs), type(exc).__name__, exc)
-            core.backend.recover()
+        for attempt in (1, 2):
             try:
                 logits = core.execute(plan)
             except EngineFailed:
-                raise
-            except Exception as again:
+                raise  # the backend knows nothing here will step again (a parallel rank is gone)
+            except Exception as exc:
+                if attempt == 1:
+                    log.error("backend %r failed a step of %d requests (%s: %s); retrying it once",
+                              core.config.backend, len(plan.reqs), type(exc).__name__, exc)
+                    core.backend.recover()
+                    continue
                 self._failed_steps += 1
                 if self._failed_steps >= self.MAX_FAILED_STEPS:
                     raise EngineFailed(f"backend {core.config.backend!r} failed {self._failed_steps} steps in a row: "
-                                       f"{type(again).__name__}: {again}") from again
-                failure = fault_of(again, "backend", core.config.backend)
+                                       f"{type(exc).__name__}: {exc}") from exc
+                failure = fault_of(exc, "backend", core.config.backend)
                 for req in plan.reqs:
                     core.fail(req, failure)
                 return None
-        self._failed_steps = 0
-        return logits
+            self._failed_steps = 0
+            return logits
+        raise AssertionError("unreachable: the second attempt returns or raises")
 
     # -- logits processors and the sampler --------------------------------------------------------------------------
 
@@ -103,7 +102,9 @@ class StepFaults:
             when none is left).
         """
         core = self.core
-        rewind = _generator_states(batch.generators)
+        # Seeded rows' generators, to rewind for a retry; read only when some request is seeded (rare), so the
+        # usual step pays one dict test here.
+        rewind = _generator_states(batch.generators) if core.generators else _nothing
         try:
             return reqs, num_rows, self._sample(logits, reqs, num_rows, batch)
         except Exception:
@@ -187,12 +188,14 @@ def _select(batch: SamplingBatch, rows: list[int]) -> SamplingBatch:
                    generators=[batch.generators[r] for r in rows])
 
 
+def _nothing() -> None:
+    pass
+
+
 def _generator_states(generators: list[torch.Generator | None]) -> Callable[[], None]:
     """A function that puts every seeded row's generator back where it is now (a seeded request draws the same
     tokens when retried). Seeded rows are rare, and a state is a few bytes on the GPU (Philox seed and offset)."""
     seeded = {id(g): g for g in generators if g is not None}
-    if not seeded:
-        return lambda: None
     states = [(g, g.get_state()) for g in seeded.values()]
 
     def rewind() -> None:

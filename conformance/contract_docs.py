@@ -34,6 +34,7 @@ BUILT_AS = {
     "backend": "cls(options: BackendOptions)",
     "proposer": "cls(context: ProposerContext)",
     "logits_processor": "cls(context: LogitsProcessorContext)",
+    "authenticator": "cls(context: AuthenticatorContext)",
 }
 DATA_TYPES = {
     "scheduler": ("SchedulerConfig", "SchedulerOutput", "KVCacheAllocator"),
@@ -43,9 +44,11 @@ DATA_TYPES = {
     "backend": ("BackendOptions", "BackendCapabilities", "ForwardBatch"),
     "proposer": ("ProposerContext",),
     "logits_processor": ("LogitsProcessorContext", "RowContext"),
+    "authenticator": ("AuthenticatorContext", "Credentials", "AuthenticatorExample", "AuthenticationFailed"),
 }
 EXAMPLE_NAMES = {"scheduler": "my-scheduler", "eviction_policy": "my-policy", "sampler": "my-sampler",
-                 "quantizer": "my-int8", "backend": "my-backend", "proposer": "bigram", "logits_processor": "no-tokens"}
+                 "quantizer": "my-int8", "backend": "my-backend", "proposer": "bigram", "logits_processor": "no-tokens",
+                 "authenticator": "header-token"}
 BEGIN = "<!-- generated: {kind} -->"
 END = "<!-- end generated -->"
 

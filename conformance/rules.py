@@ -109,13 +109,26 @@ RULES: dict[str, str] = {
     "logits_processor.finish": "finish() takes any state: never applied, applied or advanced",
     "logits_processor.engine": "a greedy request with each example completes through the engine, every output "
                                "token one the processor allows there",
+    # authenticators
+    "authenticator.builds": "cls(context) builds an Authenticator from its example's AuthenticatorContext",
+    "authenticator.api": "authenticate() returns a tenant name or None and raises nothing but AuthenticationFailed "
+                         "(with a reason)",
+    "authenticator.example": "example() returns an AuthenticatorExample with credentials it accepts, each proving "
+                             "one of the context's tenants",
+    "authenticator.accepts": "each accepted example proves its tenant",
+    "authenticator.refuses": "refused examples and junk (malformed headers, other schemes, random, altered or "
+                             "oversized tokens, certificates of unknown tenants) prove no tenant",
+    "authenticator.reason_without_secret": "a refusal's reason, which the server logs, never repeats the token or "
+                                           "key presented",
+    "authenticator.nothing_presented": "credentials with nothing in them get None (not its kind), not a refusal",
 }
 
 
 # A plugin kind -> the prefix of its rules' names.
 RULE_PREFIX: dict[str, str] = {
     "scheduler": "scheduler", "eviction_policy": "eviction", "sampler": "sampler", "quantizer": "quantizer",
-    "backend": "backend", "proposer": "proposer", "logits_processor": "logits_processor", "plugin": "plugin",
+    "backend": "backend", "proposer": "proposer", "logits_processor": "logits_processor",
+    "authenticator": "authenticator", "plugin": "plugin",
 }
 
 

@@ -89,3 +89,14 @@ def register_logits_processors(register: Register) -> None:
         :class:`rtxcore.contracts.logits_processor.LogitsProcessorContext`. A request asks for it by that name.
     :returns: nothing; results go through ``register``.
     """
+
+
+@hookspec
+def register_authenticators(register: Register) -> None:
+    """Register authenticators (subclasses of :class:`rtxcore.contracts.Authenticator`): from a request's
+    credentials, the tenant that sent it.
+
+    :param register: call ``register(name, cls)`` for each authenticator; ``cls(context)`` must build one, with an
+        :class:`rtxcore.contracts.authenticator.AuthenticatorContext`. ``[auth] authenticators`` picks them by name.
+    :returns: nothing; results go through ``register``.
+    """

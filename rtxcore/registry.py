@@ -43,6 +43,7 @@ KINDS: dict[str, PluginKind] = {
         PluginKind("backend", "register_backends", "ExecutionBackend"),
         PluginKind("proposer", "register_proposers", "Proposer"),
         PluginKind("logits_processor", "register_logits_processors", "LogitsProcessor"),
+        PluginKind("authenticator", "register_authenticators", "Authenticator"),
     )
 }
 

@@ -46,6 +46,8 @@ SCAFFOLDS: dict[str, KindScaffold] = {
                              "rtx serve --speculative {name}"),
     "logits_processor": KindScaffold("Processor", "logits processor", "logits processors",
                                      "# a request sends \"logits_processors\": {{\"{name}\": [13, 42]}}"),
+    "authenticator": KindScaffold("Authenticator", "authenticator", "authenticators",
+                                  "# serve.toml: [auth] authenticators = [\"{name}\"]; rtx serve --config serve.toml"),
 }
 
 

@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
     g.add_argument("--shutdown-grace", type=finite_float, default=d.shutdown_grace_s,
                    help=f"seconds running requests get to finish on SIGINT/SIGTERM (default: {d.shutdown_grace_s:g})")
     g.add_argument("--config", default=None, metavar="FILE",
-                   help="TOML file with [lanes], [scheduler], [brownout], [tenants] (docs/serving.md) and "
+                   help="TOML file with [lanes], [scheduler], [brownout], [tenants], [auth] (docs/serving.md) and "
                         "[speculative] (docs/plugins.md); flags given override its settings")
     g.add_argument("--signing-public-key", default=d.signing_public_key, metavar="PEM",
                    help="EC public key models are verified against (`rtx sign`); an unsigned model then loads "
@@ -46,6 +46,15 @@ def add_parser(sub) -> None:
     g.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' (repeat for several keys; tenant 'default'). Visible "
                         "in the process list: in production prefer RTX_API_KEYS or [tenants] in --config")
+    tls = p.add_argument_group("TLS (both servers; docs/serving.md)")
+    tls.add_argument("--ssl-certfile", default=None, metavar="PEM", help="serve HTTPS and gRPC over TLS with this "
+                     "certificate chain (needs --ssl-keyfile)")
+    tls.add_argument("--ssl-keyfile", default=None, metavar="PEM", help="the certificate's private key")
+    tls.add_argument("--ssl-ca-certs", default=None, metavar="PEM",
+                     help="CA certificates client certificates are verified against (mutual TLS)")
+    tls.add_argument("--ssl-cert-reqs", default="none", choices=["none", "required"],
+                     help="'required': every client presents a certificate the CA signed; the mtls authenticator "
+                          "([auth]) maps its subject to a tenant (default: none)")
     g.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGIN",
                    help="answer browsers from ORIGIN (CORS, with preflight); repeat or separate by commas; '*' for "
                         "any (default: none)")
@@ -68,11 +77,20 @@ def run(args: argparse.Namespace) -> int:
     from rtxcore.models.resolve import resolve_model
     from rtxcore.server.launcher import serve
     from rtxcore.server.serve_config import load_serve_config
+    from rtxcore.server.serving.authentication import Authentication
     from rtxcore.server.serving.runtime import ServeSettings, ServingRuntime
+    from rtxcore.server.serving.settings import TlsSettings
     from rtxcore.server.serving.tenants import TenantRegistry
 
     if not 0 <= args.port <= 65535 or (args.grpc_port is not None and not 0 <= args.grpc_port <= 65535):
         raise ConfigError("ports must be in [0, 65535]")
+    tls = None
+    if args.ssl_certfile or args.ssl_keyfile:
+        if not (args.ssl_certfile and args.ssl_keyfile):
+            raise ConfigError("TLS needs both --ssl-certfile and --ssl-keyfile")
+        tls = TlsSettings(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+    elif args.ssl_ca_certs or args.ssl_cert_reqs != "none":
+        raise ConfigError("--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile and --ssl-keyfile")
     settings = ServeSettings(
         host=args.host, port=args.port, grpc_port=None if args.no_grpc else args.grpc_port,
         max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout,
@@ -82,9 +100,14 @@ def run(args: argparse.Namespace) -> int:
         signing_public_key=args.signing_public_key,
         require_signed_models=args.require_signed_models, state_dir=args.state_dir,
         journal_retention_s=args.journal_retention,
-        allowed_origins=tuple(o.strip() for item in args.allowed_origins or () for o in item.split(",") if o.strip()))
+        allowed_origins=tuple(o.strip() for item in args.allowed_origins or () for o in item.split(",") if o.strip()),
+        tls=tls)
     config_file = load_serve_config(args.config)
     tenants = TenantRegistry.from_config(config_file.tenants, api_keys=args.api_key or ())
+    auth = Authentication.from_config(config_file.auth, tenants)
+    if any(name == "mtls" for name, _ in auth.authenticators) and (tls is None or tls.cert_reqs != "required"):
+        raise ConfigError("the mtls authenticator needs client certificates: --ssl-certfile, --ssl-keyfile, "
+                          "--ssl-ca-certs and --ssl-cert-reqs required")
     config = engine_config(args, config_file)
     if config.node_rank > 0:
         return run_worker_node(config)  # this node only runs ranks: node 0 serves
@@ -97,9 +120,10 @@ def run(args: argparse.Namespace) -> int:
     resolve_model(config.model, config.revision)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if tenants.auth_required:
-        logging.getLogger("rtx.server").info("API keys required: %d tenants (%s)", len(tenants.tenants),
+    if auth.required:
+        logging.getLogger("rtx.server").info("authentication required (%s): %d tenants (%s)",
+                                             ", ".join(name for name, _ in auth.authenticators), len(tenants.tenants),
                                              ", ".join(sorted(tenants.tenants)))
     # The bar of `rtx generate`, unless the log is asked to keep to warnings.
     progress = Progress("weights") if args.log_level in ("debug", "info") else None
-    return serve(ServingRuntime(config, settings, tenants, progress=progress))
+    return serve(ServingRuntime(config, settings, tenants, progress=progress, auth=auth))

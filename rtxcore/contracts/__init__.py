@@ -10,6 +10,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from rtxcore.contracts.authenticator import (
+        AuthenticationFailed,
+        Authenticator,
+        AuthenticatorContext,
+        AuthenticatorExample,
+        Credentials,
+    )
     from rtxcore.contracts.backend import BackendCapabilities, BackendOptions, ExecutionBackend, ForwardBatch
     from rtxcore.contracts.eviction import EvictionPolicy
     from rtxcore.contracts.logits_processor import LogitsProcessor, LogitsProcessorContext, RowContext
@@ -19,6 +26,8 @@ if TYPE_CHECKING:
     from rtxcore.contracts.scheduler import KVCacheAllocator, Scheduler, SchedulerConfig, SchedulerOutput
 
 _MODULES = {
+    "authenticator": ("AuthenticationFailed", "Authenticator", "AuthenticatorContext", "AuthenticatorExample",
+                      "Credentials"),
     "backend": ("BackendCapabilities", "BackendOptions", "ExecutionBackend", "ForwardBatch"),
     "eviction": ("EvictionPolicy",),
     "logits_processor": ("LogitsProcessor", "LogitsProcessorContext", "RowContext"),
@@ -30,6 +39,7 @@ _MODULES = {
 _WHERE = {name: module for module, names in _MODULES.items() for name in names}
 
 __all__ = [
+    "AuthenticationFailed", "Authenticator", "AuthenticatorContext", "AuthenticatorExample", "Credentials",
     "BackendCapabilities", "BackendOptions", "ExecutionBackend", "ForwardBatch",
     "EvictionPolicy",
     "LogitsProcessor", "LogitsProcessorContext", "RowContext",

@@ -25,6 +25,7 @@ import uvicorn
 
 from rtxcore.errors import RtxError
 from rtxcore.server.http import build_app
+from rtxcore.server.http.tls import uvicorn_tls_options
 from rtxcore.server.serving.recovery import recover
 from rtxcore.server.serving.runtime import ServingRuntime
 
@@ -65,7 +66,8 @@ class Launcher:
         loop = asyncio.get_running_loop()
         self._stop_requested = asyncio.Event()
         config = uvicorn.Config(build_app(self.runtime), log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=max(1, math.ceil(self.settings.shutdown_grace_s)))
+                                timeout_graceful_shutdown=max(1, math.ceil(self.settings.shutdown_grace_s)),
+                                **uvicorn_tls_options(self.settings.tls))
         self._server = server = _UvicornServer(config)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
@@ -141,14 +143,15 @@ class Launcher:
         from rtxcore.server.grpc.server import start_grpc_server  # generates the gRPC modules on first use
 
         try:
-            return await start_grpc_server(self.runtime, self.settings.host, self.settings.grpc_port)
+            return await start_grpc_server(self.runtime, self.settings.host, self.settings.grpc_port,
+                                           self.settings.tls)
         except OSError as exc:
             raise RtxError(str(exc)) from None
 
     def _address(self, http_port: int, grpc: GrpcServer | None) -> str:
         host = self.settings.host
         shown = f"[{host}]" if ":" in host else host
-        address = f"http://{shown}:{http_port}"
+        address = f"{'https' if self.settings.tls else 'http'}://{shown}:{http_port}"
         return address + (f" (grpc {shown}:{grpc.port})" if grpc is not None else "")
 
     def _say(self, line: str) -> None:

@@ -1,5 +1,5 @@
-"""The serving config file (``rtx serve --config FILE``, TOML): lanes, scheduler options, brownout, tenants and
-speculative decoding.
+"""The serving config file (``rtx serve --config FILE``, TOML): lanes, scheduler options, brownout, tenants,
+authentication and speculative decoding.
 
     [lanes.realtime]            # any field of rtxcore.lanes.LaneSpec; unnamed lanes keep their defaults
     ttft_target_s = 0.5
@@ -14,6 +14,11 @@ speculative decoding.
     key_env = "ACME_KEY"
     lanes = ["standard", "bulk"]
     requests_per_second = 5
+
+    [auth]                      # see rtxcore.server.serving.authentication
+    authenticators = ["api-key", "jwt"]
+    [auth.jwt]                  # the jwt authenticator's settings (rtx_plugins.authenticators.jwt_bearer)
+    jwks_file = "/etc/rtx/jwks.json"
 
     [speculative]               # see SpeculativeConfig; flags (--speculative, ...) override these
     method = "ngram"
@@ -36,8 +41,9 @@ from typing import Any
 from rtxcore.engine.speculation.config import SpeculativeConfig
 from rtxcore.errors import ConfigError
 from rtxcore.lanes import DEFAULT_LANES, LaneSpec, parse_lanes
+from rtxcore.server.serving.authentication import AuthSettings
 
-_SECTIONS = ("lanes", "scheduler", "brownout", "tenants", "speculative")
+_SECTIONS = ("lanes", "scheduler", "brownout", "tenants", "auth", "speculative")
 # [speculative] settings (SpeculativeConfig's fields): the types TOML may give each, and those in words.
 _SPECULATIVE_SETTINGS: dict[str, tuple[tuple[type, ...], str]] = {
     "method": ((str,), "a proposer name (a string)"),
@@ -56,6 +62,8 @@ class ServeConfigFile:
     scheduler_options: dict[str, Any] = field(default_factory=dict)
     # The [tenants] tables, read by TenantRegistry.from_config.
     tenants: dict[str, Any] = field(default_factory=dict)
+    # The [auth] table: which authenticators, with their settings.
+    auth: AuthSettings = field(default_factory=AuthSettings)
     # The [speculative] table; None without one. Command-line flags override it (rtxcore.cli.speculation).
     speculative: SpeculativeConfig | None = None
     # The file these settings came from, for messages; None without one.
@@ -82,7 +90,8 @@ def load_serve_config(path: str | Path | None) -> ServeConfigFile:
     if "brownout" in data:
         options["brownout"] = data["brownout"]
     speculative = _parse_speculative(data["speculative"], path) if "speculative" in data else None
-    return ServeConfigFile(parse_lanes(data.get("lanes")), options, data.get("tenants", {}), speculative, str(path))
+    return ServeConfigFile(parse_lanes(data.get("lanes")), options, data.get("tenants", {}),
+                           AuthSettings.from_table(data.get("auth")), speculative, str(path))
 
 
 def _parse_speculative(table: dict[str, Any], path: str | Path) -> SpeculativeConfig:

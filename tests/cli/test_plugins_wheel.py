@@ -32,7 +32,8 @@ from tests.helpers import REPO
 
 # One package per kind, by the name it registers under.
 SCAFFOLDS = {"scheduler": "my-scheduler", "eviction_policy": "fifo", "sampler": "my-sampler",
-             "quantizer": "my-int8", "backend": "my-backend", "proposer": "bigram", "logits_processor": "no-tokens"}
+             "quantizer": "my-int8", "backend": "my-backend", "proposer": "bigram", "logits_processor": "no-tokens",
+             "authenticator": "header-token"}
 EXAMPLE = {"2q": "eviction_policy", "typical": "sampler"}
 BROKEN = "broken-at-import"
 # What the wheel is built from: the package folders and the build files.

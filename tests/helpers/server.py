@@ -29,8 +29,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 RTX = str(Path(sys.executable).parent / "rtx")
-_READY = re.compile(r"^rtx serve: http://\S+ .*model=", re.MULTILINE)
-_LISTENING = re.compile(r"^rtx serve: listening on http://([^\s;]+?):(\d+)(?: \(grpc [^\s)]+:(\d+)\))?;")
+_READY = re.compile(r"^rtx serve: https?://\S+ .*model=", re.MULTILINE)
+_LISTENING = re.compile(r"^rtx serve: listening on (https?)://([^\s;]+?):(\d+)(?: \(grpc [^\s)]+:(\d+)\))?;")
 
 
 class ServerError(RuntimeError):
@@ -58,6 +58,10 @@ class ServerProcess:
     @property
     def grpc_target(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
+
+    def ready_line(self) -> bool:
+        """Whether the server has printed the line it prints once ready."""
+        return bool(_READY.search(self.stdout))
 
     def wait_ready(self, timeout: float = 180.0) -> None:
         """Poll ``GET /ready`` until it answers 200 and the server has printed its ready line."""
@@ -132,8 +136,8 @@ def start_server(*extra_args: str, wait_ready: bool = True, ready_timeout: float
         proc.wait()
         raise ServerError(f"server did not start listening (exit code {proc.returncode})\n"
                           f"--- stdout ---\n{''.join(stdout)}--- stderr ---\n{''.join(stderr)}")
-    host, port, grpc_port = found[0].groups()
-    server = ServerProcess(proc, f"http://{host}:{port}", int(grpc_port) if grpc_port else None, stdout, stderr,
+    scheme, host, port, grpc_port = found[0].groups()
+    server = ServerProcess(proc, f"{scheme}://{host}:{port}", int(grpc_port) if grpc_port else None, stdout, stderr,
                            readers)
     if wait_ready:
         try:

@@ -11,9 +11,10 @@ import grpc
 import httpx
 import pytest
 
+from rtxcore.contracts.authenticator import Credentials
 from rtxcore.errors import ConfigError, InvalidRequestError
+from rtxcore.server.serving.authentication import Authentication, AuthError
 from rtxcore.server.serving.tenants import (
-    AuthError,
     NotEntitled,
     RateLimited,
     TenantRegistry,
@@ -38,13 +39,14 @@ def test_keys_from_file_hashes_and_environment():
     registry = TenantRegistry.from_config(
         {"a": {"key_sha256": sha(KEY_A)}, "b": {"key_env": "B_KEY", "lanes": ["bulk"]}},
         environ={"B_KEY": KEY_B, "RTX_API_KEYS": "c=" + KEY_LIMITED})
-    assert registry.auth_required
-    assert registry.authenticate(KEY_A).name == "a"
-    assert registry.authenticate(KEY_B).name == "b"
-    assert registry.authenticate(KEY_LIMITED).name == "c"
+    auth = Authentication.from_config(None, registry)
+    assert auth.required and [name for name, _ in auth.authenticators] == ["api-key"]
+    assert auth.authenticate(Credentials(authorization=f"Bearer {KEY_A}")).name == "a"
+    assert auth.authenticate(Credentials(api_key=KEY_B)).name == "b"
+    assert auth.authenticate(Credentials(authorization=f"bearer  {KEY_LIMITED} ")).name == "c"
     for wrong in ("", None, KEY_A[:-1], KEY_A + "x"):
         with pytest.raises(AuthError):
-            registry.authenticate(wrong)
+            auth.authenticate(Credentials(authorization=f"Bearer {wrong}" if wrong is not None else None))
     # Nothing in memory holds a key in clear.
     assert KEY_B not in repr(registry.tenants) and KEY_B.encode() not in b"".join(
         h for t in registry.tenants.values() for h in t.key_hashes)
@@ -54,15 +56,14 @@ def test_keys_from_file_hashes_and_environment():
 
 
 def test_no_keys_means_unauthenticated():
-    registry = TenantRegistry.from_config(None, environ={})
-    assert not registry.auth_required and registry.authenticate(None) is None
+    auth = Authentication.from_config(None, TenantRegistry.from_config(None, environ={}))
+    assert not auth.required and auth.authenticate(Credentials()) is None
 
 
 @pytest.mark.parametrize("table, message", [
     ({"a": {"key": "x"}}, "keys are never written in clear"),
     ({"a": {"key_env": "MISSING"}}, "'MISSING', which is not set"),
     ({"a": {"key_sha256": "abc"}}, "64-character hex"),
-    ({"a": {}}, "has no key"),
     ({"a": {"key_sha256": sha("k"), "lanes": ["gold"]}}, "unknown lane 'gold'"),
     ({"a b": {"key_sha256": sha("k")}}, "tenant name"),
     ({"a": {"key_sha256": sha("k"), "requests_per_second": -1}}, "positive number"),
@@ -75,6 +76,12 @@ def test_config_errors_name_the_problem(table, message):
         TenantRegistry.from_config(table, environ={})
 
 
+def test_a_tenant_without_a_key_needs_an_authenticator_that_proves_it_otherwise():
+    registry = TenantRegistry.from_config({"a": {}}, environ={})
+    with pytest.raises(ConfigError, match="tenant 'a' has no key"):
+        Authentication.from_config(None, registry)
+
+
 def test_env_key_errors_do_not_echo_the_key():
     with pytest.raises(ConfigError) as exc:
         TenantRegistry.from_config(None, environ={"RTX_API_KEYS": "no-equals-" + KEY_A})
@@ -84,7 +91,7 @@ def test_env_key_errors_do_not_echo_the_key():
 def test_request_bucket_burst_then_retry_after():
     registry = TenantRegistry.from_config({"a": {"key_sha256": sha(KEY_A), "requests_per_second": 2, "burst": 3}},
                                           environ={})
-    tenant = registry.authenticate(KEY_A)
+    tenant = registry.tenants["a"]
     leases = [registry.acquire(tenant, 1, 10) for _ in range(3)]
     with pytest.raises(RateLimited) as exc:
         registry.acquire(tenant, 1, 10)
@@ -95,7 +102,7 @@ def test_request_bucket_burst_then_retry_after():
 
 def test_token_bucket_refunds_what_was_not_generated():
     registry = TenantRegistry.from_config({"a": {"key_sha256": sha(KEY_A), "tokens_per_minute": 100}}, environ={})
-    tenant = registry.authenticate(KEY_A)
+    tenant = registry.tenants["a"]
     lease = registry.acquire(tenant, 1, 80)  # prompt + max_tokens reserved
     with pytest.raises(RateLimited) as exc:
         registry.acquire(tenant, 1, 30)
@@ -109,7 +116,7 @@ def test_token_bucket_refunds_what_was_not_generated():
 
 def test_concurrency_cap():
     registry = TenantRegistry.from_config({"a": {"key_sha256": sha(KEY_A), "max_concurrency": 2}}, environ={})
-    tenant = registry.authenticate(KEY_A)
+    tenant = registry.tenants["a"]
     first, second = registry.acquire(tenant, 1, 1), registry.acquire(tenant, 1, 1)
     with pytest.raises(RateLimited, match="2 concurrent") as exc:
         registry.acquire(tenant, 1, 1)
@@ -123,7 +130,7 @@ def test_concurrency_cap():
 @pytest.mark.parametrize("limits", [{"max_concurrency": 2}, {"requests_per_second": 1, "burst": 2}])
 def test_more_prompts_than_a_limit_allows_is_invalid_not_rate_limited(limits):
     registry = TenantRegistry.from_config({"a": {"key_sha256": sha(KEY_A), **limits}}, environ={})
-    tenant = registry.authenticate(KEY_A)
+    tenant = registry.tenants["a"]
     # No wait lets it through: a 429 would have clients retry it for ever (and an infinite Retry-After was a 500).
     with pytest.raises(InvalidRequestError, match="request holds 3 prompts, more than tenant 'a'") as exc:
         registry.acquire(tenant, 3, 3)
@@ -186,6 +193,8 @@ def test_missing_or_wrong_key_is_401(tenant_server):
         r = _complete(tenant_server, key, [1, 2, 3])
         assert r.status_code == 401, r.text
         assert r.json()["error"]["code"] == "invalid_api_key" and r.headers["www-authenticate"] == "Bearer"
+        assert r.json()["error"]["message"] in ("invalid credentials", "missing credentials: send "
+                                                "'Authorization: Bearer <key or token>'")
     r = httpx.get(f"{tenant_server.base_url}/v1/models", headers={"x-api-key": "nope"})
     assert r.status_code == 401
     # Probes and metrics stay open for Kubernetes and Prometheus.

@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from rtxcore.server.grpc.servicer import SERVICE_NAME, RtxServicer, rtx_pb2_grpc
 from rtxcore.server.serving.runtime import ServingRuntime
+from rtxcore.server.serving.settings import TlsSettings
 
 log = logging.getLogger("rtx.server.grpc")
 
@@ -53,8 +54,10 @@ class GrpcServer:
             await asyncio.sleep(HEALTH_POLL_S)
 
 
-async def start_grpc_server(runtime: ServingRuntime, host: str = "127.0.0.1", port: int = 50051) -> GrpcServer:
-    """Start serving on ``host:port`` (port 0 picks a free one) on the running event loop.
+async def start_grpc_server(runtime: ServingRuntime, host: str = "127.0.0.1", port: int = 50051,
+                            tls: TlsSettings | None = None) -> GrpcServer:
+    """Start serving on ``host:port`` (port 0 picks a free one) on the running event loop, over TLS with ``tls``
+    (client certificates required and verified when it says so).
 
     :raises OSError: the port cannot be bound.
     """
@@ -67,7 +70,12 @@ async def start_grpc_server(runtime: ServingRuntime, host: str = "127.0.0.1", po
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
     address = f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(address)
+        if tls is None:
+            bound = server.add_insecure_port(address)
+        else:
+            key, chain, ca = tls.read()
+            bound = server.add_secure_port(address, grpc.ssl_server_credentials(
+                [(key, chain)], root_certificates=ca, require_client_auth=tls.cert_reqs == "required"))
     except RuntimeError as exc:
         raise OSError(f"gRPC server cannot listen on {address} (is the port in use?): {exc}") from None
     if bound == 0:  # older grpcio reports a failed bind this way instead of raising

@@ -26,6 +26,7 @@ from rtxcore.server.grpc.messages import (
     speculation_from,
 )
 from rtxcore.server.grpc.statuses import abort_with, statuses_for
+from rtxcore.server.serving.authentication import certificate_subject
 from rtxcore.server.serving.embedding import embed
 from rtxcore.server.serving.formats import ResponseSpec
 from rtxcore.server.serving.generation import Generation, tokenize
@@ -34,7 +35,7 @@ from rtxcore.server.serving.limits import MAX_BATCH, RETRY_AFTER_S
 from rtxcore.server.serving.routing import route
 from rtxcore.server.serving.runtime import ServingRuntime
 from rtxcore.server.serving.served_request import ServedRequest
-from rtxcore.server.serving.tenants import Tenant, presented_key
+from rtxcore.server.serving.tenants import Tenant
 
 ensure_generated()
 from rtxcore._generated import rtx_pb2, rtx_pb2_grpc  # noqa: E402
@@ -58,7 +59,7 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
             engine = runtime.engine()
             runtime.check_model(request.model or None)
             metadata = dict(context.invocation_metadata() or ())
-            tenant = self._authenticate(metadata)
+            tenant = self._authenticate(metadata, context)
             params = sampling_params_from(request)
             where = route(runtime, tenant, metadata.get(LANE_METADATA), metadata.get(CACHE_SALT_METADATA),
                           lane_param=LANE_METADATA)
@@ -84,7 +85,7 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
         req_id, after = request.request_id, request.after_event_id
         async with statuses_for(context):
             runtime.engine()
-            tenant = self._authenticate(dict(context.invocation_metadata() or ()))
+            tenant = self._authenticate(dict(context.invocation_metadata() or ()), context)
             entry = find(runtime, req_id, tenant.name if tenant is not None else None)
             if entry.kind != "grpc":
                 raise RequestError(ErrorCode.FAILED_PRECONDITION, f"request {req_id!r} was made over HTTP: resume it "
@@ -130,7 +131,7 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
         async with statuses_for(context):
             engine = runtime.engine()
             runtime.check_model(request.model or None)
-            tenant = self._authenticate(dict(context.invocation_metadata() or ()))
+            tenant = self._authenticate(dict(context.invocation_metadata() or ()), context)
             inputs = [*request.inputs, *(list(t.ids) for t in request.token_inputs)]
             if not inputs:
                 raise InvalidRequestError("inputs must hold at least one input", param="inputs")
@@ -142,13 +143,37 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
         return rtx_pb2.EmbedResponse(embeddings=[rtx_pb2.Embedding(values=v) for v in vectors],
                                      model=runtime.model_name, prompt_tokens=sum(len(t) for t in token_lists))
 
-    def _authenticate(self, metadata: dict) -> Tenant | None:
-        """The caller's tenant from its ``authorization: Bearer`` (or ``x-api-key``) metadata.
+    def _authenticate(self, metadata: dict, context: grpc.aio.ServicerContext) -> Tenant | None:
+        """The caller's tenant, from its ``authorization`` (or ``x-api-key``) metadata and its verified client
+        certificate (mTLS).
 
-        :raises AuthError: a missing or wrong key (UNAUTHENTICATED)."""
+        :raises AuthError: no authenticator proves a known tenant (UNAUTHENTICATED).
+        :raises TooManyFailures: the caller's address failed too often lately (RESOURCE_EXHAUSTED).
+        """
+        from rtxcore.contracts.authenticator import Credentials
+
+        auth = self.runtime.auth
+        if not auth.required:
+            return None
+        pem = (context.auth_context() or {}).get("x509_pem_cert")
+        credentials = Credentials(authorization=metadata.get("authorization"), api_key=metadata.get("x-api-key"),
+                                  client_cert_subject=certificate_subject(pem[0]) if pem else None,
+                                  peer=_peer_address(context.peer()))
         try:
-            return self.runtime.tenants.authenticate(presented_key(metadata.get("authorization"),
-                                                                   metadata.get("x-api-key")))
-        except RequestError:
-            self.runtime.metrics.record_rejection("unauthorized")
+            return auth.authenticate(credentials)
+        except RequestError as exc:
+            self.runtime.metrics.record_rejection("unauthorized" if exc.code is ErrorCode.UNAUTHENTICATED
+                                                  else "auth_rate_limited")
             raise
+
+
+def _peer_address(peer: str | None) -> str | None:
+    """The address of gRPC's ``ipv4:127.0.0.1:5000`` / ``ipv6:[::1]:5000`` peer string, without the port."""
+    if not peer:
+        return None
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv6" and rest.startswith("["):
+        return rest[1:rest.find("]")]
+    if kind == "ipv4":
+        return rest.rpartition(":")[0]
+    return peer

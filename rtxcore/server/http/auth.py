@@ -1,13 +1,16 @@
-"""API-key authentication for the HTTP server: every route but the probes and ``/metrics`` needs a key when keys are
-configured. The tenant found is put in the request's state for the routes; the key itself goes nowhere."""
+"""Authentication for the HTTP server: every route but the probes and ``/metrics`` goes through the runtime's
+authenticators when some are configured. The tenant found is put in the request's state for the routes; the
+credentials go nowhere else."""
 
 from __future__ import annotations
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from rtxcore.contracts.authenticator import Credentials
+from rtxcore.errors import ErrorCode, RequestError
 from rtxcore.server.http.errors import error_response
+from rtxcore.server.serving.authentication import certificate_subject
 from rtxcore.server.serving.runtime import ServingRuntime
-from rtxcore.server.serving.tenants import AuthError, presented_key
 
 # Probes, metrics and the API description: what a load balancer, a scraper or a browser opening /docs reaches without
 # a key (vLLM guards only /v1/*). /tokenize and the generation routes stay behind it.
@@ -23,17 +26,30 @@ class AuthMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        tenants = self.runtime.tenants
+        auth = self.runtime.auth
         tenant = None
-        if tenants.auth_required and scope["path"] not in OPEN_PATHS:
-            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]
-                       if k.lower() in (b"authorization", b"x-api-key")}
+        if auth.required and scope["path"] not in OPEN_PATHS:
             try:
-                tenant = tenants.authenticate(presented_key(headers.get("authorization"), headers.get("x-api-key")))
-            except AuthError as exc:
-                self.runtime.metrics.record_rejection("unauthorized")
-                response = error_response(exc, headers={"WWW-Authenticate": "Bearer", "connection": "close"})
-                await response(scope, receive, send)
+                tenant = auth.authenticate(credentials_of(scope))
+            except RequestError as exc:
+                unauthenticated = exc.code is ErrorCode.UNAUTHENTICATED
+                self.runtime.metrics.record_rejection("unauthorized" if unauthenticated else "auth_rate_limited")
+                headers = {"connection": "close"}
+                if unauthenticated:
+                    headers["WWW-Authenticate"] = auth.challenge
+                await error_response(exc, headers=headers)(scope, receive, send)
                 return
         scope["state"] = {**scope.get("state", {}), "tenant": tenant}
         await self.app(scope, receive, send)
+
+
+def credentials_of(scope: Scope) -> Credentials:
+    """What an HTTP request presented: its authorization headers, the client certificate TLS verified (the ASGI TLS
+    extension, which ``rtxcore.server.http.tls`` fills in) and the source address."""
+    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]
+               if k.lower() in (b"authorization", b"x-api-key")}
+    chain = ((scope.get("extensions") or {}).get("tls") or {}).get("client_cert_chain") or ()
+    client = scope.get("client")
+    return Credentials(authorization=headers.get("authorization"), api_key=headers.get("x-api-key"),
+                       client_cert_subject=certificate_subject(chain[0].encode()) if chain else None,
+                       peer=client[0] if client else None)

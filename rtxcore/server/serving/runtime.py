@@ -19,6 +19,7 @@ from rtxcore.engine.async_engine import AsyncEngine
 from rtxcore.engine.config import EngineConfig
 from rtxcore.errors import ErrorCode, RequestError
 from rtxcore.models.resolve import DEFAULT_MODEL
+from rtxcore.server.serving.authentication import Authentication
 from rtxcore.server.serving.limits import RETRY_AFTER_S
 from rtxcore.server.serving.settings import ServeSettings
 from rtxcore.server.serving.tenants import TenantRegistry
@@ -31,13 +32,16 @@ log = logging.getLogger("rtx.server")
 
 class ServingRuntime:
     def __init__(self, engine_config: EngineConfig, settings: ServeSettings | None = None,
-                 tenants: TenantRegistry | None = None, progress: Callable[[int, int], None] | None = None):
+                 tenants: TenantRegistry | None = None, progress: Callable[[int, int], None] | None = None,
+                 auth: Authentication | None = None):
         from rtxcore.metrics import EngineMetrics
 
         self.engine_config = engine_config
         self.settings = settings or ServeSettings()
-        # API keys and limits; an empty registry serves unauthenticated.
+        # Tenants and their limits; an empty registry serves unauthenticated.
         self.tenants = tenants or TenantRegistry([])
+        # Who sent a request; by default the tenants' API keys (none configured: an open server).
+        self.auth = auth or Authentication.from_config(None, self.tenants)
         # Told (done, total) as the weights load: `rtx serve`'s progress bar; None says nothing.
         self.progress = progress
         self.model_name = self.settings.served_model_name or engine_config.model or DEFAULT_MODEL

@@ -4,8 +4,40 @@ that ``rtx serve --help`` can show their defaults without importing the engine."
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from rtxcore.errors import ConfigError
+
+# --ssl-cert-reqs: whether clients must present a certificate the CA (--ssl-ca-certs) signed. There is no "optional":
+# gRPC's Python server can only not ask for one or require it, and both servers take the same setting.
+CERT_REQS = ("none", "required")
+
+
+@dataclass(frozen=True, slots=True)
+class TlsSettings:
+    """TLS for the HTTP and gRPC servers alike (PEM files); with ``cert_reqs="required"``, mutual TLS."""
+
+    certfile: str
+    keyfile: str
+    # CA certificates client certificates are verified against; needed when they are required.
+    ca_certs: str | None = None
+    cert_reqs: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.cert_reqs not in CERT_REQS:
+            raise ConfigError(f"--ssl-cert-reqs must be one of {', '.join(CERT_REQS)}, got {self.cert_reqs!r}")
+        if self.cert_reqs == "required" and not self.ca_certs:
+            raise ConfigError("--ssl-cert-reqs required needs --ssl-ca-certs (the CA client certificates are "
+                              "verified against)")
+        for flag, path in (("--ssl-certfile", self.certfile), ("--ssl-keyfile", self.keyfile),
+                           ("--ssl-ca-certs", self.ca_certs)):
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(f"{flag} {path!r} is not a readable file")
+
+    def read(self) -> tuple[bytes, bytes, bytes | None]:
+        """(key, certificate chain, CA certificates or None) as PEM bytes, as gRPC takes them."""
+        return (Path(self.keyfile).read_bytes(), Path(self.certfile).read_bytes(),
+                Path(self.ca_certs).read_bytes() if self.ca_certs else None)
 
 
 @dataclass(slots=True)
@@ -36,6 +68,8 @@ class ServeSettings:
     journal_retention_s: float = 600.0
     # Browser origins answered with CORS headers (and preflight); "*" for any; empty: no CORS.
     allowed_origins: tuple[str, ...] = ()
+    # TLS (and mutual TLS) for both servers; None serves plain text.
+    tls: TlsSettings | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "request_timeout_s", "max_active_requests"):

@@ -1,17 +1,15 @@
-"""Tenants: API keys, per-tenant rate limits and concurrency caps, lane entitlements and cache isolation.
+"""Tenants: their API keys, per-tenant rate limits and concurrency caps, lane entitlements and cache isolation.
 
 Keys are never kept in clear: a config file names a key by its SHA-256 (``key_sha256``) or by an environment
-variable holding it (``key_env``), and keys read from the environment are hashed at start-up. A presented key is
-hashed and compared with every stored hash in constant time (``hmac.compare_digest``, no early exit), so timing says
-nothing about which key or how much of one matched. Nothing here logs a key or a hash.
+variable holding it (``key_env``), and keys read from the environment are hashed at start-up. Nothing here logs a key
+or a hash. Which tenant sent a request is the authenticators' answer (``authentication.py``): the ``api-key`` one
+compares a presented key with these digests; a tenant proved by a token or a certificate needs no key.
 
-With no key configured the server runs unauthenticated: every request belongs to no tenant and has no limits.
+With no tenant configured the server runs unauthenticated: every request belongs to no tenant and has no limits.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import math
 import os
@@ -22,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from rtxcore import envs
+from rtxcore.contracts.authenticator import key_digest
 from rtxcore.errors import ConfigError, ErrorCode, InvalidRequestError, RequestError
 from rtxcore.lanes import DEFAULT_LANE, LANE_NAMES
 
@@ -31,17 +30,6 @@ KEYS_ENV = envs.RTX_API_KEYS.name
 DEFAULT_TENANT = "default"
 _TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
-
-
-def hash_key(key: str) -> bytes:
-    return hashlib.sha256(key.encode("utf-8")).digest()
-
-
-class AuthError(RequestError):
-    """A missing or wrong API key (HTTP 401, gRPC UNAUTHENTICATED)."""
-
-    def __init__(self, message: str):
-        super().__init__(ErrorCode.UNAUTHENTICATED, message, reason="invalid_api_key")
 
 
 class NotEntitled(RequestError):
@@ -57,15 +45,6 @@ class RateLimited(RequestError):
     def __init__(self, message: str, retry_after_s: float, limit: str):
         super().__init__(ErrorCode.RESOURCE_EXHAUSTED, message, retry_after_s=retry_after_s, reason="rate_limited")
         self.limit = limit
-
-
-def presented_key(authorization: str | None, api_key: str | None) -> str | None:
-    """The key of an ``Authorization: Bearer`` header (or metadata entry), else of an ``x-api-key`` one."""
-    if authorization:
-        scheme, _, credentials = authorization.strip().partition(" ")
-        if scheme.lower() == "bearer" and credentials.strip():
-            return credentials.strip()
-    return api_key or None
 
 
 @dataclass(slots=True)
@@ -149,10 +128,6 @@ class TenantRegistry:
         self.tenants = {t.name: t for t in tenants}
         self._lock = threading.Lock()
 
-    @property
-    def auth_required(self) -> bool:
-        return bool(self.tenants)
-
     @classmethod
     def from_config(cls, table: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None,
                     api_keys: Sequence[str] = ()) -> TenantRegistry:
@@ -170,13 +145,11 @@ class TenantRegistry:
             raise ConfigError("--api-key must not be empty")
         for name, key in [*pairs, *((DEFAULT_TENANT, key) for key in api_keys)]:
             if name in tenants:
-                tenants[name].key_hashes.append(hash_key(key))
+                tenants[name].key_hashes.append(key_digest(key))
             else:
-                tenants[name] = Tenant(name, [hash_key(key)])
+                tenants[name] = Tenant(name, [key_digest(key)])
         owners: dict[bytes, str] = {}
         for tenant in tenants.values():
-            if not tenant.key_hashes:
-                raise ConfigError(f"tenant {tenant.name!r} has no key (set key_sha256, key_env or {KEYS_ENV})")
             for digest in tenant.key_hashes:
                 # One key for two tenants would make its requests, limits and cache those of whichever matched
                 # last. The message names the tenants, never the key.
@@ -184,25 +157,6 @@ class TenantRegistry:
                 if other != tenant.name:
                     raise ConfigError(f"tenants {other!r} and {tenant.name!r} have the same key: give each its own")
         return cls(list(tenants.values()))
-
-    def authenticate(self, presented: str | None) -> Tenant | None:
-        """The tenant owning ``presented``; None when the server is unauthenticated.
-
-        :raises AuthError: keys are configured and ``presented`` is missing or matches none.
-        """
-        if not self.tenants:
-            return None
-        if not presented:
-            raise AuthError("missing API key: send it as 'Authorization: Bearer <key>'")
-        digest = hash_key(presented)
-        found: Tenant | None = None
-        for tenant in self.tenants.values():  # every hash is compared, whichever matches
-            for stored in tenant.key_hashes:
-                if hmac.compare_digest(digest, stored):
-                    found = tenant
-        if found is None:
-            raise AuthError("invalid API key")
-        return found
 
     def acquire(self, tenant: Tenant | None, num_requests: int, num_tokens: int) -> Lease:
         """Take ``num_requests`` requests and ``num_tokens`` tokens from ``tenant``'s limits, all or nothing.
@@ -304,7 +258,7 @@ def _tenant_from_table(name: str, values: Any, environ: Mapping[str, str]) -> Te
         key = environ.get(var)
         if not key:
             raise ConfigError(f"{where} key_env names {var!r}, which is not set")
-        hashes.append(hash_key(key))
+        hashes.append(key_digest(key))
     lanes = tuple(_as_list(values.get("lanes", list(LANE_NAMES)), f"{where} lanes"))
     for lane in lanes:
         if lane not in LANE_NAMES:

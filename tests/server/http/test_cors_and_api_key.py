@@ -7,9 +7,11 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
+from rtxcore.contracts.authenticator import Credentials
 from rtxcore.engine.config import EngineConfig
 from rtxcore.errors import ConfigError
 from rtxcore.server.http import build_app
+from rtxcore.server.serving.authentication import Authentication
 from rtxcore.server.serving.runtime import ServingRuntime
 from rtxcore.server.serving.settings import ServeSettings
 from rtxcore.server.serving.tenants import DEFAULT_TENANT, TenantRegistry
@@ -58,7 +60,8 @@ def test_preflight_needs_no_key_and_errors_are_readable_cross_origin():
 
 def test_api_keys_make_a_default_tenant():
     registry = TenantRegistry.from_config(None, {}, api_keys=["k1", "k2"])
-    assert registry.auth_required and registry.authenticate("k2").name == DEFAULT_TENANT
+    auth = Authentication.from_config(None, registry)
+    assert auth.required and auth.authenticate(Credentials(authorization="Bearer k2")).name == DEFAULT_TENANT
     with pytest.raises(ConfigError, match="must not be empty"):
         TenantRegistry.from_config(None, {}, api_keys=[""])
 

@@ -1,0 +1,1 @@
+"""Built-in authenticators: API keys, JWT bearer tokens, TLS client certificates."""

@@ -113,6 +113,9 @@ RTX_API_KEYS: Switch[str] = Switch(
     "API keys as `tenant=key,other=key2`, added to the tenants of the serve config; for keys that come from a "
     "secret store rather than a file.",
     _str)
+RTX_FAULT_INJECTION = _bool_switch(
+    "RTX_FAULT_INJECTION", False,
+    "Register the fault_injection logits processor, which fails the requests that ask for it (chaos drills only).")
 
 # Backends.
 RTX_TORCH_KERNELS = _choice_switch(

@@ -55,12 +55,26 @@ class _ArgumentParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from rtxcore.cli import bench, chat, gates, generate, loadgen, plugins, presets, pull, quantize, sbom, serve, sign
+    from rtxcore.cli import (
+        bench,
+        chaos,
+        chat,
+        gates,
+        generate,
+        loadgen,
+        plugins,
+        presets,
+        pull,
+        quantize,
+        sbom,
+        serve,
+        sign,
+    )
 
     parser = _ArgumentParser(prog="rtx", description="rtx-serve: LLM inference runtime and serving stack")
     parser.add_argument("--version", action="version", version=f"rtx {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_ArgumentParser)
-    for module in (generate, chat, serve, pull, plugins, bench, loadgen, gates, quantize, sign, sbom, presets):
+    for module in (generate, chat, serve, pull, plugins, bench, loadgen, gates, chaos, quantize, sign, sbom, presets):
         module.add_parser(sub)
     presets.add_preset_option_to_engine_commands(sub)
     return parser

@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from rtxcore.cli.common import add_engine_options, engine_config, finite_float, run_worker_node
+from rtxcore.cli.common import add_engine_options, byte_size, engine_config, finite_float, run_worker_node
 
 
 def add_parser(sub) -> None:
@@ -67,6 +67,9 @@ def add_parser(sub) -> None:
     durable.add_argument("--journal-retention", type=finite_float, default=d.journal_retention_s, metavar="SECONDS",
                          help="how long finished requests stay resumable and in the journal "
                               f"(default: {d.journal_retention_s:g})")
+    durable.add_argument("--journal-compact-bytes", type=byte_size, default=d.journal_compact_min_bytes,
+                         metavar="SIZE", help="compact the journal once it is this large and mostly requests past "
+                                              f"retention (default: {d.journal_compact_min_bytes >> 20}M)")
     add_engine_options(p)
     p.set_defaults(run=run)
 
@@ -99,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         served_model_aliases=tuple(args.served_model_name[1:]) if args.served_model_name else (),
         signing_public_key=args.signing_public_key,
         require_signed_models=args.require_signed_models, state_dir=args.state_dir,
-        journal_retention_s=args.journal_retention,
+        journal_retention_s=args.journal_retention, journal_compact_min_bytes=args.journal_compact_bytes,
         allowed_origins=tuple(o.strip() for item in args.allowed_origins or () for o in item.split(",") if o.strip()),
         tls=tls)
     config_file = load_serve_config(args.config)

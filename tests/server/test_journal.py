@@ -192,3 +192,41 @@ def test_options_are_validated():
         JournalOptions(retention_s=-1)
     with pytest.raises(ConfigError, match="garbage"):
         JournalOptions(compact_garbage_ratio=0)
+
+
+def test_a_failed_write_is_cut_back_and_records_wait_until_the_disk_takes_them(tmp_path, monkeypatch):
+    # The disk full (ENOSPC) after part of a record went out: the part is cut off, accepts are refused, outputs wait
+    # in memory, in order, and reach the file once writes succeed again. (The real disk filling up is the disk-full
+    # chaos drill, tests/chaos.)
+    import errno
+
+    from rtxcore.server.serving.durable import journal as journal_module
+
+    journal, _ = open_journal(tmp_path, sync_interval_s=0.05)
+    journal.append(record("a", "accept", prompts=[[1]]))
+    real_write_all = journal_module.write_all
+    full = threading.Event()
+    full.set()
+
+    def write_all(fd, data):
+        if full.is_set():
+            os.write(fd, data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write_all(fd, data)
+
+    monkeypatch.setattr(journal_module, "write_all", write_all)
+    journal.append(record("a", seq=1, ev="one"))
+    journal.append(record("a", seq=2, ev="two"))
+    assert journal.degraded
+    with pytest.raises(OSError, match="No space left"):
+        journal.append_many([record("b", "accept", prompts=[[2]])], must_write=True)
+    assert decode_records(journal.path.read_bytes()).records == [record("a", "accept", prompts=[[1]])]
+    full.clear()
+    deadline = time.monotonic() + 10
+    while journal.degraded and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not journal.degraded
+    journal.append(record("a", "finish", time=1.0, body=None))
+    journal.close()
+    assert [r.get("ev", r["t"]) for r in decode_records(journal.path.read_bytes()).records] == [
+        "accept", "one", "two", "finish"]

@@ -90,9 +90,10 @@ class NativeRoutes:
         return JSONResponse({"status": "ok", "state": state})
 
     async def ready(self, request: Request) -> Response:
-        """200 once the model is loaded and the engine thread is stepping; 503 (with the reason) otherwise."""
+        """200 once the model is loaded, the engine thread is stepping and the journal (if any) takes writes; 503
+        (with the reason) otherwise."""
         try:
-            self.runtime.engine()
+            self.runtime.check_ready()
         except RequestError as exc:
             body = {**openai_error_body(exc), "status": "unavailable", "state": self.runtime.state}
             return JSONResponse(body, status_code=status_of(exc), headers=headers_of(exc))

@@ -47,8 +47,8 @@ async def begin(runtime: ServingRuntime, started: Started, claim: IdempotencyCla
     """Journal an accepted generation and start the task producing its events; returns the request its clients
     follow.
 
-    :raises RequestError: UNAVAILABLE when the server is stopping, INTERNAL when the journal could not be written
-        (the generation is closed then, never acknowledged).
+    :raises RequestError: UNAVAILABLE when the server is stopping or the journal cannot be written (the generation
+        is closed then, never acknowledged).
     """
     gen, spec = started.gen, started.spec
     durable = runtime.durable
@@ -57,7 +57,7 @@ async def begin(runtime: ServingRuntime, started: Started, claim: IdempotencyCla
     journal = durable.journal if durable is not None else None
     if durable is not None and journal is not None:
         try:
-            journal.append(accept_record(entry, started))
+            journal.append_many([accept_record(entry, started)], must_write=True)
             await journal.commit()  # fsync: the request is durable before anything acknowledges it
         except BaseException as exc:
             gen.close()  # the caller frees the claimed key, if any
@@ -69,7 +69,10 @@ async def begin(runtime: ServingRuntime, started: Started, claim: IdempotencyCla
                 raise RequestError(ErrorCode.UNAVAILABLE, "the server is shutting down", retry_after_s=RETRY_AFTER_S,
                                    reason="not_ready") from None
             if isinstance(exc, OSError):
-                raise RequestError(ErrorCode.INTERNAL, f"the request journal could not be written: {exc}") from None
+                # Never acknowledged, so nothing is lost: the client tries again once the disk takes writes.
+                raise RequestError(ErrorCode.UNAVAILABLE, "the request journal cannot be written "
+                                   f"({exc.strerror or exc}): try again later", retry_after_s=RETRY_AFTER_S,
+                                   reason="journal_unavailable") from None
             raise
         durable.add(entry)
     fmt = make_format(spec, gen.tokenizer)

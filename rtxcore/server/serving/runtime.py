@@ -66,7 +66,8 @@ class ServingRuntime:
         from rtxcore.server.serving.durable.metrics import register
         from rtxcore.server.serving.durable.registry import DurableRequests
 
-        options = JournalOptions(retention_s=self.settings.journal_retention_s)
+        options = JournalOptions(retention_s=self.settings.journal_retention_s,
+                                 compact_min_bytes=self.settings.journal_compact_min_bytes)
         durable = DurableRequests(Journal(Path(self.settings.state_dir) / "journal", options))
         register(self.metrics.registry, durable, lambda: self.model_name)
         return durable
@@ -116,8 +117,9 @@ class ServingRuntime:
 
     @property
     def ready(self) -> bool:
+        # Not ready while the journal's disk refuses writes: new requests would be refused (503) anyway.
         return (self.async_engine is not None and self.async_engine.is_running and not self.draining
-                and (self.durable is None or self.durable.recovered))
+                and (self.durable is None or (self.durable.recovered and not self.durable.journal.degraded)))
 
     @property
     def state(self) -> str:
@@ -148,6 +150,16 @@ class ServingRuntime:
         if self.durable is not None and not self.durable.recovered:
             raise _unavailable("resuming the requests of the journal", RETRY_AFTER_S)
         return engine
+
+    def check_ready(self) -> None:
+        """What ``/ready`` asks: the engine runs, and new requests can be journaled.
+
+        :raises RequestError: UNAVAILABLE, as :meth:`engine` says, or while the journal's disk refuses writes.
+        """
+        self.engine()
+        if self.durable is not None and self.durable.journal.degraded:
+            raise _unavailable("the request journal cannot be written: new requests wait until it can",
+                               RETRY_AFTER_S)
 
     def check_model(self, model: str | None) -> None:
         """:raises RequestError: NOT_FOUND for a model this server does not serve (None means the served one)."""

@@ -66,6 +66,8 @@ class ServeSettings:
     state_dir: str | None = None
     # How long finished requests stay resumable (GET /v1/streams/{id}, Idempotency-Key) and in the journal.
     journal_retention_s: float = 600.0
+    # The journal is compacted once it is at least this large (and mostly requests past retention).
+    journal_compact_min_bytes: int = 4 << 20
     # Browser origins answered with CORS headers (and preflight); "*" for any; empty: no CORS.
     allowed_origins: tuple[str, ...] = ()
     # TLS (and mutual TLS) for both servers; None serves plain text.

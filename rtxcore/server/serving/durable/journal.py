@@ -11,6 +11,13 @@ from ``fsync``, done by one flusher thread:
 Compaction rewrites the file (temporary file, ``fsync``, ``rename``, ``fsync`` of the directory) keeping only the
 records of requests that are unfinished or finished within ``retention_s``, once the file is over
 ``compact_min_bytes`` and most of it is garbage.
+
+A write that fails (the disk full, or failing) is undone (the file cut back to its last whole record) and the journal
+is *degraded*: records of requests already accepted wait in memory, in order, up to :data:`MAX_BACKLOG_BYTES`, and
+the flusher writes them once the disk takes them again; meanwhile an accept record is refused
+(:meth:`Journal.append_many` with ``must_write``), so the server turns new requests away (503) instead of
+acknowledging what it could not make durable. Running requests go on; until the backlog is written, a ``kill -9``
+would lose what waits in it (those requests then resume from their last record that was written).
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ log = logging.getLogger("rtx.journal")
 JOURNAL_FILE = "journal.log"
 # After a failed fsync: wait this long before trying again, rather than spin (and flood the log).
 _RETRY_AFTER_FAILURE_S = 0.5
+# Records of accepted requests kept in memory while the disk refuses writes; past it, their requests fail.
+MAX_BACKLOG_BYTES = 64 << 20
 
 
 class JournalClosed(RuntimeError):
@@ -89,6 +98,11 @@ class Journal:
         self._bytes: dict[str, int] = {}
         self._finished_at: dict[str, float] = {}
         self._closing = False
+        # Records a failed write left to write later, in order (guarded by the write lock), and the failure.
+        self._backlog: list[bytes] = []
+        self._backlog_bytes = 0
+        self._backlog_error: OSError | None = None
+        self._backlog_since = 0.0
         self._thread = threading.Thread(target=self._flush_loop, name="rtx-journal", daemon=True)
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
@@ -97,6 +111,9 @@ class Journal:
         """Read what a previous run left (damaged lines logged and skipped, a torn tail cut off), then start the
         flusher; returns the intact records in file order."""
         self.directory.mkdir(parents=True, exist_ok=True)
+        for stale in self.directory.glob(f"{JOURNAL_FILE}.tmp*"):
+            # A compaction a crash interrupted before its rename: the journal itself is whole, this is not.
+            stale.unlink(missing_ok=True)
         try:
             data = self.path.read_bytes()
         except FileNotFoundError:
@@ -133,21 +150,73 @@ class Journal:
         """Write one record (no fsync); returns the file offset just past it."""
         return self.append_many([record])
 
-    def append_many(self, records: list[dict[str, Any]]) -> int:
+    def append_many(self, records: list[dict[str, Any]], must_write: bool = False) -> int:
         """Write records with one ``write``: a process killed at any moment leaves all of them or none (a power
-        loss may still tear the tail, which reading detects)."""
+        loss may still tear the tail, which reading detects). Returns the offset just past them.
+
+        While the disk refuses writes they join the backlog instead, unless ``must_write`` (an accept record).
+
+        :raises OSError: the write failed and ``must_write``, or the backlog is full.
+        :raises JournalClosed: the journal is closed.
+        """
         lines = [encode_record(r) for r in records]
         data = b"".join(lines)
         with self._write_lock:
             if self._fd < 0:
                 raise JournalClosed(f"the journal {self.path} is closed")
-            write_all(self._fd, data)
-            self._written += len(data)
-            end = self._written
+            if self._backlog_error is None:
+                try:
+                    self._write(data)
+                except OSError as exc:
+                    if must_write:
+                        raise
+                    self._backlog_error, self._backlog_since = exc, time.monotonic()
+                    log.error("journal %s cannot be written (%s): new requests are refused until it can; the "
+                              "records of running requests wait in memory", self.path, exc.strerror or exc)
+            if self._backlog_error is not None:
+                if must_write:
+                    raise self._backlog_error
+                if self._backlog_bytes + len(data) > MAX_BACKLOG_BYTES:
+                    raise OSError(self._backlog_error.errno, f"journal backlog full ({MAX_BACKLOG_BYTES} bytes) "
+                                  f"while the disk refuses writes: {self._backlog_error.strerror}")
+                self._backlog.append(data)
+                self._backlog_bytes += len(data)
+            end = self._written + self._backlog_bytes
         for record, line in zip(records, lines):
             self._account(record, len(line))
         self.stats.num_records += len(records)
         return end
+
+    def _write(self, data: bytes) -> None:
+        """Append ``data`` whole or not at all (a failed write is cut back off); the write lock is held."""
+        try:
+            write_all(self._fd, data)
+        except OSError:
+            try:
+                os.ftruncate(self._fd, self._written)  # a record half written would glue the next one to it
+            except OSError:
+                log.exception("journal %s: could not cut back a failed write", self.path)
+            raise
+        self._written += len(data)
+
+    @property
+    def degraded(self) -> bool:
+        """Whether writes are failing (records wait in the backlog): the server then accepts no new request."""
+        return self._backlog_error is not None
+
+    def _write_backlog(self) -> None:
+        """Write what waits in the backlog, in order, as far as the disk takes it (the flusher thread)."""
+        with self._write_lock:
+            if self._backlog_error is None or self._fd < 0:
+                return
+            while self._backlog:
+                try:
+                    self._write(self._backlog[0])
+                except OSError:
+                    return  # still refused: the next turn tries again
+                self._backlog_bytes -= len(self._backlog.pop(0))
+            log.warning("journal %s writable again after %.1f s", self.path, time.monotonic() - self._backlog_since)
+            self._backlog_error = None
 
     def commit_future(self) -> concurrent.futures.Future:
         """A future done once an fsync covers every byte written before this call."""
@@ -178,6 +247,7 @@ class Journal:
                     self._cond.wait(max(0.0, next_check - time.monotonic()))
                 closing = self._closing
             try:
+                self._write_backlog()
                 self._sync()
                 if time.monotonic() >= next_check:
                     next_check = time.monotonic() + self.options.sync_interval_s
@@ -238,7 +308,7 @@ class Journal:
 
     def _maybe_compact(self) -> None:
         size = self._written
-        if size < self.options.compact_min_bytes:
+        if size < self.options.compact_min_bytes or self._backlog_error is not None:
             return
         expired = self.expired()
         garbage = sum(self._bytes.get(req_id, 0) for req_id in expired)

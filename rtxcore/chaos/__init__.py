@@ -1,0 +1,1 @@
+"""Chaos drills (``rtx chaos``): faults injected into a live ``rtx serve`` under load, and what must survive them."""

@@ -3,6 +3,7 @@ the same 401 (UNAUTHENTICATED) logged with its reason and never the token, failu
 
 from __future__ import annotations
 
+import json
 import logging
 import ssl
 import time
@@ -88,6 +89,37 @@ def test_keys_and_tokens_prove_their_tenants_and_refusals_say_nothing_to_the_cal
             assert len(part) < 12 or part not in caplog.text, name
     with pytest.raises(AuthError, match="missing credentials"):
         auth.authenticate(Credentials())
+
+
+def test_jwks_keys_are_chosen_by_kid_and_the_tenant_claim_can_be_nested(tmp_path, caplog):
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    keys = {kid: rsa.generate_private_key(public_exponent=65537, key_size=2048) for kid in ("k1", "k2")}
+    jwks = {"keys": [{**jwt.algorithms.RSAAlgorithm.to_jwk(key.public_key(), as_dict=True), "kid": kid,
+                      "use": "sig", "alg": "RS256"} for kid, key in keys.items()]}
+    (tmp_path / "jwks.json").write_text(json.dumps(jwks))
+    tenants = TenantRegistry.from_config({"acme": {}}, environ={})
+    auth = Authentication.from_config(AuthSettings.from_table(
+        {"authenticators": ["jwt"], "jwt": {"jwks_file": str(tmp_path / "jwks.json"), "tenant_claim": "org.id",
+                                            "algorithms": ["RS256"]}}), tenants)
+
+    def bearer(kid, key, **claims):
+        body = {"exp": int(time.time()) + 60, "org": {"id": "acme"}, **claims}
+        headers = {"kid": kid} if kid is not None else {}
+        return Credentials(authorization="Bearer " + jwt.encode(body, key, algorithm="RS256", headers=headers))
+
+    assert auth.authenticate(bearer("k2", keys["k2"])).name == "acme"
+    caplog.set_level(logging.WARNING, "rtx.server.auth")
+    for credentials, reason in [(bearer("k1", keys["k2"]), "jwt: signature does not verify"),
+                                (bearer("k9", keys["k1"]), "jwt: token's key id is not among the issuer's keys"),
+                                (bearer(None, keys["k1"]), "jwt: token has no key id and the issuer has several keys"),
+                                (bearer("k1", keys["k1"], org={"name": "acme"}),
+                                 "jwt: token has no 'org.id' claim naming a tenant"),
+                                (bearer("k1", keys["k1"], exp=None), "jwt: invalid token")]:
+        caplog.clear()
+        with pytest.raises(AuthError):
+            auth.authenticate(credentials)
+        assert caplog.messages[0].startswith(f"authentication failed from unknown: {reason}"), caplog.messages
 
 
 def test_failures_are_limited_per_source_address(tokens, monkeypatch):

@@ -8,10 +8,10 @@ run: setup
 	.venv/bin/rtx serve
 
 # Two workers, each test file on one of them (module fixtures start servers once); then the tests that time
-# something, alone.
+# something, alone. The slowest tests are listed at the end, for keeping CI within its time.
 test: setup
-	.venv/bin/python -m pytest -q -n 2 --dist loadfile -m "not serial"
-	.venv/bin/python -m pytest -q -m serial
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile -m "not serial" --durations=60
+	.venv/bin/python -m pytest -q -m serial --durations=10
 
 bench: setup
 	.venv/bin/rtx bench --workload cpu --baseline hf

@@ -329,6 +329,31 @@ def test_signing_public_key_comes_from_a_secret_and_strict_mode_is_passed_on(hel
     assert not args.require_signed_models and args.signing_public_key
 
 
+def test_tls_and_mutual_tls_reach_both_servers_probes_and_the_scrape(helm):
+    docs = render(helm, "default", "tls.secretName=rtx-tls", "authFiles.configMap=rtx-jwks")
+    workload = one(docs, "Deployment")
+    c = container(workload)
+    args = build_parser().parse_args(c["args"])
+    assert (args.ssl_certfile, args.ssl_keyfile, args.ssl_cert_reqs) == (
+        "/etc/rtx-serve/tls/tls.crt", "/etc/rtx-serve/tls/tls.key", "none")
+    assert c["readinessProbe"]["httpGet"]["scheme"] == "HTTPS" and c["livenessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["tls"]["secret"]["secretName"] == "rtx-tls"
+    assert volumes["auth-files"]["configMap"]["name"] == "rtx-jwks"
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert mounts["auth-files"] == "/etc/rtx-serve/auth" and mounts["tls"] == "/etc/rtx-serve/tls"
+    assert one(docs, "ServiceMonitor")["spec"]["endpoints"][0]["scheme"] == "https"
+    # Client certificates required: the CA goes to the server, and the kubelet (no certificate) probes the port.
+    docs = render(helm, "default", "tls.secretName=rtx-tls", "tls.clientCertificates=required")
+    c = container(one(docs, "Deployment"))
+    args = build_parser().parse_args(c["args"])
+    assert (args.ssl_ca_certs, args.ssl_cert_reqs) == ("/etc/rtx-serve/tls/ca.crt", "required")
+    assert "tcpSocket" in c["readinessProbe"] and "httpGet" not in c["livenessProbe"]
+    # Required client certificates without a certificate of the server's own: refused by the values schema.
+    result = run_helm(helm, "template", "rtx", str(CHART), "--set", "tls.clientCertificates=required")
+    assert result.returncode != 0 and "/tls/secretName" in result.stderr
+
+
 # -- dashboard ---------------------------------------------------------------------------------------------------
 
 

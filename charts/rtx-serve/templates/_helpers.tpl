@@ -162,6 +162,14 @@ spec:
         {{- if $v.signing.requireSignedModels }}
         - --require-signed-models
         {{- end }}
+        {{- if $v.tls.secretName }}
+        - --ssl-certfile=/etc/rtx-serve/tls/tls.crt
+        - --ssl-keyfile=/etc/rtx-serve/tls/tls.key
+        {{- if eq $v.tls.clientCertificates "required" }}
+        - --ssl-ca-certs=/etc/rtx-serve/tls/ca.crt
+        - --ssl-cert-reqs=required
+        {{- end }}
+        {{- end }}
         {{- range $v.server.extraArgs }}
         - {{ . | quote }}
         {{- end }}
@@ -187,11 +195,28 @@ spec:
         {{- toYaml . | nindent 8 }}
         {{- end }}
       {{- end }}
+      {{- if and $v.tls.secretName (eq $v.tls.clientCertificates "required") }}
+      # Mutual TLS: the kubelet has no client certificate, so the probes can only see the port accept connections.
+      readinessProbe:
+        tcpSocket:
+          port: http
+        periodSeconds: {{ $v.probes.readiness.periodSeconds }}
+        failureThreshold: {{ $v.probes.readiness.failureThreshold }}
+      livenessProbe:
+        tcpSocket:
+          port: http
+        initialDelaySeconds: {{ $v.probes.liveness.initialDelaySeconds }}
+        periodSeconds: {{ $v.probes.liveness.periodSeconds }}
+        failureThreshold: {{ $v.probes.liveness.failureThreshold }}
+      {{- else }}
       # /ready answers 503 until the model is loaded and again while draining, so traffic stops before shutdown.
       readinessProbe:
         httpGet:
           path: /ready
           port: http
+          {{- if $v.tls.secretName }}
+          scheme: HTTPS
+          {{- end }}
         periodSeconds: {{ $v.probes.readiness.periodSeconds }}
         failureThreshold: {{ $v.probes.readiness.failureThreshold }}
       # /health answers as soon as the process listens, even while a large model loads.
@@ -199,9 +224,13 @@ spec:
         httpGet:
           path: /health
           port: http
+          {{- if $v.tls.secretName }}
+          scheme: HTTPS
+          {{- end }}
         initialDelaySeconds: {{ $v.probes.liveness.initialDelaySeconds }}
         periodSeconds: {{ $v.probes.liveness.periodSeconds }}
         failureThreshold: {{ $v.probes.liveness.failureThreshold }}
+      {{- end }}
       lifecycle:
         preStop:
           sleep:
@@ -230,6 +259,16 @@ spec:
         - name: state
           mountPath: {{ $v.state.mountPath }}
         {{- end }}
+        {{- if $v.tls.secretName }}
+        - name: tls
+          mountPath: /etc/rtx-serve/tls
+          readOnly: true
+        {{- end }}
+        {{- if $v.authFiles.configMap }}
+        - name: auth-files
+          mountPath: /etc/rtx-serve/auth
+          readOnly: true
+        {{- end }}
   volumes:
     - name: serve-config
       configMap:
@@ -249,5 +288,15 @@ spec:
     {{- if $v.state.enabled }}
     - name: state
       {{- toYaml $v.state.volume | nindent 6 }}
+    {{- end }}
+    {{- if $v.tls.secretName }}
+    - name: tls
+      secret:
+        secretName: {{ $v.tls.secretName }}
+    {{- end }}
+    {{- if $v.authFiles.configMap }}
+    - name: auth-files
+      configMap:
+        name: {{ $v.authFiles.configMap }}
     {{- end }}
 {{- end }}

@@ -68,6 +68,8 @@ RULES: dict[str, str] = {
                             "identically",
     "quantizer.linear": "linear() from the stored form keeps the output within twice max_relative_error of the exact "
                         "product, in x's dtype and shape",
+    "quantizer.fake_quantize": "fake_quantize(W) equals dequantize(quantize(W)) and passes the gradient through "
+                               "unchanged (quantization-aware training)",
     "quantizer.fusable": "weights quantized apart and stacked along their outputs (q|k|v) dequantize as the stacked "
                          "weights: every tensor's first dimension is the outputs, but input_* tensors, shared",
     # backends

@@ -72,6 +72,22 @@ def check_linear(quantizer: Quantizer, weight: torch.Tensor, seed: int, dtype: t
     return error
 
 
+def check_fake_quantize(quantizer: Quantizer, weight: torch.Tensor) -> None:
+    """QAT's view of the method: the stored form's rounding, with the identity's gradient."""
+    w = weight.clone().requires_grad_(True)
+    faked = quantizer.fake_quantize(w)
+    require(isinstance(faked, torch.Tensor) and faked.shape == weight.shape, "quantizer.fake_quantize",
+            f"fake_quantize() returned {type(faked).__name__} {getattr(faked, 'shape', '')}, not a "
+            f"{tuple(weight.shape)} tensor")
+    stored = dequantize(quantizer, quantize(quantizer, weight)).float()
+    difference = (faked.detach().float() - stored).abs().max().item()
+    require(difference <= 1e-6 * max(1.0, stored.abs().max().item()), "quantizer.fake_quantize",
+            f"fake_quantize() differs from dequantize(quantize()) by up to {difference:.3g}")
+    faked.sum().backward()
+    require(w.grad is not None and torch.equal(w.grad, torch.ones_like(w)), "quantizer.fake_quantize",
+            "the gradient through fake_quantize() is not the identity's (straight-through)")
+
+
 def check_fusable(quantizer: Quantizer, weight: torch.Tensor) -> None:
     """Backends fuse layers that share an input (q|k|v) by stacking their quantized tensors along dimension 0: that
     must give the stacked weights' quantized form."""

@@ -12,6 +12,7 @@ from rtx_conformance.checks.quantizer import (
     SHAPES,
     check_declared_bound,
     check_error_bound,
+    check_fake_quantize,
     check_fusable,
     check_linear,
     check_round_trip,
@@ -48,6 +49,11 @@ def test_error_bound(component, shape, std, seed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_linear(component, shape, dtype):
     check_linear(new_quantizer(component), _gaussian(shape, 0.02, 2), seed=3, dtype=dtype)
+
+
+@pytest.mark.rtx_rules("quantizer.fake_quantize")
+def test_fake_quantize(component):
+    check_fake_quantize(new_quantizer(component), _gaussian(SHAPES[1], 0.02, 5))
 
 
 @pytest.mark.rtx_rules("quantizer.fusable")

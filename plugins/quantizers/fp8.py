@@ -85,6 +85,12 @@ class FP8Quantizer(Quantizer):
         require_tensor(qtensor, "weight", (n, k), FP8)
         require_tensor(qtensor, "weight_scale", (n,), torch.float32)
 
+    def fake_quantize_input(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            xq, scale = quantize_rows(x.detach())
+            rounded = (xq.float() * scale).to(x.dtype)
+        return x + (rounded - x).detach()
+
     def linear(self, x: torch.Tensor, qtensor: QuantizedTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         t = qtensor.tensors
         n, k = t["weight"].shape

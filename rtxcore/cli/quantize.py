@@ -9,6 +9,9 @@ from pathlib import Path
 
 from rtxcore.cli.common import finite_float
 
+# The seed's quality gate: int8/int4 within 0.5 perplexity.
+DEFAULT_PPL_DELTA = 0.5
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
@@ -23,7 +26,15 @@ def add_parser(sub) -> None:
     p.add_argument("--max-layer-error", type=finite_float, default=None, metavar="X",
                    help="largest relative output error of a layer on calibration text before it falls back to "
                         "higher precision (default: the method's own budget)")
+    p.add_argument("--plan", action="store_true",
+                   help="choose each layer group's format (the method, its fallbacks or float) to keep the model "
+                        "within --target-ppl-delta perplexity of the float model, cheapest in weight bytes first")
+    p.add_argument("--target-ppl-delta", type=finite_float, default=None, metavar="X",
+                   help="the plan's budget: largest perplexity increase on planning text (implies --plan; "
+                        "default with --plan: 0.5, the seed's quality gate)")
     p.add_argument("--calibration-tokens", type=int, default=8192)
+    p.add_argument("--calibration-file", type=Path, default=None, metavar="FILE",
+                   help="UTF-8 text to calibrate (and plan) on instead of the built-in text (pydoc topics)")
     p.add_argument("--eval-tokens", type=int, default=2048, help="held-out tokens scored before and after (0: skip)")
     p.add_argument("--device", default="cpu", help="where calibration runs: cpu or cuda")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
@@ -48,8 +59,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--calibration-tokens must be positive")
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
         raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+    target = args.target_ppl_delta if args.target_ppl_delta is not None else (DEFAULT_PPL_DELTA if args.plan else None)
     options = QuantizeOptions(args.method, args.out, args.max_layer_error, args.calibration_tokens, args.eval_tokens,
-                              device=args.device, dtype=args.dtype)
+                              device=args.device, dtype=args.dtype, target_ppl_delta=target,
+                              calibration_file=args.calibration_file)
     # SIGTERM (timeout, kill, a pod stopped) would end the process without unwinding: the staged checkpoint beside
     # --out would stay. As an exception it is removed on the way out, as on Ctrl-C.
     on_main_thread = threading.current_thread() is threading.main_thread()
@@ -69,6 +82,12 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=1))
     else:
         print(render_table(report))
+        plan = report.get("plan")
+        if plan:
+            formats = ", ".join(f"{k} {v}" for k, v in sorted(plan["layers_by_format"].items()))
+            print(f"plan: {formats} layers; planning perplexity {plan['planning_ppl_float']:.3f} -> "
+                  f"{plan['planning_ppl']:.3f} (budget +{plan['ppl_delta_budget']}); predicted decode speed-up "
+                  f"{plan['predicted_decode_speedup_vs_bf16']:.2f}x of bf16 over these layers")
         evaluation = report.get("evaluation")
         if evaluation:
             print(f"perplexity on {evaluation['tokens']} held-out tokens: {evaluation['ppl_original']:.3f} -> "

@@ -89,6 +89,21 @@ class Quantizer(ABC):
         packed weight directly, and methods that also quantize activations (fp8) apply that here."""
         return F.linear(x, self.dequantize(qtensor).to(x.dtype), bias)
 
+    # -- quantization-aware training (rtxcore.quant.qat) ----------------------------------------------------------
+
+    def fake_quantize(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` as this method stores it (quantized, then dequantized), with the gradient of the identity
+        (straight-through estimator): a training loop sees the rounding in its loss and still updates the float
+        weight. The default rounds through :meth:`quantize` and :meth:`dequantize` with no statistics."""
+        with torch.no_grad():
+            rounded = self.dequantize(self.quantize(weight.detach().float())).to(weight.dtype)
+        return weight + (rounded - weight).detach()
+
+    def fake_quantize_input(self, x: torch.Tensor) -> torch.Tensor:
+        """A layer's input as the method rounds it when the layer runs (activations of fp8 and int8-sq), straight
+        through for the gradient; the input unchanged for weight-only methods (the default)."""
+        return x
+
 
 def concat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
     """One quantized weight from weights stacked along their outputs (q|k|v): every tensor concatenated along

@@ -46,9 +46,12 @@ def calibration_text(num_chars: int | None = None) -> str:
     return text if num_chars is None else text[:num_chars]
 
 
-def calibration_chunks(tokenizer, bos: int | None, num_tokens: int, chunk_len: int) -> list[list[int]]:
-    """About ``num_tokens`` tokens of calibration text, in pieces of ``chunk_len`` each after a BOS."""
-    ids = tokenizer.encode(calibration_text(8 * num_tokens), add_special_tokens=False)
+def calibration_chunks(tokenizer, bos: int | None, num_tokens: int, chunk_len: int,
+                       text: str | None = None) -> list[list[int]]:
+    """About ``num_tokens`` tokens of calibration text (``text``, else the built-in one), in pieces of
+    ``chunk_len`` each after a BOS."""
+    ids = tokenizer.encode((text[:8 * num_tokens] if text is not None else calibration_text(8 * num_tokens)),
+                           add_special_tokens=False)
     return token_chunks(ids, bos, max(1, num_tokens // chunk_len), chunk_len)
 
 

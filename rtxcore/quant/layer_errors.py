@@ -51,10 +51,14 @@ class GroupChoice:
     method: str | None
     qtensors: dict[str, QuantizedTensor]
     attempts: list[Attempt] = field(default_factory=list)
+    # Why the group is not in the method asked for, when the planner (not a layer budget) decided it.
+    reason: str | None = None
 
     @property
     def errors(self) -> dict[str, OutputError]:
-        return self.attempts[-1].errors if self.method is not None else {}
+        if self.method is None:
+            return {}
+        return next(a.errors for a in reversed(self.attempts) if a.method == self.method)
 
 
 def choose(names: list[str], weights: dict[str, torch.Tensor], stats: dict[str, LayerStats], method: str,

@@ -4,6 +4,7 @@ and measure the result by loading it back and scoring held-out text."""
 from __future__ import annotations
 
 import functools
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,14 +13,14 @@ from typing import Any, Callable
 import torch
 
 from rtxcore.contracts.backend import BackendOptions, ExecutionBackend
-from rtxcore.contracts.quantizer import QuantizedTensor, Quantizer
+from rtxcore.contracts.quantizer import LayerStats, QuantizedTensor, Quantizer
 from rtxcore.errors import ConfigError, ModelLoadError
 from rtxcore.models.resolve import resolve_model
 from rtxcore.models.source import ModelSource
-from rtxcore.quant import calibration
+from rtxcore.quant import calibration, planner
 from rtxcore.quant.checkpoint import check_output_dir, staged_checkpoint, write_checkpoint, write_report
 from rtxcore.quant.evaluation import backend_perplexity, prefill_logits
-from rtxcore.quant.layer_errors import GroupChoice, choose
+from rtxcore.quant.layer_errors import Attempt, GroupChoice, choose
 from rtxcore.registry import PluginRegistry
 from rtxcore.transfer import release_device_memory
 
@@ -42,6 +43,13 @@ class QuantizeOptions:
     device: str = "cpu"
     # Precision of the tensors left unquantized (embeddings, norms, LM head, layers that fell back to float).
     dtype: str = "bfloat16"
+    # The planner's budget: the largest perplexity increase on planning text (rtxcore.quant.planner); None: no plan,
+    # each layer in the method unless its own error budget says otherwise.
+    target_ppl_delta: float | None = None
+    # Calibration text from this file instead of the built-in one (planning text is its last part).
+    calibration_file: Path | None = None
+    # Planning text scored for each step of the plan.
+    planning_tokens: int = 1024
 
 
 def _load_backend(registry: PluginRegistry, source: ModelSource, device: str, max_len: int,
@@ -80,6 +88,8 @@ def quantize_model(model: str | None, options: QuantizeOptions, registry: Plugin
         ``options.out`` then.
     """
     check_output_dir(options.out)
+    if options.target_ppl_delta is not None and not options.target_ppl_delta > 0:
+        raise ConfigError(f"--target-ppl-delta must be positive, got {options.target_ppl_delta}")
     if options.max_layer_error is not None and not options.max_layer_error > 0:
         raise ConfigError(f"--max-layer-error must be positive, got {options.max_layer_error}")
     if options.eval_tokens == 1 or options.eval_tokens < 0:
@@ -98,15 +108,47 @@ def quantize_model(model: str | None, options: QuantizeOptions, registry: Plugin
     if source.quantization_methods():
         raise ConfigError(f"{source.name} is already quantized ({', '.join(source.quantization_methods())})")
     started = time.perf_counter()
-    stats, groups, ppl_original, eval_ids, num_chunks = _calibrate(
-        registry, source, options, any(quantizer_for(m).calibrated and quantizer_for(m).uses_hessian for m in chain),
-        log)
+    calib = _calibrate(registry, source, options,
+                       any(quantizer_for(m).calibrated and quantizer_for(m).uses_hessian for m in chain), log)
+    stats, groups, ppl_original, eval_ids, num_chunks = (calib.stats, calib.groups, calib.ppl_eval, calib.eval_ids,
+                                                          calib.num_chunks)
 
     weights: dict[str, torch.Tensor] = {}
     for name, weight in source.weights():
         if isinstance(weight, QuantizedTensor):  # not for a source without quantization methods (checked above)
             raise ConfigError(f"{source.name} is already quantized ({name})")
         weights[name] = weight
+    if options.target_ppl_delta is not None:
+        plan = _plan(registry, source, options, calib, weights, chain, quantizer_for, log, progress)
+        choices = plan_choices(plan, options)
+    else:
+        plan = None
+        choices = _choose_each(groups, weights, stats, options, quantizer_for, log, progress)
+    del stats
+    dtype = _DTYPES[options.dtype]
+    tensors: dict[str, torch.Tensor | QuantizedTensor] = {
+        name: w.to(dtype) if w.is_floating_point() else w for name, w in weights.items()}
+    for choice in choices:
+        tensors.update(choice.qtensors)
+
+    report = build_report(source, options, choices, num_chunks * options.chunk_len, tensors)
+    if plan is not None:
+        report["plan"] = plan.to_json()
+    with staged_checkpoint(options.out) as directory:
+        write_checkpoint(directory, source.config.to_hf(), tensors, report, source.tokenizer(),
+                         extra={"method": options.method})
+        del weights, tensors
+        if eval_ids and ppl_original is not None:
+            report["evaluation"] = _evaluate(registry, directory, options, eval_ids, ppl_original, quantizer_for)
+        report["seconds"] = round(time.perf_counter() - started, 1)
+        write_report(directory, report)
+    return report
+
+
+def _choose_each(groups: list[list[str]], weights: dict[str, torch.Tensor], stats: dict[str, LayerStats],
+                 options: QuantizeOptions, quantizer_for: Callable[[str], Quantizer], log: Callable[[str], None],
+                 progress: Callable[[int, int], None] | None) -> list[GroupChoice]:
+    """Without a plan: each group in the method, unless a member's output error is over its budget."""
     choices: list[GroupChoice] = []
     num_layers, num_done = sum(len(names) for names in groups), 0
     if progress is not None:
@@ -122,23 +164,84 @@ def quantize_model(model: str | None, options: QuantizeOptions, registry: Plugin
         num_done += len(names)
         if progress is not None:
             progress(num_done, num_layers)
-    del stats
-    dtype = _DTYPES[options.dtype]
-    tensors: dict[str, torch.Tensor | QuantizedTensor] = {
-        name: w.to(dtype) if w.is_floating_point() else w for name, w in weights.items()}
-    for choice in choices:
-        tensors.update(choice.qtensors)
+    return choices
 
-    report = build_report(source, options, choices, num_chunks * options.chunk_len, tensors)
-    with staged_checkpoint(options.out) as directory:
-        write_checkpoint(directory, source.config.to_hf(), tensors, report, source.tokenizer(),
-                         extra={"method": options.method})
-        del weights, tensors
-        if eval_ids:
-            report["evaluation"] = _evaluate(registry, directory, options, eval_ids, ppl_original, quantizer_for)
-        report["seconds"] = round(time.perf_counter() - started, 1)
-        write_report(directory, report)
-    return report
+
+def _plan(registry: PluginRegistry, source: ModelSource, options: QuantizeOptions, calib: Calibration,
+          weights: dict[str, torch.Tensor], chain: list[str], quantizer_for: Callable[[str], Quantizer],
+          log: Callable[[str], None], progress: Callable[[int, int], None] | None) -> planner.Plan:
+    """Every format of every group, then the search (rtxcore.quant.planner) scored on the planning text."""
+    assert options.target_ppl_delta is not None and calib.ppl_plan is not None
+    num_layers, num_done = sum(len(names) for names in calib.groups), 0
+    if progress is not None:
+        progress(0, num_layers)
+    plans = []
+    for names in calib.groups:
+        try:
+            group = planner.group_formats(names, weights, calib.stats, chain, quantizer_for)
+        except ValueError as exc:
+            raise ConfigError(f"cannot quantize {', '.join(map(_short, names))}: {exc}") from None
+        if options.max_layer_error is not None:  # a layer budget still rules out the formats that exceed it
+            group.chosen = next(i for i, f in enumerate(group.formats)
+                                if all(e.relative <= options.max_layer_error for e in f.errors.values()))
+        plans.append(group)
+        num_done += len(names)
+        if progress is not None:
+            progress(num_done, num_layers)
+    log(f"planning on {len(calib.plan_ids)} tokens of calibration text no statistic was taken from")
+
+    def evaluate(groups: list[planner.GroupPlan]) -> float:
+        tensors: dict[str, torch.Tensor | QuantizedTensor] = dict(weights)
+        for g in groups:
+            tensors.update(g.format.qtensors)
+        methods = sorted({g.format.method for g in groups if g.format.method is not None})
+        backend = _load_backend(registry, PlannedSource(source, tensors, methods), options.device, options.chunk_len,
+                                {m: quantizer_for(m) for m in methods})
+        try:
+            return backend_perplexity(backend, calib.plan_ids, options.chunk_len, _BLOCK)
+        finally:
+            del backend
+            release_device_memory()
+
+    return planner.search(plans, evaluate, calib.ppl_plan, options.target_ppl_delta, log)
+
+
+def plan_choices(plan: planner.Plan, options: QuantizeOptions) -> list[GroupChoice]:
+    choices = []
+    for g in plan.groups:
+        chosen = g.format
+        attempts = [Attempt(f.method, options.max_layer_error or math.inf, f.errors)
+                    for f in g.formats[:g.chosen + 1] if f.method is not None]
+        reason = None
+        if chosen.method != options.method:
+            reason = (f"the plan moved it to {chosen.method or 'unquantized (checkpoint precision)'} to keep the "
+                      f"model within +{plan.budget} perplexity")
+        choices.append(GroupChoice(g.names, chosen.method, chosen.qtensors, attempts, reason))
+    return choices
+
+
+class PlannedSource(ModelSource):
+    """A model source whose weights are a plan's, in memory: the original's config and tokenizer."""
+
+    def __init__(self, base: ModelSource, tensors: dict[str, torch.Tensor | QuantizedTensor], methods: list[str]):
+        self.base, self.tensors, self.methods = base, tensors, tuple(methods)
+        self.name, self.path, self.origin = base.name, base.path, base.origin
+
+    @property
+    def config(self):
+        return self.base.config
+
+    def tokenizer(self):
+        return self.base.tokenizer()
+
+    def num_weights(self) -> int:
+        return len(self.tensors)
+
+    def weights(self, progress=None, device="cpu", dtype=torch.float32):
+        yield from self.tensors.items()
+
+    def quantization_methods(self) -> tuple[str, ...]:
+        return self.methods
 
 
 def fallback_chain(method: str, quantizer_for: Callable[[str], Quantizer]) -> list[str]:
@@ -148,10 +251,24 @@ def fallback_chain(method: str, quantizer_for: Callable[[str], Quantizer]) -> li
     return chain
 
 
+@dataclass(slots=True)
+class Calibration:
+    stats: dict[str, LayerStats]
+    # Names of the layers that run fused, by group.
+    groups: list[list[str]]
+    eval_ids: list[int]
+    # The float model's perplexity on eval_ids (None without them).
+    ppl_eval: float | None
+    num_chunks: int
+    # Planning text (calibration text no statistic was taken from) and the float model's perplexity on it.
+    plan_ids: list[int]
+    ppl_plan: float | None
+
+
 def _calibrate(registry: PluginRegistry, source: ModelSource, options: QuantizeOptions, hessian: bool,
-               log: Callable[[str], None]):
+               log: Callable[[str], None]) -> Calibration:
     """Statistics at every decoder linear layer's input on calibration text, the layers that run fused, and the
-    float model's perplexity on evaluation text. The float model is released before returning."""
+    float model's perplexity on evaluation (and planning) text. The float model is released before returning."""
     backend = _load_backend(registry, source, options.device, options.chunk_len)
     inputs = getattr(getattr(backend, "model", None), "input_modules", None)
     if inputs is None:
@@ -160,20 +277,44 @@ def _calibrate(registry: PluginRegistry, source: ModelSource, options: QuantizeO
     fused: dict[int, list[str]] = {}
     for name, module in modules.items():
         fused.setdefault(id(module), []).append(name)
-    chunks = calibration.calibration_chunks(_tokenizer(source), source.config.bos_token_id,
-                                            options.calibration_tokens, options.chunk_len)
+    text = _calibration_text(options)
+    planning = options.planning_tokens if options.target_ppl_delta is not None else 0
+    num_chunks = max(1, options.calibration_tokens // options.chunk_len)
+    num_plan_chunks = -(-planning // options.chunk_len) if planning else 0
+    all_chunks = calibration.calibration_chunks(_tokenizer(source), source.config.bos_token_id,
+                                                (num_chunks + num_plan_chunks) * options.chunk_len, options.chunk_len,
+                                                text=text)
+    chunks = all_chunks[:num_chunks]
+    plan_chunks = all_chunks[num_chunks:]
     if not chunks:
         raise ConfigError(f"--calibration-tokens {options.calibration_tokens} gives no piece of {options.chunk_len}")
+    if planning and not plan_chunks:
+        raise ConfigError("the calibration text is too short to keep planning text apart from calibration: give "
+                          "more text or fewer --calibration-tokens")
     log(f"calibrating on {len(chunks)} x {options.chunk_len} tokens of calibration text")
     # Only the layers' inputs matter: logits after the last token alone spare the LM head's work.
     run = functools.partial(prefill_logits, backend, block_size=_BLOCK, all_positions=False)
-    stats = calibration.collect_stats(modules, run, chunks,
-                                      hessian=hessian)
+    stats = calibration.collect_stats(modules, run, chunks, hessian=hessian)
     eval_ids = evaluation_tokens(source, options.eval_tokens) if options.eval_tokens else []
     ppl = backend_perplexity(backend, eval_ids, options.chunk_len, _BLOCK) if eval_ids else None
+    plan_ids = [t for chunk in plan_chunks for t in chunk]
+    ppl_plan = backend_perplexity(backend, plan_ids, options.chunk_len, _BLOCK) if plan_ids else None
     del modules, inputs, run, backend  # release the float model (run holds it too)
     release_device_memory()
-    return stats, list(fused.values()), ppl, eval_ids, len(chunks)
+    return Calibration(stats, list(fused.values()), eval_ids, ppl, len(chunks), plan_ids, ppl_plan)
+
+
+def _calibration_text(options: QuantizeOptions) -> str | None:
+    if options.calibration_file is None:
+        return None
+    try:
+        text = options.calibration_file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--calibration-file {str(options.calibration_file)!r} cannot be read as UTF-8 text: "
+                          f"{getattr(exc, 'strerror', None) or exc}") from None
+    if not text.strip():
+        raise ConfigError(f"--calibration-file {str(options.calibration_file)!r} is empty")
+    return text
 
 
 def _evaluate(registry: PluginRegistry, directory: Path, options: QuantizeOptions, eval_ids: list[int],
@@ -191,6 +332,8 @@ def _evaluate(registry: PluginRegistry, directory: Path, options: QuantizeOption
 
 
 def fallback_reason(choice: GroupChoice) -> str:
+    if choice.reason is not None:
+        return choice.reason
     steps = []
     for attempt in choice.attempts:
         over = attempt.over_budget

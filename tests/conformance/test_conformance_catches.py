@@ -27,6 +27,7 @@ def _failures(run, kind: str, name: str) -> list[str]:
     ("eviction_policy", "hit-evicting", "[eviction.only_candidates]", "which is in use"),
     ("scheduler", "over-budget", "[scheduler.token_budget]", "budget is"),
     ("quantizer", "int4-overpromising", "[quantizer.error_bound]", "exceeds the declared 0.01"),
+    ("quantizer", "int8-unrounded-qat", "[quantizer.fake_quantize]", "differs from dequantize(quantize())"),
 ])
 def test_wrong_plugin_is_caught_naming_the_rule(wrong_run, kind, name, rule, detail):
     failures = _failures(wrong_run, kind, name)
@@ -45,4 +46,5 @@ def test_the_run_fails_and_the_table_says_why(wrong_run):
 def test_builtin_int8_quantizer_passes_its_contract(wrong_run):
     results = [r for r in wrong_run.session.results if r.name == "int8"]
     assert results and all(r.outcome == "passed" for r in results), [(r.check, r.message) for r in results]
-    assert {r.check for r in results} >= {"declared_bound", "error_bound", "shape", "round_trip", "linear", "fusable"}
+    assert {r.check for r in results} >= {"declared_bound", "error_bound", "shape", "round_trip", "linear", "fusable",
+                                          "fake_quantize"}

@@ -78,6 +78,15 @@ class OverpromisingInt4Quantizer(Int8Quantizer):
     name = "int4-overpromising"
 
 
+class UnroundedFakeQuantizer(Int8Quantizer):
+    """Trains on the float weight: quantization-aware training would never see the rounding."""
+
+    name = "int8-unrounded-qat"
+
+    def fake_quantize(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight
+
+
 class WrongPlugins:
     @hookimpl
     def register_samplers(self, register):
@@ -94,3 +103,4 @@ class WrongPlugins:
     @hookimpl
     def register_quantizers(self, register):
         register("int4-overpromising", OverpromisingInt4Quantizer)
+        register("int8-unrounded-qat", UnroundedFakeQuantizer)

@@ -38,7 +38,7 @@ def _start(backend: str, model: str | None) -> tuple[Engine, float]:
 
 
 def fp8_quality(tokens: int) -> int:
-    from rtxcore.models.source import resolve_model
+    from rtxcore.models.resolve import resolve_model
     from rtxcore.quant.evaluation import backend_perplexity
     from rtxcore.quant.pipeline import evaluation_tokens
 

@@ -27,7 +27,8 @@ from rtxcore.bench.offline import run_engine, warm_up
 from rtxcore.bench.workloads import BenchRequest, make_requests
 from rtxcore.cli.bench import H200_COPY_BYTES_PER_S, machine_description
 from rtxcore.contracts.scheduler import SchedulerConfig
-from rtxcore.models.source import ModelSource, resolve_model
+from rtxcore.models.resolve import resolve_model
+from rtxcore.models.source import ModelSource
 from rtxcore.transfer import release_device_memory
 
 # Published, not measured here (shared/WORKLOADS.md): TensorRT-LLM, one H200, Llama-3.1-8B FP8, 128/128 at max load.

@@ -39,7 +39,8 @@ class Int4AWQQuantizer(Int4Quantizer):
                                f"alpha {ALPHA}); plain int4 without calibration data", "bits": 4}
 
     def quantize(self, weight: torch.Tensor, stats: LayerStats | None = None) -> QuantizedTensor:
-        s = activation_scale(stats, weight.shape[1])
+        # Statistics live on the CPU; a weight quantized as it loads (rtx serve --quantization) may be on the GPU.
+        s = activation_scale(stats, weight.shape[1]).to(weight.device)
         base = super().quantize(weight.float() * s[None, :])
         return QuantizedTensor(self.name, {**base.tensors, "input_smooth": s}, tuple(weight.shape), weight.dtype,
                                {**base.meta, "awq_alpha": ALPHA})
@@ -58,7 +59,8 @@ class Int4AWQQuantizer(Int4Quantizer):
         require_tensor(qtensor, "input_smooth", (qtensor.shape[1],), torch.float32)
 
     def linear(self, x: torch.Tensor, qtensor: QuantizedTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return super().linear((x / qtensor.tensors["input_smooth"]).to(x.dtype), qtensor, bias)
+        # In x's dtype: one kernel, where a float32 s would promote x and need a second to cast it back.
+        return super().linear(x / qtensor.tensors["input_smooth"].to(x.dtype), qtensor, bias)
 
 
 @hookimpl

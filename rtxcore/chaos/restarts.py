@@ -23,7 +23,7 @@ from rtxcore.chaos.harness import (
     tally,
     wait_first_events,
 )
-from rtxcore.chaos.load import Target
+from rtxcore.chaos.load import Stream, Target
 from rtxcore.chaos.served import start_server, wait_for
 
 
@@ -62,43 +62,53 @@ def sigterm_burst(ctx: DrillContext, result: DrillResult) -> None:
 
 
 def kill_during_compaction(ctx: DrillContext, result: DrillResult) -> None:
-    """SIGKILL while the journal is being compacted (its temporary file written, not yet renamed): the restart reads
-    a whole journal, removes the temporary file and serves again, and no request is lost.
+    """SIGKILL while the journal is being compacted (its temporary file written, not yet renamed) and streams are
+    running: the restart reads a whole journal, removes the temporary file, and every stream resumes where its client
+    was, each event once.
 
-    The compaction starts once most of the journal is past retention, i.e. once this drill's streams have finished:
-    the kill lands after them, so it checks the journal across the kill, not requests in flight (those are the
-    kill -9 reliability gate's and tests/server/test_durable_restart.py's). A variant with long streams still
-    running beside short ones that make the garbage was tried and did not start its compaction reliably on a busy
-    machine (1 run in 4)."""
+    Compaction starts once the journal is over ``--journal-compact-bytes`` and at least half of it is past retention.
+    Sized in bytes, not time: a first server runs requests to their end (with retention 0, all garbage), the journal
+    they leave is G bytes, and the server restarted on it compacts at 1.5 G, i.e. once the running streams have
+    written half of G (a third of the file, so the garbage is two thirds), well before they end. The shim holds that
+    compaction's fsync from the start (no earlier one can happen), and the drill kills the server there."""
     control = ctx.workdir / "control"
     control.mkdir()
     env = {"LD_PRELOAD": str(fsync_shim(ctx)), "RTX_CHAOS_CONTROL_DIR": str(control)}
     state = ctx.workdir / "state"
-    args = ("--state-dir", str(state), "--journal-retention", "0", "--journal-compact-bytes", "16k")
+    journal = state / "journal" / "journal.log"
+    base = ("--state-dir", str(state), "--journal-retention", "0")
+    with running_server(*base, "--journal-compact-bytes", "1g") as server:
+        finished = new_streams(ctx, ctx.num_streams, first=100)
+        join_all(finished, start_all(finished, Target(server.base_url)))
+        server.stop()  # SIGTERM: the journal flushed, its garbage kept (compaction never reached 1 GiB)
+    garbage = journal.stat().st_size
+    args = (*base, "--journal-compact-bytes", str(garbage * 3 // 2))
+    (control / "hold_tmp_fsync").touch()
     server = start_server(*MODEL_ARGS, *args, env=env)
     target = Target(server.base_url)
     try:
-        finished = new_streams(ctx, ctx.num_streams, first=100)  # garbage for the compaction to drop
-        join_all(finished, start_all(finished, target))
-        streams = new_streams(ctx)
+        streams = [Stream(i, ctx.max_tokens * 4) for i in range(ctx.num_streams)]
         deadline = start_all(streams, target)
-        wait_first_events(streams, 3)
-        (control / "hold_tmp_fsync").touch()
         held = wait_for(lambda: (control / "tmp_fsync_held").exists(), timeout=60, interval=0.01)
         killed_at = time.monotonic()
         server.stop(signal.SIGKILL)
+        running = sum(1 for s in streams if not s.finished)
+        result.notes.append(f"{running} of {len(streams)} streams running at the kill")
         if not held:
             result.notes.append("no compaction started: killed under load instead")
             result.lost += 1
+        if running < len(streams):
+            result.notes.append("a stream ended before the compaction started")
+            result.lost += len(streams) - running
     finally:
         (control / "hold_tmp_fsync").unlink(missing_ok=True)
         server.stop(signal.SIGKILL)
-    leftovers = [p.name for p in (state / "journal").iterdir() if ".tmp" in p.name]
+    leftovers = [p.name for p in journal.parent.iterdir() if ".tmp" in p.name]
     result.notes.append(f"left by the kill: {', '.join(leftovers) or 'no temporary file'}")
     with running_server(*args, env=env) as server:
         result.recovery_s = time.monotonic() - killed_at
         target.base_url = server.base_url
-        if any(".tmp" in p.name for p in (state / "journal").iterdir()):
+        if any(".tmp" in p.name for p in journal.parent.iterdir()):
             result.notes.append("the restart left the interrupted compaction's file behind")
             result.lost += 1
         join_all(streams, deadline)

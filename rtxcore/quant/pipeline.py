@@ -21,6 +21,7 @@ from rtxcore.quant import calibration, planner
 from rtxcore.quant.checkpoint import check_output_dir, staged_checkpoint, write_checkpoint, write_report
 from rtxcore.quant.evaluation import backend_perplexity, prefill_logits
 from rtxcore.quant.layer_errors import Attempt, GroupChoice, choose
+from rtxcore.quant.planned_source import PlannedSource
 from rtxcore.registry import PluginRegistry
 from rtxcore.transfer import release_device_memory
 
@@ -218,30 +219,6 @@ def plan_choices(plan: planner.Plan, options: QuantizeOptions) -> list[GroupChoi
                       f"model within +{plan.budget} perplexity")
         choices.append(GroupChoice(g.names, chosen.method, chosen.qtensors, attempts, reason))
     return choices
-
-
-class PlannedSource(ModelSource):
-    """A model source whose weights are a plan's, in memory: the original's config and tokenizer."""
-
-    def __init__(self, base: ModelSource, tensors: dict[str, torch.Tensor | QuantizedTensor], methods: list[str]):
-        self.base, self.tensors, self.methods = base, tensors, tuple(methods)
-        self.name, self.path, self.origin = base.name, base.path, base.origin
-
-    @property
-    def config(self):
-        return self.base.config
-
-    def tokenizer(self):
-        return self.base.tokenizer()
-
-    def num_weights(self) -> int:
-        return len(self.tensors)
-
-    def weights(self, progress=None, device="cpu", dtype=torch.float32):
-        yield from self.tensors.items()
-
-    def quantization_methods(self) -> tuple[str, ...]:
-        return self.methods
 
 
 def fallback_chain(method: str, quantizer_for: Callable[[str], Quantizer]) -> list[str]:

@@ -48,8 +48,10 @@ def credentials_of(scope: Scope) -> Credentials:
     extension, which ``rtxcore.server.http.tls`` fills in) and the source address."""
     headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]
                if k.lower() in (b"authorization", b"x-api-key")}
-    chain = ((scope.get("extensions") or {}).get("tls") or {}).get("client_cert_chain") or ()
+    tls = (scope.get("extensions") or {}).get("tls") or {}
+    subject = tls.get("rtx_client_cert_subject")
+    if subject is None and tls.get("client_cert_chain"):  # another ASGI server's TLS extension
+        subject = certificate_subject(tls["client_cert_chain"][0].encode())
     client = scope.get("client")
     return Credentials(authorization=headers.get("authorization"), api_key=headers.get("x-api-key"),
-                       client_cert_subject=certificate_subject(chain[0].encode()) if chain else None,
-                       peer=client[0] if client else None)
+                       client_cert_subject=subject, peer=client[0] if client else None)

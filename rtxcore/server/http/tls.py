@@ -12,6 +12,7 @@ import asyncio
 import ssl
 from typing import Any
 
+from rtxcore.server.serving.authentication import certificate_subject
 from rtxcore.server.serving.settings import TlsSettings
 
 
@@ -35,8 +36,11 @@ def peer_certificate_protocol() -> type[asyncio.Protocol]:
             ssl_object = transport.get_extra_info("ssl_object")
             der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
             if der:
+                # The subject is read once a connection, not on each of its requests (rtx_client_cert_subject is
+                # ours; the others are the ASGI TLS extension's keys).
                 extension = {"client_cert_chain": [ssl.DER_cert_to_PEM_cert(der)], "client_cert_error": None,
-                             "tls_version": ssl_object.version(), "cipher_suite": (ssl_object.cipher() or (None,))[0]}
+                             "tls_version": ssl_object.version(), "cipher_suite": (ssl_object.cipher() or (None,))[0],
+                             "rtx_client_cert_subject": certificate_subject(der)}
                 self.app = _with_tls_extension(self.app, extension)  # type: ignore[has-type]
 
     return PeerCertificateProtocol

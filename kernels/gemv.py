@@ -100,9 +100,9 @@ def split_count(tiles: int, target: int, length: int, min_length: int) -> int:
 
 
 @triton.jit
-def _store_row(acc, out_ptrs, stride_om, bias, M, row_mask, m: tl.constexpr):
+def _store_row(acc, out_ptrs, stride_om, scale, bias, M, row_mask, m: tl.constexpr):
     if M > m:
-        y = tl.sum(acc, axis=1) + bias
+        y = tl.sum(acc, axis=1) * scale + bias
         tl.store(out_ptrs + m * stride_om, y.to(out_ptrs.dtype.element_ty), mask=row_mask)
 
 
@@ -143,10 +143,10 @@ def _accumulate(w, x_ptrs, k, k_hi, cols, stride_xm, last, acc0, acc1, acc2, acc
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % (args["BLOCK_K"] * args["SPLIT_K"]) == 0})
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr,
+    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr,
     M, N, K,
     stride_xm, stride_wn, stride_om, stride_os,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
     PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr,
 ):
@@ -185,29 +185,34 @@ def _gemv_kernel(
             w, x_ptrs, k, k_hi, cols, stride_xm, last, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
             BLOCK_M, EVEN_K)
 
-    # With SPLIT_K > 1, out is the fp32 partial buffer [SPLIT_K, M, N] and the reduce kernel adds the bias.
+    # With SPLIT_K > 1, out is the fp32 partial buffer [SPLIT_K, M, N] and the reduce kernel scales and adds the bias.
     if HAS_BIAS and SPLIT_K == 1:
         bias = tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     else:
         bias = tl.zeros([BLOCK_N], tl.float32)
+    if HAS_SCALE and SPLIT_K == 1:
+        scale = tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
+    else:
+        scale = tl.full([BLOCK_N], 1.0, tl.float32)
     out_ptrs = out_ptr + pid_k * stride_os + rows
-    _store_row(acc0, out_ptrs, stride_om, bias, M, row_mask, 0)
+    _store_row(acc0, out_ptrs, stride_om, scale, bias, M, row_mask, 0)
     if BLOCK_M > 1:
-        _store_row(acc1, out_ptrs, stride_om, bias, M, row_mask, 1)
+        _store_row(acc1, out_ptrs, stride_om, scale, bias, M, row_mask, 1)
     if BLOCK_M > 2:
-        _store_row(acc2, out_ptrs, stride_om, bias, M, row_mask, 2)
-        _store_row(acc3, out_ptrs, stride_om, bias, M, row_mask, 3)
+        _store_row(acc2, out_ptrs, stride_om, scale, bias, M, row_mask, 2)
+        _store_row(acc3, out_ptrs, stride_om, scale, bias, M, row_mask, 3)
     if BLOCK_M > 4:
-        _store_row(acc4, out_ptrs, stride_om, bias, M, row_mask, 4)
-        _store_row(acc5, out_ptrs, stride_om, bias, M, row_mask, 5)
-        _store_row(acc6, out_ptrs, stride_om, bias, M, row_mask, 6)
-        _store_row(acc7, out_ptrs, stride_om, bias, M, row_mask, 7)
+        _store_row(acc4, out_ptrs, stride_om, scale, bias, M, row_mask, 4)
+        _store_row(acc5, out_ptrs, stride_om, scale, bias, M, row_mask, 5)
+        _store_row(acc6, out_ptrs, stride_om, scale, bias, M, row_mask, 6)
+        _store_row(acc7, out_ptrs, stride_om, scale, bias, M, row_mask, 7)
 
 
 @triton.jit
 def _split_k_reduce_kernel(
-    partial_ptr, bias_ptr, out_ptr, N, stride_ps, stride_om,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    partial_ptr, scale_ptr, bias_ptr, out_ptr, N, stride_ps, stride_om,
+    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     wait_for_previous(USE_PDL)
     m = tl.program_id(1)
@@ -217,6 +222,8 @@ def _split_k_reduce_kernel(
     # Always split 0 first, then 1, ...: the fixed order is what makes the result reproducible.
     for s in tl.static_range(SPLIT_K):
         acc += tl.load(partial_ptr + s * stride_ps + m * N + cols, mask=mask, other=0.0)
+    if HAS_SCALE:
+        acc *= tl.load(scale_ptr + cols, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + m * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -234,14 +241,16 @@ def split_target(out: torch.Tensor, split_k: int) -> tuple[torch.Tensor, int, in
 
 
 def reduce_splits(target: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, split_k: int,
-                  use_pdl: bool) -> None:
-    """``out`` = the splits of ``target`` added in a fixed order, plus ``bias``; nothing to do unsplit."""
+                  use_pdl: bool, scale: torch.Tensor | None = None) -> None:
+    """``out`` = the splits of ``target`` added in a fixed order, times ``scale`` (per output column), plus ``bias``;
+    nothing to do unsplit."""
     if split_k == 1:
         return
     m, n = out.shape
     _split_k_reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK), m)](
-        target, bias if bias is not None else target, out, n, m * n, out.stride(0),
-        HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=_REDUCE_BLOCK, USE_PDL=use_pdl,
+        target, scale if scale is not None else target, bias if bias is not None else target, out, n, m * n,
+        out.stride(0), HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, SPLIT_K=split_k,
+        BLOCK=_REDUCE_BLOCK, USE_PDL=use_pdl,
         **launch_options(use_pdl),
     )
 
@@ -254,8 +263,12 @@ def gemv(
     *,
     split_k: int | None = None,
     pdl: bool | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` in ``x``'s dtype for ``x`` [M, K] and ``weight`` [N, K]; returns ``out`` [M, N].
+
+    ``weight`` may be float8 e4m3 with ``weight_scale`` (float32 [N]), one scale per row: the product is then
+    ``(x @ weight.T) * weight_scale + bias``, the fp8 weight read as it is (a byte a weight) and widened in registers.
 
     Meant for M <= 8 (larger M runs in chunks of 8 rows, each re-reading ``weight``: use a GEMM there).
     ``x`` and ``out`` may have strided rows; their columns, and ``weight``'s, must be contiguous.
@@ -273,6 +286,10 @@ def gemv(
         raise ValueError("weight must be contiguous along K")
     if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
         raise ValueError(f"bias {tuple(bias.shape)} must be a contiguous [{n}]")
+    if weight_scale is not None and (weight_scale.shape != (n,) or weight_scale.dtype != torch.float32
+                                     or weight_scale.stride(0) != 1):
+        raise ValueError(f"weight_scale {tuple(weight_scale.shape)} {weight_scale.dtype} must be a contiguous [{n}] "
+                         f"float32")
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
@@ -289,20 +306,21 @@ def gemv(
 
     prefetch, use_pdl = gemv_launch_mode(x.device, pdl)
     for m0 in range(0, m, _MAX_M):
-        _launch(x[m0 : m0 + _MAX_M], weight, bias, out[m0 : m0 + _MAX_M], split_k, prefetch, use_pdl)
+        _launch(x[m0 : m0 + _MAX_M], weight, weight_scale, bias, out[m0 : m0 + _MAX_M], split_k, prefetch,
+                use_pdl)
     return out
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, split_k: int,
-            prefetch: bool, use_pdl: bool):
+def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+            out: torch.Tensor, split_k: int, prefetch: bool, use_pdl: bool):
     m, k = x.shape
     n = weight.shape[0]
     target, stride_om, stride_os = split_target(out, split_k)
     _gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split_k)](
-        x, weight, bias if bias is not None else weight, target,
+        x, weight, scale if scale is not None else x, bias if bias is not None else weight, target,
         m, n, k,
         x.stride(0), weight.stride(0), stride_om, stride_os,
-        HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(m), SPLIT_K=split_k,
+        HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(m), SPLIT_K=split_k,
         PREFETCH=prefetch, USE_PDL=use_pdl, **launch_options(use_pdl),
     )
-    reduce_splits(target, bias, out, split_k, use_pdl)
+    reduce_splits(target, bias, out, split_k, use_pdl, scale)

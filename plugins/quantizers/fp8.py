@@ -3,6 +3,12 @@
 On a GPU with fp8 tensor cores (compute capability 8.9 and up) the product runs in fp8 through ``torch._scaled_mm``
 with row-wise scales; elsewhere the same rounding of weights and activations is applied and the product runs in the
 activations' dtype, so CPU results show the method's real accuracy.
+
+On a GPU, products of up to 8 rows (decode steps of a few requests) leave the activations unrounded: the Triton GEMV
+(``rtx_kernels.gemv``) reads the fp8 weight a byte a weight and applies the row scales in its epilogue. Decode is bound
+by reading the weight, so rounding the activations there would save nothing, while ``_scaled_mm`` pads those rows to
+its tiles and costs more than bf16 (docs/benchmarks.md). As with int8-sq, a layer's rounding then depends on how many
+rows it gets at once: a request's tokens can differ in their last bits between a step of 8 rows and one of 9.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ FP8 = torch.float8_e4m3fn
 _FP8_MAX = torch.finfo(FP8).max  # 448
 # _scaled_mm wants both matrices' inner and outer sizes in multiples of 16.
 _MM_ALIGN = 16
+# The GEMV's rows per launch (rtx_kernels.gemv); past it the product is a GEMM on the fp8 tensor cores.
+WEIGHT_ONLY_MAX_ROWS = 8
 
 
 @functools.cache
@@ -94,6 +102,10 @@ class FP8Quantizer(Quantizer):
     def linear(self, x: torch.Tensor, qtensor: QuantizedTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         t = qtensor.tensors
         n, k = t["weight"].shape
+        if x.is_cuda and quant_reference.HAS_TRITON and x.dim() == 2 and x.shape[0] <= WEIGHT_ONLY_MAX_ROWS:
+            from rtx_kernels.gemv import gemv
+
+            return gemv(x, t["weight"], bias, weight_scale=t["weight_scale"])
         if x.is_cuda and n % _MM_ALIGN == 0 and k % _MM_ALIGN == 0 and _fp8_matmul_works(x.device.index or 0):
             xq, x_scale = _quantize_rows_on_gpu(x)
             # Row-wise scaling has a bf16 output on every architecture that supports it; the weight's transpose is

@@ -145,3 +145,16 @@ def test_gemv_replays_in_a_cuda_graph():
                                             (256, 4096, 2), (2048, 4096, 1)])
 def test_choose_split_k(n, k, expected):
     assert choose_split_k(n, k) == expected
+
+
+# fp8 e4m3 weights with one scale per row (the fp8 quantizer's decode path): the product of the dequantized weight.
+@pytest.mark.parametrize("m, split_k", [(1, 1), (3, 2), (8, None)])
+def test_gemv_fp8_weight_with_row_scales(m, split_k):
+    n, k = (3072, 2048) if ON_GPU else (37, 83)
+    x, weight, bias = _gemv_inputs(m, n, k, torch.bfloat16 if ON_GPU else torch.float32, True, seed=m, pad=5)
+    scale = weight.float().abs().amax(dim=1).clamp_min(1e-12) / 448
+    fp8 = (weight.float() / scale[:, None]).to(torch.float8_e4m3fn)
+    got = gemv(x, fp8, bias, split_k=split_k, weight_scale=scale)
+    _assert_gemv_close(got, gemv_ref(x, (fp8.float() * scale[:, None]).to(x.dtype), bias))
+    with pytest.raises(ValueError, match="weight_scale"):
+        gemv(x, fp8, bias, weight_scale=scale[:-1])

@@ -78,5 +78,18 @@ if command -v cargo >/dev/null 2>&1 || [ -x "${CARGO_HOME:-$HOME/.cargo}/bin/car
 fi
 # --- end of Rust client -----------------------------------------------------------------------------------------
 
+# --- Chromium for the dashboard's browser test (tests/server/http/test_dashboard.py) ------------------------------
+# Debian's package, headless. Not fatal here: without it the test is skipped, or fails under CI, naming why.
+if ! command -v chromium >/dev/null 2>&1; then
+  as_root=""
+  [ "$(id -u)" = 0 ] || as_root="sudo -n"
+  apt="$as_root env DEBIAN_FRONTEND=noninteractive apt-get"
+  if ! { $apt install -y -qq --no-install-recommends chromium >/dev/null 2>&1 \
+         || { $apt update -qq >/dev/null 2>&1 && $apt install -y -qq --no-install-recommends chromium >/dev/null; }; }
+  then
+    echo "warning: could not install chromium (the dashboard's browser test needs it)" >&2
+  fi
+fi
+
 echo "$want" > "$STAMP"
 echo "set-up done: $(.venv/bin/rtx --version), $(.tools/bin/helm version --short)"

@@ -62,6 +62,8 @@ class StepFaults:
     def __init__(self, core: EngineCore):
         self.core = core
         self._failed_steps = 0
+        # Backend calls that ran out of device memory (torch.OutOfMemoryError), retried or not: rtx_oom_total.
+        self.num_out_of_memory = 0
 
     # -- the backend ----------------------------------------------------------------------------------------------
 
@@ -74,6 +76,8 @@ class StepFaults:
             except EngineFailed:
                 raise  # the backend knows nothing here will step again (a parallel rank is gone)
             except Exception as exc:
+                if isinstance(exc, torch.OutOfMemoryError):
+                    self.num_out_of_memory += 1
                 if attempt == 1:
                     log.error("backend %r failed a step of %d requests (%s: %s); retrying it once",
                               core.config.backend, len(plan.reqs), type(exc).__name__, exc)

@@ -9,6 +9,7 @@ request event, in O(outputs) (the fragmentation gauge walks the requests holding
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from prometheus_client import (
@@ -24,7 +25,7 @@ from prometheus_client import (
 from rtxcore.engine.async_engine import StepObserver
 from rtxcore.engine.core import EngineCore
 from rtxcore.engine.outputs import RequestOutput
-from rtxcore.lanes import DEFAULT_LANE
+from rtxcore.lanes import DEFAULT_LANE, LaneSpec
 from rtxcore.metrics.prometheus import Families
 from rtxcore.metrics.speculation import SpeculationMetrics
 from rtxcore.metrics.timeline import AttributeValue, RequestTimeline
@@ -80,6 +81,12 @@ class EngineMetrics:
         self._tenant_labels: set[str] = set()
 
     # -- what servers call ----------------------------------------------------------------------------------------
+
+    def set_lane_targets(self, lanes: Iterable[LaneSpec]) -> None:
+        """Export each lane's targets (rtx_lane_target_seconds), for dashboards to draw measured latency against."""
+        for spec in lanes:
+            self._families.lane_target.labels(self.model_name, spec.name, "ttft").set(spec.ttft_target_s)
+            self._families.lane_target.labels(self.model_name, spec.name, "itl").set(spec.itl_target_s)
 
     def observer(self) -> StepObserver:
         return StepObserver(on_step=self._on_step, on_admit=self._on_admit, on_abort=self._on_abort,
@@ -249,6 +256,7 @@ class EngineMetrics:
         if evictions:
             m.kv_cache_evictions.inc(evictions)
         self._update_kv_tiers(engine, first=new_engine)
+        self._add_total(self._families.out_of_memory, None, engine.faults.num_out_of_memory)
         self._speculation.update(engine.speculator)
 
     def _update_kv_tiers(self, engine: EngineCore, first: bool) -> None:
@@ -260,10 +268,10 @@ class EngineMetrics:
         f.kv_tier_used_bytes.labels(model, "device").set(pool.num_blocks_holding_data * block_bytes)
         f.kv_tier_usage.labels(model, "device").set(pool.num_blocks_holding_data / pool.num_usable_blocks)
         f.kv_tier_pressure.labels(model, "device").set(pool.pressure)
+        if first:  # another engine: its running totals start again
+            self._tier_totals.clear()
         if engine.kv_tiers is None:
             return
-        if first:
-            self._tier_totals.clear()
         for tier in engine.kv_tiers.tiers:
             name = tier.name
             f.kv_tier_capacity_bytes.labels(model, name).set(tier.capacity_bytes)

@@ -53,6 +53,7 @@ class BoundFamilies:
     preemptions: Counter
     aborts: Counter
     timeouts: Counter
+    out_of_memory: Counter
     requests_waiting: Gauge
     requests_running: Gauge
     kv_cache_usage: Gauge
@@ -118,6 +119,8 @@ class Families:
         self.aborts = counter(
             "rtx_request_aborts", "Requests aborted while in the engine (client gone, cancelled, timed out).")
         self.timeouts = counter("rtx_request_timeouts", "Requests the server aborted for running past its timeout.")
+        self.out_of_memory = counter(
+            "rtx_oom", "Backend steps that ran out of device memory (each attempt: a step is retried once).")
         self.finished = counter(
             "rtx_requests_finished", "Requests that left the engine, by finish reason (stop, length, abort, error).",
             ("finish_reason",))
@@ -147,6 +150,9 @@ class Families:
         self.lane_queued = gauge("rtx_lane_requests_queued", "Requests queued per lane (lane-aware schedulers).", lane)
         self.lane_running = gauge("rtx_lane_requests_running", "Requests running per lane (lane-aware schedulers).",
                                   lane)
+        self.lane_target = gauge(
+            "rtx_lane_target_seconds", "Each lane's latency targets (the SLA): time to first token and inter-token "
+            "latency.", (LANE_LABEL, "latency"))
         self.brownout_level = gauge(
             "rtx_brownout_level", "Degradation steps in force (0: none; lane-aware schedulers with brownout).")
         self.brownout_pressure = gauge(
@@ -211,6 +217,7 @@ class Families:
             preemptions=self.preemptions.labels(model),
             aborts=self.aborts.labels(model),
             timeouts=self.timeouts.labels(model),
+            out_of_memory=self.out_of_memory.labels(model),
             requests_waiting=self.requests_waiting.labels(model),
             requests_running=self.requests_running.labels(model),
             kv_cache_usage=self.kv_cache_usage.labels(model),

@@ -122,7 +122,7 @@ def test_a_detokenizer_raising_on_one_request_fails_it_alone(default_engine):
     assert finals and finals[0].finish_reason == "length"
 
 
-def _fail_backend(engine: LLM, times: int) -> list[int]:
+def _fail_backend(engine: LLM, times: int, error: type[Exception] = torch.cuda.OutOfMemoryError) -> list[int]:
     """Make the backend's next ``times`` execute calls raise; returns the list of calls that raised."""
     backend = engine.core.backend
     real, raised = backend.execute, []
@@ -130,7 +130,7 @@ def _fail_backend(engine: LLM, times: int) -> list[int]:
     def execute(batch):
         if len(raised) < times:
             raised.append(batch.num_tokens)
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+            raise error("CUDA out of memory (injected)" if error is torch.cuda.OutOfMemoryError else "injected")
         return real(batch)
     backend.execute = execute
     return raised
@@ -198,3 +198,25 @@ def test_faults_are_isolated_in_the_serial_and_the_overlapped_step(faulty_regist
     assert results[4].finish_reason == "error" and len(results[4].token_ids) == 2
     assert not engine.has_unfinished_requests()
     engine.core.kv_cache.check_invariants()
+
+
+def test_out_of_memory_steps_are_counted_in_metrics(tiny_engine):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from rtxcore.metrics import EngineMetrics
+
+    metrics = EngineMetrics("tiny")
+    observer = metrics.observer()
+
+    def oom_total() -> float:
+        observer.on_idle(tiny_engine.core)
+        samples = (s for f in text_string_to_metric_families(metrics.render()[0].decode()) for s in f.samples)
+        return sum(s.value for s in samples if s.name == "rtx_oom_total")
+
+    assert oom_total() == 0
+    _fail_backend(tiny_engine, 2)  # out of memory twice: the step and its retry
+    tiny_engine.generate([[1, 2, 3]], GREEDY)
+    assert oom_total() == 2
+    _fail_backend(tiny_engine, 1, RuntimeError)  # retried, and not an out-of-memory failure
+    [result] = tiny_engine.generate([[1, 2, 3]], GREEDY)
+    assert result.finish_reason == "length" and oom_total() == 2

@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rtxcore.engine.async_engine import AsyncEngine
 from rtxcore.metrics import EngineMetrics
+from rtxcore.metrics.gpu import FAMILIES as GPU_FAMILIES
 from rtxcore.metrics.timeline import TraceHeaders
 from rtxcore.sampling_params import SamplingParams
 from rtxcore.server.serving.durable.metrics import FAMILY_NAMES as DURABLE_FAMILIES
@@ -24,9 +25,30 @@ TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 def documented_families() -> set[str]:
     """Family names from the tables of docs/metrics.md, as the text parser names them (counters lose ``_total``),
-    but for those of a server with a state dir (rtxcore.server.serving.durable.metrics, checked below)."""
+    but for those of a server with a state dir (rtxcore.server.serving.durable.metrics, checked below) and of one
+    with a GPU (rtxcore.metrics.gpu)."""
+    return _documented() - set(DURABLE_FAMILIES) - set(GPU_FAMILIES)
+
+
+def _documented() -> set[str]:
     names = re.findall(r"^\| `(rtx_[a-z0-9_]+)` \|", DOCS.read_text(), flags=re.MULTILINE)
-    return {name.removesuffix("_total") for name in names} - set(DURABLE_FAMILIES)
+    return {name.removesuffix("_total") for name in names}
+
+
+def test_gpu_families_are_documented_and_absent_without_a_gpu():
+    from prometheus_client import CollectorRegistry
+
+    from rtxcore.metrics.gpu import register_gpu_metrics
+
+    assert set(GPU_FAMILIES) <= _documented()
+    registry = CollectorRegistry()
+    registered = register_gpu_metrics(registry)
+    names = {family.name for family in registry.collect()}
+    if registered:  # a machine with a GPU and its driver: every GPU has its three series
+        assert names == set(GPU_FAMILIES)
+        assert all(s.value >= 0 for family in registry.collect() for s in family.samples)
+    else:
+        assert names == set()
 
 
 def parse(metrics: EngineMetrics) -> dict[str, dict[tuple, float]]:

@@ -14,6 +14,7 @@ from starlette.responses import Response
 from rtxcore.errors import RequestError, RtxError
 from rtxcore.server.http.auth import AuthMiddleware
 from rtxcore.server.http.common import ClientGone
+from rtxcore.server.http.dashboard_routes import DashboardRoutes
 from rtxcore.server.http.docs_routes import DocsRoutes
 from rtxcore.server.http.errors import APIError, api_error_handler, http_exception_handler, request_error_handler
 from rtxcore.server.http.middleware import RequestContextMiddleware
@@ -41,7 +42,7 @@ def build_app(runtime: ServingRuntime) -> Starlette:
         middleware.insert(0, Middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["*"],
                                         allow_headers=["*"], expose_headers=EXPOSED_HEADERS))
     routes = [*OpenAIRoutes(runtime).routes(), *NativeRoutes(runtime).routes(), *StreamRoutes(runtime).routes(),
-              *UtilityRoutes(runtime).routes(), *DocsRoutes().routes()]
+              *UtilityRoutes(runtime).routes(), *DocsRoutes().routes(), *DashboardRoutes().routes()]
     return Starlette(
         routes=routes,
         middleware=middleware,

@@ -8,13 +8,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rtxcore.contracts.authenticator import Credentials
 from rtxcore.errors import ErrorCode, RequestError
+from rtxcore.server.http.dashboard_routes import PATHS as DASHBOARD_PATHS
 from rtxcore.server.http.errors import error_response
 from rtxcore.server.serving.authentication import certificate_subject
 from rtxcore.server.serving.runtime import ServingRuntime
 
 # Probes, metrics and the API description: what a load balancer, a scraper or a browser opening /docs reaches without
 # a key (vLLM guards only /v1/*). /tokenize and the generation routes stay behind it.
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/version", "/openapi.json", "/docs"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/version", "/openapi.json", "/docs", *DASHBOARD_PATHS})
 
 
 class AuthMiddleware:

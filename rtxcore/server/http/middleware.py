@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rtxcore.metrics.timeline import kept_tracestate
+from rtxcore.server.http.dashboard_routes import PATHS as DASHBOARD_PATHS
 from rtxcore.server.http.errors import APIError
 
 log = logging.getLogger("rtx.http")
@@ -25,7 +26,7 @@ _REQUEST_ID_MAX_LEN = 64
 _REQUEST_ID_UNSAFE = re.compile(r"[^A-Za-z0-9._:-]")
 _TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
 # Probes are polled often; their access lines go to DEBUG.
-_QUIET_PATHS = frozenset({"/health", "/ready", "/metrics"})
+_QUIET_PATHS = frozenset({"/health", "/ready", "/metrics", *DASHBOARD_PATHS})
 
 
 @dataclass(slots=True, frozen=True)

@@ -35,6 +35,7 @@ class ServingRuntime:
                  tenants: TenantRegistry | None = None, progress: Callable[[int, int], None] | None = None,
                  auth: Authentication | None = None):
         from rtxcore.metrics import EngineMetrics
+        from rtxcore.metrics.gpu import register_gpu_metrics
 
         self.engine_config = engine_config
         self.settings = settings or ServeSettings()
@@ -47,6 +48,8 @@ class ServingRuntime:
         self.model_name = self.settings.served_model_name or engine_config.model or DEFAULT_MODEL
         self.backend_name = engine_config.backend
         self.metrics = EngineMetrics(self.model_name)
+        self.metrics.set_lane_targets(engine_config.scheduling.lanes.values())
+        register_gpu_metrics(self.metrics.registry)
         self.async_engine: AsyncEngine | None = None
         self.load_error: BaseException | None = None
         self.draining = False

@@ -1,0 +1,169 @@
+"""``/dashboard`` in headless Chromium (Debian's ``chromium``): the page loads from the server alone, polls
+``/metrics``, and every figure it shows equals the one computed here from the same ``/metrics``; a screenshot is kept
+under ``test-artifacts/`` for a person to look at. Without Chromium the test is skipped, except in CI (``CI`` set),
+where scripts/setup.sh installs it and its absence fails."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import subprocess
+import threading
+from html.parser import HTMLParser
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.helpers import REPO
+from tests.helpers.server import start_server
+
+KEY = "sk-dashboard"
+LANES = ("realtime", "standard", "bulk")
+ARTIFACTS = REPO / "test-artifacts"
+
+
+@pytest.fixture(scope="module")
+def chromium():
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is not installed: scripts/setup.sh installs Debian's chromium package for this test")
+        pytest.skip("chromium is not installed (Debian's chromium package; scripts/setup.sh installs it)")
+    return path
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = start_server("--no-grpc", "--model", "dummy:tiny", "--scheduler", "sla-lanes", "--api-key", KEY,
+                       "--kv-host-bytes", "4MiB", "--max-num-seqs", "4")
+    yield srv
+    assert srv.stop() == 0, srv.output()
+
+
+def _traffic(server) -> None:
+    """A few requests in every lane at once, some repeating a prompt (prefix hits), then idle."""
+    def send(lane: str, i: int) -> None:
+        r = httpx.post(f"{server.base_url}/v1/completions", timeout=120,
+                       headers={"authorization": f"Bearer {KEY}", "x-rtx-lane": lane},
+                       json={"prompt": [3 + i % 2] * 40 + [i], "max_tokens": 8, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+    threads = [threading.Thread(target=send, args=(lane, i)) for lane in LANES for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def _browse(chromium: str, url: str, tmp_path, *args: str) -> str:
+    proc = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                           "--disable-component-update", "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}",
+                           "--virtual-time-budget=5000", *args, url],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+class _Figures(HTMLParser):
+    """data-key -> data-value of every element that has both."""
+
+    def __init__(self):
+        super().__init__()
+        self.values: dict[str, str] = {}
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if "data-key" in a and "data-value" in a:
+            self.values[a["data-key"]] = a["data-value"]
+
+
+def _samples(text: str) -> list:
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def _total(samples, name: str, **labels) -> float:
+    return sum(s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def _quantile(q: float, samples, name: str, **labels) -> float | None:
+    """histogram_quantile over the lifetime buckets (what the page shows when idle: "since start")."""
+    counts: dict[float, float] = {}
+    for s in samples:
+        if s.name == name + "_bucket" and all(s.labels.get(k) == v for k, v in labels.items()):
+            le = math.inf if s.labels["le"] == "+Inf" else float(s.labels["le"])
+            counts[le] = counts.get(le, 0.0) + s.value
+    buckets = sorted(counts.items())
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank, lower, below = q * buckets[-1][1], 0.0, 0.0
+    for le, cum in buckets:
+        if cum >= rank:
+            return lower if le == math.inf else lower + (le - lower) * (rank - below) / max(cum - below, 1e-12)
+        lower, below = le, cum
+    return lower
+
+
+def test_the_dashboard_shows_the_servers_metrics(server, chromium, tmp_path):
+    # Open, like /metrics, while the API itself wants the key.
+    page = httpx.get(server.base_url + "/dashboard")
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    assert "script-src 'self'" in page.headers["content-security-policy"]
+    assert not re.search(r"(src|href)=\"https?:", page.text), "the page must not load anything from elsewhere"
+    assert httpx.get(server.base_url + "/dashboard/dashboard.js").status_code == 200
+    assert httpx.get(server.base_url + "/v1/models").status_code == 401
+
+    _traffic(server)
+    dom = _browse(chromium, server.base_url + "/dashboard?interval_ms=1000", tmp_path, "--dump-dom")
+    samples = _samples(httpx.get(server.base_url + "/metrics").text)
+    parser = _Figures()
+    parser.feed(dom)
+    shown = parser.values
+    assert shown.get("status") == "live", dom[:2000]
+
+    expected: dict[str, float | None] = {
+        "running": _total(samples, "rtx_num_requests_running"),
+        "waiting": _total(samples, "rtx_num_requests_waiting"),
+        "steps": _total(samples, "rtx_engine_steps_total"),
+        "generated": _total(samples, "rtx_generation_tokens_total"),
+        "oom": _total(samples, "rtx_oom_total"),
+        "kv-usage": _total(samples, "rtx_kv_cache_usage_ratio"),
+        "hit-rate": _total(samples, "rtx_prefix_cache_hits_total") / _total(samples, "rtx_prefix_cache_queries_total"),
+        "brownout-level": _total(samples, "rtx_brownout_level"),
+        "tier-capacity:host": _total(samples, "rtx_kv_tier_capacity_bytes", tier="host"),
+        "tier-used:device": _total(samples, "rtx_kv_tier_used_bytes", tier="device"),
+    }
+    for lane in LANES:
+        expected[f"lane-queued:{lane}"] = _total(samples, "rtx_lane_requests_queued", lane=lane)
+        expected[f"lane-ttft-target:{lane}"] = _total(samples, "rtx_lane_target_seconds", lane=lane, latency="ttft")
+        expected[f"lane-itl-target:{lane}"] = _total(samples, "rtx_lane_target_seconds", lane=lane, latency="itl")
+        for q in (50, 95):
+            expected[f"lane-ttft-p{q}:{lane}"] = _quantile(q / 100, samples, "rtx_lane_time_to_first_token_seconds",
+                                                           lane=lane)
+            expected[f"lane-itl-p{q}:{lane}"] = _quantile(q / 100, samples, "rtx_lane_inter_token_latency_seconds",
+                                                          lane=lane)
+    # The traffic really happened and reached every lane: the figures compared are not all zeros.
+    assert expected["generated"] == 8 * len(LANES) * 4 and expected["steps"] > 0
+    assert all(expected[f"lane-ttft-p95:{lane}"] for lane in LANES)
+    assert expected["lane-ttft-target:realtime"] < expected["lane-ttft-target:bulk"]
+    for key, value in expected.items():
+        assert key in shown, f"{key} is not on the page"
+        if value is None:
+            assert shown[key] == "", (key, shown[key])
+        else:
+            assert float(shown[key]) == pytest.approx(value, rel=1e-9, abs=1e-12), key
+    # Idle since the traffic: lifetime figures, and the page says so.
+    assert shown["window"].startswith("since start"), shown["window"]
+    assert float(shown["batch-mean"]) == pytest.approx(
+        _total(samples, "rtx_batch_size_sum") / _total(samples, "rtx_batch_size_count"), rel=1e-9)
+    # No GPU here: the panel says so instead of showing zeros.
+    assert "not measured" in shown["gpu-note"]
+    # The one refusal is the key-less /v1/models above: the page itself asks for nothing outside its open paths.
+    assert _total(samples, "rtx_requests_rejected_total") == 1 and shown["rejected"] == "1"
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / "dashboard.png"
+    _browse(chromium, server.base_url + "/dashboard", tmp_path, f"--screenshot={shot}", "--window-size=1400,1000",
+            "--hide-scrollbars")
+    assert shot.stat().st_size > 10_000

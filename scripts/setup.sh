@@ -50,6 +50,22 @@ if [ ! -x .tools/bin/helm ] || [ ! -x .tools/bin/kubectl ]; then
   rm -rf "$work"
   trap - EXIT
 fi
+# promtool for the chart's alert rules (tests/charts/test_alert_rules.py): only the binary, out of Debian's prometheus
+# package, unpacked rather than installed (no service, no dependencies). Not fatal: the test then fails naming it.
+if [ ! -x .tools/bin/promtool ]; then
+  mkdir -p .tools/bin
+  work=$(mktemp -d)
+  as_root=""
+  [ "$(id -u)" = 0 ] || as_root="sudo -n"
+  if (cd "$work" && { apt-get download prometheus >/dev/null 2>&1 \
+                      || { $as_root apt-get update -qq >/dev/null 2>&1 && apt-get download prometheus >/dev/null 2>&1; }; } \
+      && dpkg-deb -x prometheus_*.deb pkg); then
+    install -m 0755 "$work/pkg/usr/bin/promtool" .tools/bin/
+  else
+    echo "warning: could not fetch promtool (Debian's prometheus package)" >&2
+  fi
+  rm -rf "$work"
+fi
 # The C++ CPU decode-attention kernel: built now rather than by the first `rtx generate` (about a minute on two cores;
 # kernels/cpu_ops.py says where it goes). A machine without a compiler uses the torch path instead.
 $VPY -c "from rtx_kernels.cpu_ops import paged_decode_kernel; paged_decode_kernel()"

@@ -3,7 +3,7 @@ canary and KEDA variants in charts/rtx-serve/ci/.
 
 Core kinds are validated strictly against the Kubernetes OpenAPI schemas bundled with kubernetes-validate, for the
 oldest Kubernetes the chart supports and the newest the package knows. Custom resources (ServiceMonitor, Rollout,
-AnalysisTemplate, ScaledObject, ExternalSecret) have no schema there, so their required fields are checked here.
+AnalysisTemplate, ScaledObject, ExternalSecret, PrometheusRule) have no schema there, so their required fields are checked here.
 helm comes from scripts/setup.sh (.tools/bin/helm).
 """
 
@@ -35,6 +35,8 @@ K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
 CORE_API_GROUPS = ("v1", "apps/v1", "policy/v1", "autoscaling/v2", "networking.k8s.io/v1")
 CRD_KINDS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    # Its rules are checked by promtool (tests/charts/test_alert_rules.py).
+    ("monitoring.coreos.com/v1", "PrometheusRule"),
     ("argoproj.io/v1alpha1", "Rollout"),
     ("argoproj.io/v1alpha1", "AnalysisTemplate"),
     ("keda.sh/v1alpha1", "ScaledObject"),

@@ -40,14 +40,7 @@ def add_parser(sub) -> None:
                    help="seconds before the first spike (default: 20)")
     g.add_argument("--seed", type=int, default=0, help="seed of arrival times, lanes, tenants and lengths")
     g = p.add_argument_group("requests")
-    g.add_argument("--lane-mix", default="realtime=0.1,standard=0.6,bulk=0.3",
-                   help="LANE=WEIGHT,... (default: realtime=0.1,standard=0.6,bulk=0.3)")
-    g.add_argument("--prompt-tokens", action="append", default=[], metavar="LANE=LOW:HIGH",
-                   help="prompt length range of a lane, uniform (repeatable; defaults: realtime 16:64, standard "
-                        "32:128, bulk 128:256)")
-    g.add_argument("--output-tokens", action="append", default=[], metavar="LANE=LOW:HIGH",
-                   help="output length range of a lane, uniform (repeatable; defaults: realtime 16:32, standard "
-                        "32:96, bulk 64:128)")
+    add_lane_mix_options(g)
     g.add_argument("--tenant", action="append", default=[], metavar="NAME=KEY[:WEIGHT]",
                    help="a tenant and its API key, sent as a Bearer token (repeatable; none: no Authorization)")
     g.add_argument("--target", action="append", default=[], metavar="LANE=TTFT_S:ITL_S",
@@ -68,6 +61,18 @@ def add_parser(sub) -> None:
     p.add_argument("--json", dest="json_path", type=output_file, default=None,
                    help="also write the report as JSON to this file")
     p.set_defaults(run=run)
+
+
+def add_lane_mix_options(g) -> None:
+    """--lane-mix, --prompt-tokens and --output-tokens: the lanes of the load (``rtx loadgen``, ``rtx plan``)."""
+    g.add_argument("--lane-mix", default="realtime=0.1,standard=0.6,bulk=0.3",
+                   help="LANE=WEIGHT,... (default: realtime=0.1,standard=0.6,bulk=0.3)")
+    g.add_argument("--prompt-tokens", action="append", default=[], metavar="LANE=LOW:HIGH",
+                   help="prompt length range of a lane, uniform (repeatable; defaults: realtime 16:64, standard "
+                        "32:128, bulk 128:256)")
+    g.add_argument("--output-tokens", action="append", default=[], metavar="LANE=LOW:HIGH",
+                   help="output length range of a lane, uniform (repeatable; defaults: realtime 16:32, standard "
+                        "32:96, bulk 64:128)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,7 +105,7 @@ def loadgen_config(args: argparse.Namespace):
 
     return LoadgenConfig(
         url=args.url, duration_s=args.duration, rate=args.rate, load=args.load, capacity=args.capacity,
-        pattern=_pattern(args), lanes=_lanes(args), targets=_targets(args.target), tenants=_tenants(args.tenant),
+        pattern=_pattern(args), lanes=lane_profiles(args), targets=_targets(args.target), tenants=_tenants(args.tenant),
         capacity_clients=args.capacity_clients, capacity_duration_s=args.capacity_duration,
         request_timeout_s=args.timeout, metrics_interval_s=args.metrics_interval, seed=args.seed,
         token_id_range=_int_pair(args.token_ids, "--token-ids"), logprobs=args.logprobs, model=args.model)
@@ -119,7 +124,8 @@ def _pattern(args: argparse.Namespace):
     return SpikyArrivals(**given)
 
 
-def _lanes(args: argparse.Namespace):
+def lane_profiles(args: argparse.Namespace):
+    """The lane mix of --lane-mix, --prompt-tokens and --output-tokens (also ``rtx plan``'s)."""
     from rtxcore.bench.loadgen import DEFAULT_LANES, LaneProfile
 
     defaults = {lane.name: lane for lane in DEFAULT_LANES}

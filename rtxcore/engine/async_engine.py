@@ -66,6 +66,8 @@ class StepObserver:
     on_abort: Callable[[EngineCore, RequestOutput], None] | None = None
     # The engine is idle (no request): called every IDLE_TICK_S, so gauges and time-driven state (brownout) move on.
     on_idle: Callable[[EngineCore], None] | None = None
+    # The scheduler held a step open to merge arrivals (its merge window): the seconds the engine waited.
+    on_hold: Callable[[float], None] | None = None
 
 
 # How often observers hear from an idle engine.
@@ -189,6 +191,7 @@ class AsyncEngine:
                     # The scheduler is merging arrivals: sleep until its window closes or a request comes in.
                     self._wake.wait(self.core.hold_s)
                     self._wake.clear()
+                    self._observe("on_hold", time.monotonic() - start)
                     continue
                 self.num_steps += 1
                 self.last_step_time = time.monotonic()

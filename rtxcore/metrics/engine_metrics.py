@@ -82,6 +82,9 @@ class EngineMetrics:
 
     # -- what servers call ----------------------------------------------------------------------------------------
 
+    def _on_hold(self, seconds: float) -> None:
+        self._m.merge_window_hold.observe(seconds)
+
     def set_lane_targets(self, lanes: Iterable[LaneSpec]) -> None:
         """Export each lane's targets (rtx_lane_target_seconds), for dashboards to draw measured latency against."""
         for spec in lanes:
@@ -90,7 +93,7 @@ class EngineMetrics:
 
     def observer(self) -> StepObserver:
         return StepObserver(on_step=self._on_step, on_admit=self._on_admit, on_abort=self._on_abort,
-                            on_idle=self._update_engine_state)
+                            on_idle=self._update_engine_state, on_hold=self._on_hold)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text for ``GET /metrics`` and its content type."""

@@ -42,6 +42,7 @@ class BoundFamilies:
     e2e_request_latency: Histogram
     request_queue_time: Histogram
     merge_wait: Histogram
+    merge_window_hold: Histogram
     batch_size: Histogram
     step_duration: Histogram
     engine_steps: Counter
@@ -98,6 +99,9 @@ class Families:
         self.merge_wait = histogram(
             "rtx_merge_wait_seconds", "Seconds a submission waited before the engine thread added it to the scheduler.",
             MERGE_WAIT_BUCKETS)
+        self.merge_window_hold = histogram(
+            "rtx_merge_window_hold_seconds", "Seconds the engine held a step open so that arrivals could join it "
+            "(a lane-aware scheduler's merge window), per hold.", MERGE_WAIT_BUCKETS)
         self.batch_size = histogram(
             "rtx_batch_size", "Requests that sampled a token in an engine step (steps that sampled none excluded).",
             BATCH_SIZE_BUCKETS)
@@ -206,6 +210,7 @@ class Families:
             e2e_request_latency=self.e2e_request_latency.labels(model),
             request_queue_time=self.request_queue_time.labels(model),
             merge_wait=self.merge_wait.labels(model),
+            merge_window_hold=self.merge_window_hold.labels(model),
             batch_size=self.batch_size.labels(model),
             step_duration=self.step_duration.labels(model),
             engine_steps=self.engine_steps.labels(model),

@@ -3,7 +3,8 @@ canary and KEDA variants in charts/rtx-serve/ci/.
 
 Core kinds are validated strictly against the Kubernetes OpenAPI schemas bundled with kubernetes-validate, for the
 oldest Kubernetes the chart supports and the newest the package knows. Custom resources (ServiceMonitor, Rollout,
-AnalysisTemplate, ScaledObject, ExternalSecret, PrometheusRule) have no schema there, so their required fields are checked here.
+AnalysisTemplate, ScaledObject, ExternalSecret, PrometheusRule) have no schema there, so their required fields are
+checked here.
 helm comes from scripts/setup.sh (.tools/bin/helm).
 """
 

@@ -333,3 +333,26 @@ def test_exposition_has_process_metrics_and_no_created_series():
     text = body.decode() if isinstance(body, bytes) else body
     assert "process_resident_memory_bytes" in text and "process_cpu_seconds_total" in text
     assert "_created" not in text
+
+
+def test_merge_window_holds_are_timed_apart_from_the_inbox_wait(registry):
+    """The sla-lanes scheduler holds a step open (2 ms by default) when requests arrive at an idle engine, so that
+    others may join their prefill: each hold is observed, and lasts about the window."""
+    metrics = EngineMetrics("tiny")
+    engine = AsyncEngine(make_engine(registry=registry, scheduler="sla-lanes").core, observers=[metrics.observer()])
+    engine.start()
+    try:
+        params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+
+        async def main():
+            for i in range(3):  # one at a time: each finds the engine idle
+                assert await collect(engine, [5, 6, 7, i], params) == 4
+                await wait_idle(engine)
+        asyncio.run(main())
+    finally:
+        engine.stop()
+    families = parse(metrics)
+    holds = value(families, "rtx_merge_window_hold_seconds", "rtx_merge_window_hold_seconds_count")
+    held = value(families, "rtx_merge_window_hold_seconds", "rtx_merge_window_hold_seconds_sum")
+    assert holds >= 3
+    assert 0 < held / holds < 0.05  # the 2 ms window, plus the thread's wake-up on a busy machine

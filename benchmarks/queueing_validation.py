@@ -1,0 +1,116 @@
+"""The queueing model (rtxcore/capacity) against live load on this machine: `rtx serve` with the sla-lanes scheduler
+and W5's CPU lanes (benchmarks/w5_cpu.toml), `rtx loadgen` at fractions of its measured capacity (Poisson, the W5
+mix scaled to 2 cores as benchmarks/w5_cpu.sh runs it), and the model's prediction at the same arrival rates beside
+each measured figure.
+
+Usage: python benchmarks/queueing_validation.py [--loads 0.5,0.8,1.0] [--duration 120] [--json OUT]
+
+The step-time profile is measured first, in this process, with the server not yet started (rtxcore.capacity.profile).
+Measured TTFT is the client's (send to first streamed token: HTTP, tokenization and the stream included); ITL pools
+every gap of every completed request, as `rtx loadgen` reports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from rtxcore.bench.loadgen import LaneProfile, LengthRange, LoadgenConfig, run_loadgen_sync
+from rtxcore.capacity.planner import Planner
+from rtxcore.capacity.profile import measure
+from rtxcore.contracts.scheduler import SchedulerConfig
+from rtxcore.engine.config import EngineConfig
+from rtxcore.engine.llm import LLM
+from rtxcore.server.serve_config import load_serve_config
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG = REPO / "benchmarks" / "w5_cpu.toml"
+MIX = (LaneProfile("realtime", 0.1, LengthRange(16, 32), LengthRange(8, 16)),
+       LaneProfile("standard", 0.6, LengthRange(32, 96), LengthRange(16, 32)),
+       LaneProfile("bulk", 0.3, LengthRange(96, 192), LengthRange(32, 64)))
+MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, PORT = 16, 256, 8377
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--loads", default="0.5,0.8,1.0")
+    ap.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals per load (default: 120)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    loads = [float(x) for x in args.loads.split(",")]
+    config_file = load_serve_config(str(CONFIG))
+    served = EngineConfig(scheduler="sla-lanes", scheduling=SchedulerConfig(
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=MAX_NUM_SEQS, lanes=config_file.lanes,
+        options=config_file.scheduler_options))
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    profile = measure(served, log=log)
+    blocks = LLM(served).core.kv_cache.pool.num_usable_blocks + 1
+    served.num_kv_blocks = blocks
+    server = subprocess.Popen([sys.executable, "-m", "rtxcore.cli.main", "serve", "--port", str(PORT), "--no-grpc",
+                               "--scheduler", "sla-lanes", "--config", str(CONFIG), "--max-num-seqs",
+                               str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
+                               "--num-kv-blocks", str(blocks)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{PORT}"
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        measured, capacity = [], None
+        for i, load in enumerate(loads):
+            config = LoadgenConfig(url=url, duration_s=args.duration, load=load, capacity=capacity, lanes=MIX,
+                                   capacity_clients=16, capacity_duration_s=40, seed=10 + i,
+                                   request_timeout_s=600)
+            report = run_loadgen_sync(config, log)
+            capacity = report.capacity
+            measured.append(report)
+            time.sleep(10)
+    finally:
+        server.terminate()
+        server.wait(60)
+    planner = Planner(served, profile, MIX, duration_s=max(600.0, 4 * args.duration), seed=1, log=log)
+    rows = []
+    print(f"# python benchmarks/queueing_validation.py {' '.join(sys.argv[1:])}")
+    print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()}, "
+          f"{profile.base_s * 1000:.1f} ms + {profile.per_token_s * 1000:.2f} ms/token, {blocks} KV blocks, "
+          f"capacity {capacity:.3f} requests/s (closed loop, 16 clients)")
+    print(f"{'load':>5} {'rate':>6} {'lane':<9} {'figure':<9} {'predicted':>10} {'measured':>10} {'ratio':>6}")
+    for load, report in zip(loads, measured):
+        prediction = planner.predict(report.offered_rate)
+        for lane in report.lanes:
+            p = prediction.lanes.get(lane.name)
+            if p is None:
+                continue
+            for figure, pred, meas in (("TTFT p50", p.ttft_s["p50"], lane.ttft_s[50]),
+                                       ("TTFT p95", p.ttft_s["p95"], lane.ttft_s[95]),
+                                       ("ITL p50", p.itl_s["p50"], lane.itl_s[50]),
+                                       ("ITL p95", p.itl_s["p95"], lane.itl_s[95])):
+                ratio = pred / meas if pred and meas else None
+                rows.append({"load": load, "rate": report.offered_rate, "lane": lane.name, "figure": figure,
+                             "predicted_s": pred, "measured_s": meas, "ratio": ratio})
+                print(f"{load:>5.2f} {report.offered_rate:>6.3f} {lane.name:<9} {figure:<9} "
+                      f"{_s(pred):>10} {_s(meas):>10} {ratio if ratio is None else round(ratio, 2)!s:>6}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"profile": profile.to_json(), "capacity": capacity, "rows": rows},
+                                              indent=2))
+    return 0
+
+
+def _s(value):
+    return "-" if value is None else f"{value:.3f}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

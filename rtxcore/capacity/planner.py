@@ -1,0 +1,117 @@
+"""``rtx plan``'s arithmetic: predictions at given arrival rates (rtxcore.capacity.simulation), each lane's capacity
+(the arrival rate at which its p95 time to first token first exceeds its target), the replicas a target rate needs
+and the autoscaling thresholds that go with them."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rtxcore.bench.loadgen.workload import LaneProfile
+from rtxcore.capacity.profile import StepTimeProfile
+from rtxcore.capacity.simulation import SimulationResult, percentile, poisson_arrivals, simulate
+from rtxcore.engine.config import EngineConfig
+
+# Replicas are sized so that each runs at this share of its capacity: room for bursts and for a pod restarting.
+HEADROOM = 0.8
+# A lane that has this share of its requests refused has missed its target as surely as one served late.
+MAX_REFUSED_SHARE = 0.01
+# Bisection steps of a lane's capacity: the interval shrinks to 1/2^8 of the first bracket.
+_SEARCH_STEPS = 8
+
+
+@dataclass(slots=True)
+class LanePrediction:
+    ttft_s: dict[str, float | None]
+    itl_s: dict[str, float | None]
+    refused: int
+    finished: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ttft_s": self.ttft_s, "itl_s": self.itl_s, "refused": self.refused, "finished": self.finished}
+
+
+@dataclass(slots=True)
+class Prediction:
+    rate: float
+    lanes: dict[str, LanePrediction]
+    utilization: float
+    mean_waiting: float
+    mean_running: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rate": self.rate, "utilization": self.utilization, "mean_waiting": self.mean_waiting,
+                "mean_running": self.mean_running, "lanes": {k: v.to_json() for k, v in self.lanes.items()}}
+
+
+def _quantiles(values: list[float]) -> dict[str, float | None]:
+    return {"p50": percentile(values, 0.5), "p95": percentile(values, 0.95), "p99": percentile(values, 0.99)}
+
+
+def summarize(rate: float, result: SimulationResult) -> Prediction:
+    lanes = {name: LanePrediction(_quantiles(o.ttft_s), _quantiles(o.itl_s), o.refused, o.finished)
+             for name, o in sorted(result.lanes.items())}
+    return Prediction(rate, lanes, result.utilization, result.mean_waiting, result.mean_running)
+
+
+@dataclass(slots=True)
+class Planner:
+    served: EngineConfig
+    profile: StepTimeProfile
+    mix: Sequence[LaneProfile]
+    duration_s: float = 300.0
+    seed: int = 0
+    log: Callable[[str], None] = lambda line: None
+    _cache: dict[float, Prediction] = field(default_factory=dict)
+
+    def predict(self, rate: float) -> Prediction:
+        rate = round(rate, 6)
+        if rate not in self._cache:
+            arrivals = poisson_arrivals(rate, self.duration_s, self.mix, self.seed)
+            self._cache[rate] = summarize(rate, simulate(self.served, self.profile, arrivals))
+        return self._cache[rate]
+
+    def target(self, lane: str) -> float:
+        return self.served.scheduling.lanes[lane].ttft_target_s
+
+    def misses(self, lane: str, rate: float) -> bool:
+        """Whether the lane's p95 TTFT at ``rate`` is over its target, or the scheduler refuses more than
+        ``MAX_REFUSED_SHARE`` of its requests (admission control keeps p95 on target by refusing)."""
+        p = self.predict(rate).lanes.get(lane)
+        if p is None:
+            return False
+        p95 = p.ttft_s["p95"]
+        refused = p.refused / max(p.refused + p.finished, 1)
+        return refused > MAX_REFUSED_SHARE or (p95 is not None and p95 > self.target(lane))
+
+    def saturation_rate(self) -> float:
+        """Arrivals a second the engine could serve at full utilisation, from a light-load run's utilisation."""
+        probe = 0.05
+        while True:
+            p = self.predict(probe)
+            if p.utilization > 0.02 or probe > 1e4:
+                return probe / max(p.utilization, 1e-6)
+            probe *= 4
+
+    def capacity(self, lane: str) -> float:
+        """The lowest rate (to 1/256 of the search bracket) at which ``lane`` misses its target."""
+        high = 1.5 * self.saturation_rate()
+        while not self.misses(lane, high):
+            high *= 2
+            if high > 1e6:
+                return math.inf
+        low = 0.0
+        for _ in range(_SEARCH_STEPS):
+            mid = (low + high) / 2
+            if self.misses(lane, mid):
+                high = mid
+            else:
+                low = mid
+        self.log(f"lane {lane}: target first missed near {high:.3g} requests/s")
+        return high
+
+
+def replicas_for(target_rate: float, capacity: float) -> int:
+    return max(1, math.ceil(target_rate / (capacity * HEADROOM)))

@@ -1,0 +1,112 @@
+"""A step-time profile: how long one engine step takes as a function of the tokens it computes,
+``seconds = base_s + per_token_s * tokens``, the same shape as the sla-lanes scheduler's own model
+(rtx_plugins.schedulers.sla_lanes.step_time) learnt from live steps.
+
+``measure`` times real steps of the model on this machine: decode steps of every batch size up to the engine's
+``max_num_seqs`` (in powers of two) and prefill chunks up to its token budget, a least-squares fit over all of them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rtxcore.engine.config import EngineConfig
+from rtxcore.errors import ConfigError
+from rtxcore.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class StepTimeProfile:
+    base_s: float
+    per_token_s: float
+    # Where it came from (the machine and model, or "given"), for the report.
+    source: str = "given"
+
+    def seconds(self, num_tokens: int) -> float:
+        return self.base_s + self.per_token_s * num_tokens
+
+    def to_json(self) -> dict[str, object]:
+        return asdict(self)
+
+    @classmethod
+    def load(cls, path: Path) -> StepTimeProfile:
+        try:
+            data = json.loads(Path(path).read_text())
+            profile = cls(float(data["base_s"]), float(data["per_token_s"]), str(data.get("source", str(path))))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"cannot read a step-time profile from {path}: {exc}") from None
+        if profile.base_s < 0 or profile.per_token_s < 0:
+            raise ConfigError(f"a step-time profile's base_s and per_token_s must be >= 0 ({path})")
+        return profile
+
+
+def fit(samples: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares ``(base_s, per_token_s)`` over ``(tokens, seconds)`` samples, both kept >= 0."""
+    n = len(samples)
+    mean_x = sum(x for x, _ in samples) / n
+    mean_y = sum(y for _, y in samples) / n
+    var_x = sum((x - mean_x) ** 2 for x, _ in samples)
+    if var_x == 0:
+        return 0.0, mean_y / max(mean_x, 1.0)
+    per_token = sum((x - mean_x) * (y - mean_y) for x, y in samples) / var_x
+    base = mean_y - per_token * mean_x
+    if per_token < 0:
+        return max(mean_y, 0.0), 0.0
+    if base < 0:
+        return 0.0, mean_y / max(mean_x, 1.0)
+    return base, per_token
+
+
+def measure(config: EngineConfig, repeats: int = 3, log=lambda line: None) -> StepTimeProfile:
+    """Time real steps of ``config``'s model here: every decode batch size 1, 2, 4... up to ``max_num_seqs`` and
+    prefill chunks of 32 tokens up to the step budget; the median of ``repeats`` timings each."""
+    from dataclasses import replace
+
+    from rtxcore.engine.llm import LLM
+
+    # Steps timed one by one: serial (an overlapped step returns before its work is done) and first come, first
+    # served (a lane-aware scheduler may hold a step open for newcomers). The step's cost is the model's and the
+    # backend's, whichever scheduler fills it.
+    engine = LLM(replace(config, scheduler="fcfs", async_scheduling=False,
+                         scheduling=replace(config.scheduling, options={})))
+    sched = config.scheduling
+    samples: list[tuple[int, float]] = []
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    sizes = []
+    size = 1
+    while size <= sched.max_num_seqs:
+        sizes.append(size)
+        size *= 2
+    for batch in sizes:
+        # Prompts of 8 tokens: their prefill is one step, then every step is a decode of `batch` rows.
+        def decode_batch(r: int, batch: int = batch) -> None:
+            for i in range(batch):
+                engine.add_request([1 + (i + r) % 7] * 8 + [i, r], greedy)
+            engine.step()  # the prefill, untimed
+        samples.append((batch, _median_step(engine, decode_batch, repeats)))
+    chunk = 32
+    while chunk <= sched.max_num_batched_tokens:
+        def prefill(r: int, chunk: int = chunk) -> None:
+            engine.add_request([2 + r] * (chunk - 1) + [chunk + r], SamplingParams(max_tokens=1, ignore_eos=True))
+        samples.append((chunk, _median_step(engine, prefill, repeats)))
+        chunk *= 2
+    base, per_token = fit(samples)
+    log(f"step-time profile from {len(samples)} step shapes: {base * 1000:.2f} ms + {per_token * 1000:.3f} ms/token")
+    return StepTimeProfile(base, per_token, f"measured here on {config.model or 'the default model'}")
+
+
+def _median_step(engine, prepare: Callable[[int], None], repeats: int) -> float:
+    """The median time of the step after ``prepare(r)``, over ``repeats`` runs, each drained before the next."""
+    times = []
+    for r in range(repeats):
+        prepare(r)
+        started = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - started)
+        while engine.has_unfinished_requests():
+            engine.step()
+    return sorted(times)[len(times) // 2]

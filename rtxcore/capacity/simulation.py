@@ -1,0 +1,176 @@
+"""The queueing model: a discrete-event simulation of the engine under a given arrival process.
+
+No closed form covers what decides latency here (chunked prefill sharing steps with decodes, lane priorities,
+admission on predicted waits, preemption, brownout), so the model runs the real code: an engine with the real
+scheduler plugin and KV-cache manager, on a small stand-in model (``dummy:tiny``: which tokens come out does not
+matter, only how many), whose steps take the time the step-time profile says instead of the time they take here.
+The scheduler reads that virtual clock, so its admission, aging and brownout decisions are the ones the real server
+would make at those times. A request arriving during a step joins at its end, as the server's inbox does; an empty
+step that holds for a merge window waits that long or until the next arrival.
+
+Each simulated second costs a few milliseconds of host time per step (the stand-in model's forward pass and the
+engine's own work), so an hour of traffic at a few steps a second simulates in well under a minute.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+
+from rtxcore.bench.loadgen.workload import LaneProfile
+from rtxcore.capacity.profile import StepTimeProfile
+from rtxcore.engine.config import EngineConfig
+from rtxcore.errors import AdmissionRefused
+from rtxcore.sampling_params import SamplingParams
+
+STAND_IN_MODEL = "dummy:tiny"
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    time_s: float
+    lane: str
+    prompt_tokens: int
+    output_tokens: int
+
+
+def poisson_arrivals(rate: float, duration_s: float, mix: Sequence[LaneProfile], seed: int = 0) -> list[Arrival]:
+    """Poisson arrivals at ``rate`` a second for ``duration_s``, each one's lane drawn by weight and its lengths
+    from the lane's ranges (``rtx loadgen``'s lane profiles)."""
+    rng = random.Random(seed)
+    weights = [m.weight for m in mix]
+    out: list[Arrival] = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(rate)
+        if t >= duration_s:
+            return out
+        m = rng.choices(mix, weights)[0]
+        out.append(Arrival(t, m.name, m.prompt_tokens.sample(rng), m.output_tokens.sample(rng)))
+
+
+@dataclass(slots=True)
+class LaneOutcome:
+    ttft_s: list[float] = field(default_factory=list)
+    itl_s: list[float] = field(default_factory=list)
+    refused: int = 0
+    finished: int = 0
+
+
+@dataclass(slots=True)
+class SimulationResult:
+    lanes: dict[str, LaneOutcome]
+    duration_s: float
+    steps: int
+    busy_s: float
+    # Time-weighted mean of requests waiting (queued, not running) and running.
+    mean_waiting: float
+    mean_running: float
+
+    @property
+    def utilization(self) -> float:
+        """Share of the time the engine was stepping."""
+        return self.busy_s / self.duration_s if self.duration_s > 0 else 0.0
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-quantile (0..1) by linear interpolation between order statistics; None without values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    low = math.floor(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def engine_config_for(served: EngineConfig) -> EngineConfig:
+    """The stand-in engine: the served engine's scheduler, lanes, budgets and KV block count, on ``dummy:tiny``
+    run serially (a step's time is the profile's, so overlapping the host's work with the device's is in it)."""
+    if served.num_kv_blocks is None:
+        raise ValueError("the simulation needs the served engine's KV block count (num_kv_blocks)")
+    return replace(served, model=STAND_IN_MODEL, backend="torch", device="cpu", dtype="float32", quantization=None,
+                   tensor_parallel_size=1, pipeline_parallel_size=1, async_scheduling=False, enforce_eager=True,
+                   kv_host_bytes=0, kv_disk_dir=None, max_model_len=None, kv_cache_bytes=None,
+                   enable_prefix_caching=False)
+
+
+def simulate(served: EngineConfig, profile: StepTimeProfile, arrivals: Iterable[Arrival]) -> SimulationResult:
+    """Run ``arrivals`` through the stand-in of ``served`` on the virtual clock; every request to its end."""
+    from rtxcore.engine.llm import LLM
+
+    # The scheduler's brownout changes are logged as the live server's are; here they are the model's, not news.
+    brownout_log = logging.getLogger("rtx.brownout")
+    level = brownout_log.level
+    brownout_log.setLevel(logging.ERROR)
+    try:
+        return _run(LLM(engine_config_for(served)), profile, arrivals)
+    finally:
+        brownout_log.setLevel(level)
+
+
+def _run(engine, profile: StepTimeProfile, arrivals: Iterable[Arrival]) -> SimulationResult:
+    core = engine.core
+    now = 0.0
+    if hasattr(core.scheduler, "clock"):
+        core.scheduler.clock = lambda: now
+    scheduled = [0]
+    schedule = core.scheduler.schedule
+
+    def counting_schedule():
+        out = schedule()
+        scheduled[0] = out.total_num_scheduled_tokens
+        return out
+    core.scheduler.schedule = counting_schedule  # reads each step's size
+
+    queue = sorted(arrivals, key=lambda a: a.time_s)
+    lanes: dict[str, LaneOutcome] = {}
+    live: dict[str, tuple[str, float, float | None]] = {}  # req id -> (lane, arrival, last token time)
+    steps, busy, waiting_area, running_area, start = 0, 0.0, 0.0, 0.0, queue[0].time_s if queue else 0.0
+    index = 0
+    while index < len(queue) or engine.has_unfinished_requests():
+        if not engine.has_unfinished_requests() and queue[index].time_s > now:
+            now = queue[index].time_s  # idle until the next arrival
+        while index < len(queue) and queue[index].time_s <= now:
+            a = queue[index]
+            index += 1
+            outcome = lanes.setdefault(a.lane, LaneOutcome())
+            params = SamplingParams(max_tokens=a.output_tokens, temperature=0.0, ignore_eos=True)
+            try:
+                req_id = engine.add_request([1 + (index + i) % 97 for i in range(a.prompt_tokens)], params,
+                                            lane=a.lane)
+            except AdmissionRefused:
+                outcome.refused += 1
+                continue
+            live[req_id] = (a.lane, a.time_s, None)
+        outputs = engine.step()
+        seconds = profile.seconds(scheduled[0]) if scheduled[0] else 0.0
+        if seconds == 0.0:
+            # Nothing ran: a merge-window hold (until it ends or the next arrival) or an empty step.
+            nxt = queue[index].time_s if index < len(queue) else math.inf
+            seconds = min(core.hold_s, max(nxt - now, 0.0)) if core.hold_s > 0 else max(min(nxt - now, 1.0), 1e-6)
+        else:
+            steps += 1
+            busy += seconds
+        waiting_area += core.scheduler.num_waiting * seconds
+        running_area += core.scheduler.num_running * seconds
+        now += seconds
+        for out in outputs:
+            if out.req_id not in live:
+                continue
+            lane, arrived, last = live[out.req_id]
+            outcome = lanes[lane]
+            if out.new_token_ids:
+                if last is None:
+                    outcome.ttft_s.append(now - arrived)
+                else:
+                    outcome.itl_s.append(now - last)
+                live[out.req_id] = (lane, arrived, now)
+            if out.finished:
+                outcome.finished += 1
+                del live[out.req_id]
+    duration = max(now - start, 1e-9)
+    return SimulationResult(lanes, duration, steps, busy, waiting_area / duration, running_area / duration)

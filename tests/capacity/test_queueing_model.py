@@ -1,0 +1,95 @@
+"""The queueing model (rtxcore/capacity): the simulation against queueing theory where a closed form holds, and
+``rtx plan`` end to end on a given step-time profile."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+from rtxcore.bench.loadgen import LaneProfile, LengthRange
+from rtxcore.capacity.planner import Planner
+from rtxcore.capacity.profile import StepTimeProfile, fit
+from rtxcore.capacity.simulation import poisson_arrivals, simulate
+from rtxcore.contracts.scheduler import SchedulerConfig
+from rtxcore.engine.config import EngineConfig
+from tests.helpers.cli import assert_one_line_error, rtx
+
+PROFILE = StepTimeProfile(0.010, 0.0001)
+PROMPT, OUTPUT = 100, 2
+
+
+@pytest.mark.parametrize("rho", [0.5, 0.8])
+def test_one_request_at_a_time_is_an_m_d_1_queue(rho):
+    """One sequence at a time, fixed lengths, Poisson arrivals: every request takes the same service time S (its
+    prefill step, then OUTPUT - 1 decode steps). Each TTFT is then exactly the wait Lindley's recursion gives for
+    those arrival times plus the prefill step, and their mean Pollaczek-Khinchine's rho S / (2 (1 - rho)) plus it,
+    within sampling error."""
+    service = PROFILE.seconds(PROMPT) + (OUTPUT - 1) * PROFILE.seconds(1)
+    rate = rho / service
+    served = EngineConfig(scheduler="fcfs", num_kv_blocks=64,
+                          scheduling=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=256))
+    mix = [LaneProfile("standard", 1.0, LengthRange(PROMPT, PROMPT), LengthRange(OUTPUT, OUTPUT))]
+    arrivals = poisson_arrivals(rate, 2500 / rate, mix, seed=1)
+    result = simulate(served, PROFILE, arrivals)
+    lane = result.lanes["standard"]
+    assert lane.finished == len(arrivals) and lane.refused == 0
+    waits, wait = [], 0.0
+    for i, a in enumerate(arrivals):
+        if i:
+            wait = max(0.0, wait + service - (a.time_s - arrivals[i - 1].time_s))
+        waits.append(wait)
+    assert lane.ttft_s == pytest.approx([w + PROFILE.seconds(PROMPT) for w in waits], abs=1e-9)
+    if rho <= 0.5:  # at 0.8 the mean of 2500 waits is too noisy for a 6% check against the formula
+        expected = rho * service / (2 * (1 - rho)) + PROFILE.seconds(PROMPT)
+        assert statistics.mean(lane.ttft_s) == pytest.approx(expected, rel=0.06)
+    assert result.utilization == pytest.approx(rho, rel=0.05)
+    # Every decode gap is one decode step.
+    assert set(round(x, 9) for x in lane.itl_s) == {round(PROFILE.seconds(1), 9)}
+
+
+def test_fit_recovers_a_line():
+    samples = [(n, 0.02 + 0.0005 * n) for n in (1, 2, 4, 8, 64, 128)]
+    base, per_token = fit(samples)
+    assert base == pytest.approx(0.02) and per_token == pytest.approx(0.0005)
+
+
+def test_capacity_is_where_a_lane_starts_missing_its_target():
+    served = EngineConfig(scheduler="sla-lanes", num_kv_blocks=256,
+                          scheduling=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128))
+    mix = [LaneProfile("standard", 1.0, LengthRange(32, 64), LengthRange(8, 16))]
+    planner = Planner(served, StepTimeProfile(0.02, 0.001), mix, duration_s=60, seed=3)
+    capacity = planner.capacity("standard")
+    assert planner.misses("standard", capacity) and not planner.misses("standard", 0.5 * capacity)
+    light, heavy = planner.predict(0.25 * capacity), planner.predict(capacity)
+    assert light.lanes["standard"].ttft_s["p95"] < heavy.lanes["standard"].ttft_s["p95"]
+    assert light.utilization < heavy.utilization
+
+
+def test_rtx_plan_reports_capacity_predictions_replicas_and_thresholds(tmp_path):
+    out = tmp_path / "plan.json"
+    proc = rtx("plan", "--model", "dummy:tiny", "--scheduler", "sla-lanes", "--num-kv-blocks", "256",
+                   "--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--step-time", "20", "1",
+                   "--lane-mix", "realtime=0.2,standard=0.8", "--duration", "30", "--loads", "0.5,0.8",
+                   "--target-rate", "50", "--json", str(out), timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "capacity (requests/s" in proc.stdout and "replicas for 50 requests/s:" in proc.stdout
+    plan = json.loads(out.read_text())
+    assert set(plan["capacity_per_lane"]) == {"realtime", "standard"}
+    assert plan["capacity"] == min(plan["capacity_per_lane"].values()) > 0
+    assert [round(p["rate"] / plan["capacity"], 3) for p in plan["predictions"]] == [0.5, 0.8]
+    assert plan["replicas"] >= 50 / plan["capacity"]
+    assert plan["autoscaling"]["queue_depth_per_pod"] >= 0
+
+
+@pytest.mark.parametrize("args, message", [
+    ((), "give one step-time profile"),
+    (("--step-time", "20", "1"), "KV block count is needed"),
+    (("--step-time", "20", "1", "--num-kv-blocks", "64", "--loads", "half"), "--loads must be numbers"),
+    (("--step-time", "20", "1", "--num-kv-blocks", "64", "--lane-mix", "vip=1", "--prompt-tokens", "vip=1:2",
+      "--output-tokens", "vip=1:2"), "lane vip, which the config does not define"),
+])
+def test_rtx_plan_bad_input_is_one_line(args, message):
+    proc = rtx("plan", "--model", "dummy:tiny", *args)
+    assert_one_line_error(proc, message)

@@ -5,7 +5,9 @@ each measured figure.
 
 Usage: python benchmarks/queueing_validation.py [--loads 0.5,0.8,1.0] [--duration 120] [--json OUT]
 
-The step-time profile is measured first, in this process, with the server not yet started (rtxcore.capacity.profile).
+Two step-time profiles, each giving its own predictions: one measured first, in this process, with the server not
+yet started (``rtx plan --profile``), and the one the server's scheduler learnt from its own steps during each load
+phase, read from its /metrics right after it (``rtx plan --profile-url``).
 Measured TTFT is the client's (send to first streamed token: HTTP, tokenization and the stream included); ITL pools
 every gap of every completed request, as `rtx loadgen` reports them.
 """
@@ -25,7 +27,7 @@ import httpx
 
 from rtxcore.bench.loadgen import LaneProfile, LengthRange, LoadgenConfig, run_loadgen_sync
 from rtxcore.capacity.planner import Planner
-from rtxcore.capacity.profile import measure
+from rtxcore.capacity.profile import from_server, measure
 from rtxcore.contracts.scheduler import SchedulerConfig
 from rtxcore.engine.config import EngineConfig
 from rtxcore.engine.llm import LLM
@@ -68,7 +70,7 @@ def main() -> int:
             except httpx.HTTPError:
                 pass
             time.sleep(1)
-        measured, capacity = [], None
+        measured, learnt, capacity = [], [], None
         for i, load in enumerate(loads):
             config = LoadgenConfig(url=url, duration_s=args.duration, load=load, capacity=capacity, lanes=MIX,
                                    capacity_clients=16, capacity_duration_s=40, seed=10 + i,
@@ -76,6 +78,9 @@ def main() -> int:
             report = run_loadgen_sync(config, log)
             capacity = report.capacity
             measured.append(report)
+            learnt.append(from_server(url, 16)[0])
+            log(f"learnt by the server at {load}x: {learnt[-1].base_s * 1000:.1f} ms + "
+                f"{learnt[-1].per_token_s * 1000:.2f} ms/token")
             time.sleep(10)
     finally:
         server.terminate()
@@ -86,26 +91,37 @@ def main() -> int:
     print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()}, "
           f"{profile.base_s * 1000:.1f} ms + {profile.per_token_s * 1000:.2f} ms/token, {blocks} KV blocks, "
           f"capacity {capacity:.3f} requests/s (closed loop, 16 clients)")
-    print(f"{'load':>5} {'rate':>6} {'lane':<9} {'figure':<9} {'predicted':>10} {'measured':>10} {'ratio':>6}")
-    for load, report in zip(loads, measured):
+    print(f"{'load':>5} {'rate':>6} {'lane':<9} {'figure':<9} {'measured':>9} {'in-proc':>8} {'ratio':>6} "
+          f"{'learnt':>8} {'ratio':>6}")
+    for load, report, live in zip(loads, measured, learnt):
         prediction = planner.predict(report.offered_rate)
+        live_planner = Planner(served, live, MIX, duration_s=planner.duration_s, seed=1)
+        live_prediction = live_planner.predict(report.offered_rate)
+        print(f"# at {load}x the server had learnt {live.base_s * 1000:.1f} ms + "
+              f"{live.per_token_s * 1000:.2f} ms/token")
         for lane in report.lanes:
-            p = prediction.lanes.get(lane.name)
-            if p is None:
+            p, q = prediction.lanes.get(lane.name), live_prediction.lanes.get(lane.name)
+            if p is None or q is None:
                 continue
-            for figure, pred, meas in (("TTFT p50", p.ttft_s["p50"], lane.ttft_s[50]),
-                                       ("TTFT p95", p.ttft_s["p95"], lane.ttft_s[95]),
-                                       ("ITL p50", p.itl_s["p50"], lane.itl_s[50]),
-                                       ("ITL p95", p.itl_s["p95"], lane.itl_s[95])):
+            for figure, key, quantile in (("TTFT p50", "ttft_s", 50), ("TTFT p95", "ttft_s", 95),
+                                          ("ITL p50", "itl_s", 50), ("ITL p95", "itl_s", 95)):
+                meas = getattr(lane, key)[quantile]
+                pred, pred_live = getattr(p, key)[f"p{quantile}"], getattr(q, key)[f"p{quantile}"]
                 ratio = pred / meas if pred and meas else None
+                ratio_live = pred_live / meas if pred_live and meas else None
                 rows.append({"load": load, "rate": report.offered_rate, "lane": lane.name, "figure": figure,
-                             "predicted_s": pred, "measured_s": meas, "ratio": ratio})
-                print(f"{load:>5.2f} {report.offered_rate:>6.3f} {lane.name:<9} {figure:<9} "
-                      f"{_s(pred):>10} {_s(meas):>10} {ratio if ratio is None else round(ratio, 2)!s:>6}")
+                             "measured_s": meas, "predicted_s": pred, "ratio": ratio,
+                             "predicted_learnt_s": pred_live, "ratio_learnt": ratio_live})
+                print(f"{load:>5.2f} {report.offered_rate:>6.3f} {lane.name:<9} {figure:<9} {_s(meas):>9} "
+                      f"{_s(pred):>8} {_r(ratio):>6} {_s(pred_live):>8} {_r(ratio_live):>6}")
     if args.json:
         Path(args.json).write_text(json.dumps({"profile": profile.to_json(), "capacity": capacity, "rows": rows},
                                               indent=2))
     return 0
+
+
+def _r(value):
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _s(value):

@@ -110,3 +110,31 @@ def _median_step(engine, prepare: Callable[[int], None], repeats: int) -> float:
         while engine.has_unfinished_requests():
             engine.step()
     return sorted(times)[len(times) // 2]
+
+
+def from_server(url: str, block_size: int, timeout_s: float = 10.0) -> tuple[StepTimeProfile, int]:
+    """The step-time model a running server's sla-lanes scheduler learnt from its own steps under load, and its KV
+    block count, read from its ``/metrics``."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(url.rstrip("/") + "/metrics", timeout=timeout_s).text
+    except httpx.HTTPError as exc:
+        raise ConfigError(f"cannot read {url}/metrics: {exc}") from None
+    samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+    def one(name: str, **labels: str) -> float | None:
+        found = [s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+        return found[0] if found else None
+    base, per_token = one("rtx_step_time_model_seconds", part="base"), one("rtx_step_time_model_seconds",
+                                                                          part="per_token")
+    if base is None or per_token is None:
+        raise ConfigError(f"{url} exports no learnt step time (rtx_step_time_model_seconds): it needs "
+                          "--scheduler sla-lanes and some steps under load")
+    capacity = one("rtx_kv_tier_capacity_bytes", tier="device")
+    per_token_bytes = one("rtx_kv_bytes_per_token")
+    if not capacity or not per_token_bytes:
+        raise ConfigError(f"{url} exports no KV cache size (rtx_kv_tier_capacity_bytes)")
+    blocks = round(capacity / (per_token_bytes * block_size)) + 1  # the usable blocks, and the null block
+    return StepTimeProfile(base, per_token, f"learnt by the server at {url}"), blocks

@@ -29,6 +29,9 @@ def add_parser(sub) -> None:
     g.add_argument("--profile", action="store_true",
                    help="measure it here: load the model and time decode and prefill steps (also gives the KV "
                         "block count)")
+    g.add_argument("--profile-url", default=None, metavar="URL",
+                   help="read it from a running rtx serve --scheduler sla-lanes: the step time its scheduler learnt "
+                        "from its own steps (rtx_step_time_model_seconds), and its KV block count")
     g.add_argument("--profile-file", type=Path, default=None,
                    help="a JSON profile {base_s, per_token_s} (e.g. the one --profile-out wrote)")
     g.add_argument("--step-time", nargs=2, type=finite_float, default=None, metavar=("BASE_MS", "PER_TOKEN_MS"),
@@ -51,16 +54,16 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rtxcore.capacity.planner import HEADROOM, Planner, replicas_for
-    from rtxcore.capacity.profile import StepTimeProfile, measure
+    from rtxcore.capacity.profile import StepTimeProfile, from_server, measure
     from rtxcore.server.serve_config import load_serve_config
 
     def log(line: str) -> None:
         sys.stderr.write(line + "\n")
 
-    given = [args.profile, args.profile_file is not None, args.step_time is not None]
+    given = [args.profile, args.profile_url is not None, args.profile_file is not None, args.step_time is not None]
     if sum(given) != 1:
-        raise ConfigError("give one step-time profile: --profile, --profile-file FILE or --step-time BASE_MS "
-                          "PER_TOKEN_MS")
+        raise ConfigError("give one step-time profile: --profile, --profile-url URL, --profile-file FILE or "
+                          "--step-time BASE_MS PER_TOKEN_MS")
     loads = _loads(args.loads)
     if args.duration <= 0:
         raise ConfigError(f"--duration must be > 0, got {args.duration:g}")
@@ -81,6 +84,10 @@ def run(args: argparse.Namespace) -> int:
         profile = measure(served, log=log)
         if served.num_kv_blocks is None:
             served = replace(served, num_kv_blocks=_served_blocks(served))
+    elif args.profile_url is not None:
+        profile, blocks = from_server(args.profile_url, served.block_size)
+        if served.num_kv_blocks is None:
+            served = replace(served, num_kv_blocks=blocks)
     elif args.profile_file is not None:
         profile = StepTimeProfile.load(args.profile_file)
     else:

@@ -149,3 +149,6 @@ class SchedulerStatus:
     brownout_steps: tuple[str, ...] = ()
     # The overload signal brownout acts on (1.0: a protected lane is predicted to just meet its target).
     pressure: float = 0.0
+    # The scheduler's step-time model, (base seconds, seconds per token), once it has seen enough steps to trust
+    # it; None otherwise. Exported so that capacity planning can use what the server learnt under real load.
+    step_time: tuple[float, float] | None = None

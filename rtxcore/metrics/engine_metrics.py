@@ -243,6 +243,9 @@ class EngineMetrics:
                 f.lane_running.labels(self.model_name, lane).set(n)
             f.brownout_level.labels(self.model_name).set(status.brownout_level)
             f.brownout_pressure.labels(self.model_name).set(status.pressure)
+            if status.step_time is not None:
+                f.step_time_model.labels(self.model_name, "base").set(status.step_time[0])
+                f.step_time_model.labels(self.model_name, "per_token").set(status.step_time[1])
         m.kv_cache_usage.set(kv.usage)
         m.kv_cache_fragmentation.set(kv.fragmentation)
         stats = kv.stats

@@ -157,6 +157,9 @@ class Families:
         self.lane_target = gauge(
             "rtx_lane_target_seconds", "Each lane's latency targets (the SLA): time to first token and inter-token "
             "latency.", (LANE_LABEL, "latency"))
+        self.step_time_model = gauge(
+            "rtx_step_time_model_seconds", "The lane-aware scheduler's learnt step time, seconds = base + per_token x "
+            "tokens: part=\"base\" and part=\"per_token\" (absent until it has seen enough steps).", ("part",))
         self.brownout_level = gauge(
             "rtx_brownout_level", "Degradation steps in force (0: none; lane-aware schedulers with brownout).")
         self.brownout_pressure = gauge(

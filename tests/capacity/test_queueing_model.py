@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import statistics
+import threading
 
+import httpx
 import pytest
 
 from rtxcore.bench.loadgen import LaneProfile, LengthRange
@@ -15,6 +17,7 @@ from rtxcore.capacity.simulation import poisson_arrivals, simulate
 from rtxcore.contracts.scheduler import SchedulerConfig
 from rtxcore.engine.config import EngineConfig
 from tests.helpers.cli import assert_one_line_error, rtx
+from tests.helpers.server import start_server
 
 PROFILE = StepTimeProfile(0.010, 0.0001)
 PROMPT, OUTPUT = 100, 2
@@ -93,3 +96,34 @@ def test_rtx_plan_reports_capacity_predictions_replicas_and_thresholds(tmp_path)
 def test_rtx_plan_bad_input_is_one_line(args, message):
     proc = rtx("plan", "--model", "dummy:tiny", *args)
     assert_one_line_error(proc, message)
+
+
+def test_rtx_plan_takes_the_step_time_a_live_server_learnt(tmp_path):
+    """``--profile-url``: the sla-lanes scheduler's step-time model, learnt from its own steps, and the server's KV
+    block count, read from its /metrics."""
+    server = start_server("--no-grpc", "--model", "dummy:tiny", "--scheduler", "sla-lanes", "--num-kv-blocks", "100")
+    try:
+        threads = [threading.Thread(target=httpx.post, args=(server.base_url + "/v1/completions",),
+                                    kwargs={"json": {"prompt": [5] * (8 + i), "max_tokens": 12, "ignore_eos": True},
+                                            "timeout": 60}) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        out = tmp_path / "plan.json"
+        proc = rtx("plan", "--model", "dummy:tiny", "--scheduler", "sla-lanes", "--profile-url", server.base_url,
+                   "--lane-mix", "standard=1", "--duration", "20", "--loads", "0.5", "--json", str(out), timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        plan = json.loads(out.read_text())
+        assert plan["num_kv_blocks"] == 100
+        assert plan["profile"]["source"].startswith("learnt by the server")
+        assert plan["profile"]["base_s"] + plan["profile"]["per_token_s"] > 0
+    finally:
+        assert server.stop() == 0, server.output()
+    # A server whose scheduler learns nothing (fcfs) says so in one line.
+    plain = start_server("--no-grpc", "--model", "dummy:tiny")
+    try:
+        assert_one_line_error(rtx("plan", "--model", "dummy:tiny", "--profile-url", plain.base_url),
+                              "exports no learnt step time")
+    finally:
+        assert plain.stop() == 0, plain.output()

@@ -133,7 +133,8 @@ class SLALanesScheduler(Scheduler):
         return SchedulerStatus(queued={lane.spec.name: len(lane.waiting) for lane in self.lanes},
                                running={lane.spec.name: len(lane.running) for lane in self.lanes},
                                brownout_level=self.brownout.level, brownout_steps=self.brownout.steps,
-                               pressure=self.brownout.pressure)
+                               pressure=self.brownout.pressure,
+                               step_time=self.step_time.coefficients() if self.step_time.ready else None)
 
     # -- admission ------------------------------------------------------------------------------------------------
 

@@ -23,10 +23,13 @@ from dataclasses import dataclass, field, replace
 from rtxcore.bench.loadgen.workload import LaneProfile
 from rtxcore.capacity.profile import StepTimeProfile
 from rtxcore.engine.config import EngineConfig
-from rtxcore.errors import AdmissionRefused
+from rtxcore.errors import AdmissionRefused, ConfigError, InvalidRequestError
 from rtxcore.sampling_params import SamplingParams
 
 STAND_IN_MODEL = "dummy:tiny"
+# Steps in a row that scheduled nothing while requests wait, and no merge window or arrival explains it (the engine
+# would wait forever: a request that can never fit).
+_MAX_STALLED_STEPS = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +133,7 @@ def _run(engine, profile: StepTimeProfile, arrivals: Iterable[Arrival]) -> Simul
     lanes: dict[str, LaneOutcome] = {}
     live: dict[str, tuple[str, float, float | None]] = {}  # req id -> (lane, arrival, last token time)
     steps, busy, waiting_area, running_area, start = 0, 0.0, 0.0, 0.0, queue[0].time_s if queue else 0.0
-    index = 0
+    index = stalled = 0
     while index < len(queue) or engine.has_unfinished_requests():
         if not engine.has_unfinished_requests() and queue[index].time_s > now:
             now = queue[index].time_s  # idle until the next arrival
@@ -145,6 +148,9 @@ def _run(engine, profile: StepTimeProfile, arrivals: Iterable[Arrival]) -> Simul
             except AdmissionRefused:
                 outcome.refused += 1
                 continue
+            except InvalidRequestError as exc:  # e.g. longer than the stand-in model's context
+                raise ConfigError(f"the simulation cannot take a {a.lane} request of {a.prompt_tokens} prompt and "
+                                  f"{a.output_tokens} output tokens: {exc}") from None
             live[req_id] = (a.lane, a.time_s, None)
         outputs = engine.step()
         seconds = profile.seconds(scheduled[0]) if scheduled[0] else 0.0
@@ -152,7 +158,13 @@ def _run(engine, profile: StepTimeProfile, arrivals: Iterable[Arrival]) -> Simul
             # Nothing ran: a merge-window hold (until it ends or the next arrival) or an empty step.
             nxt = queue[index].time_s if index < len(queue) else math.inf
             seconds = min(core.hold_s, max(nxt - now, 0.0)) if core.hold_s > 0 else max(min(nxt - now, 1.0), 1e-6)
+            stalled += 1
+            if stalled > _MAX_STALLED_STEPS:
+                raise ConfigError(f"{engine.core.scheduler.num_waiting} requests can never be scheduled: the KV cache "
+                                  f"({engine.core.kv_cache.pool.num_usable_blocks} blocks) or the step budget is "
+                                  "too small for them")
         else:
+            stalled = 0
             steps += 1
             busy += seconds
         waiting_area += core.scheduler.num_waiting * seconds

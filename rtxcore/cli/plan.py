@@ -92,8 +92,8 @@ def run(args: argparse.Namespace) -> int:
         profile = StepTimeProfile.load(args.profile_file)
     else:
         base_ms, per_token_ms = args.step_time
-        if base_ms < 0 or per_token_ms < 0:
-            raise ConfigError("--step-time values must be >= 0")
+        if base_ms < 0 or per_token_ms < 0 or base_ms + per_token_ms == 0:
+            raise ConfigError("--step-time values must be >= 0, and not both 0")
         profile = StepTimeProfile(base_ms / 1000, per_token_ms / 1000)
     if served.num_kv_blocks is None:
         raise ConfigError("the KV block count is needed: give --num-kv-blocks (what rtx serve logs at start) or "

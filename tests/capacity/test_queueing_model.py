@@ -92,6 +92,9 @@ def test_rtx_plan_reports_capacity_predictions_replicas_and_thresholds(tmp_path)
     (("--step-time", "20", "1", "--num-kv-blocks", "64", "--loads", "half"), "--loads must be numbers"),
     (("--step-time", "20", "1", "--num-kv-blocks", "64", "--lane-mix", "vip=1", "--prompt-tokens", "vip=1:2",
       "--output-tokens", "vip=1:2"), "lane vip, which the config does not define"),
+    (("--step-time", "0", "0", "--num-kv-blocks", "64"), "not both 0"),
+    (("--step-time", "20", "1", "--num-kv-blocks", "64", "--lane-mix", "standard=1", "--prompt-tokens",
+      "standard=3000:3000"), "cannot take a standard request of 3000 prompt"),
 ])
 def test_rtx_plan_bad_input_is_one_line(args, message):
     proc = rtx("plan", "--model", "dummy:tiny", *args)

@@ -30,7 +30,6 @@ from rtxcore.capacity.planner import Planner
 from rtxcore.capacity.profile import from_server, measure
 from rtxcore.contracts.scheduler import SchedulerConfig
 from rtxcore.engine.config import EngineConfig
-from rtxcore.engine.llm import LLM
 from rtxcore.server.serve_config import load_serve_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -53,8 +52,7 @@ def main() -> int:
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=MAX_NUM_SEQS, lanes=config_file.lanes,
         options=config_file.scheduler_options))
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    profile = measure(served, log=log)
-    blocks = LLM(served).core.kv_cache.pool.num_usable_blocks + 1
+    profile, blocks = measure(served, log=log)
     served.num_kv_blocks = blocks
     server = subprocess.Popen([sys.executable, "-m", "rtxcore.cli.main", "serve", "--port", str(PORT), "--no-grpc",
                                "--scheduler", "sla-lanes", "--config", str(CONFIG), "--max-num-seqs",

@@ -45,6 +45,12 @@ def _fp8_matmul_works(device_index: int) -> bool:
     return True
 
 
+@functools.cache
+def _triton_reads_fp8(device_index: int) -> bool:
+    """Triton loads float8 e4m3 only on compute capability 8.9 and up; older GPUs rebuild the weight instead."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row of ``x`` scaled so that its largest magnitude becomes fp8's largest: (fp8 values, fp32 scales [rows,
     1])."""
@@ -102,7 +108,8 @@ class FP8Quantizer(Quantizer):
     def linear(self, x: torch.Tensor, qtensor: QuantizedTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         t = qtensor.tensors
         n, k = t["weight"].shape
-        if x.is_cuda and quant_reference.HAS_TRITON and x.dim() == 2 and x.shape[0] <= WEIGHT_ONLY_MAX_ROWS:
+        if (x.is_cuda and quant_reference.HAS_TRITON and x.dim() == 2 and x.shape[0] <= WEIGHT_ONLY_MAX_ROWS
+                and _triton_reads_fp8(x.device.index or 0)):
             from rtx_kernels.gemv import gemv
 
             return gemv(x, t["weight"], bias, weight_scale=t["weight_scale"])

@@ -39,8 +39,8 @@ class StepTimeProfile:
             profile = cls(float(data["base_s"]), float(data["per_token_s"]), str(data.get("source", str(path))))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"cannot read a step-time profile from {path}: {exc}") from None
-        if profile.base_s < 0 or profile.per_token_s < 0:
-            raise ConfigError(f"a step-time profile's base_s and per_token_s must be >= 0 ({path})")
+        if profile.base_s < 0 or profile.per_token_s < 0 or profile.base_s + profile.per_token_s == 0:
+            raise ConfigError(f"a step-time profile's base_s and per_token_s must be >= 0, not both 0 ({path})")
         return profile
 
 
@@ -61,9 +61,10 @@ def fit(samples: list[tuple[int, float]]) -> tuple[float, float]:
     return base, per_token
 
 
-def measure(config: EngineConfig, repeats: int = 3, log=lambda line: None) -> StepTimeProfile:
+def measure(config: EngineConfig, repeats: int = 3, log=lambda line: None) -> tuple[StepTimeProfile, int]:
     """Time real steps of ``config``'s model here: every decode batch size 1, 2, 4... up to ``max_num_seqs`` and
-    prefill chunks of 32 tokens up to the step budget; the median of ``repeats`` timings each."""
+    prefill chunks of 32 tokens up to the step budget; the median of ``repeats`` timings each, against the tokens
+    each timed step really computed. Returns the profile and the engine's KV block count (null block included)."""
     from dataclasses import replace
 
     from rtxcore.engine.llm import LLM
@@ -71,8 +72,17 @@ def measure(config: EngineConfig, repeats: int = 3, log=lambda line: None) -> St
     # Steps timed one by one: serial (an overlapped step returns before its work is done) and first come, first
     # served (a lane-aware scheduler may hold a step open for newcomers). The step's cost is the model's and the
     # backend's, whichever scheduler fills it.
-    engine = LLM(replace(config, scheduler="fcfs", async_scheduling=False,
+    # No prefix caching: a timed prompt must not reuse an earlier one's blocks.
+    engine = LLM(replace(config, scheduler="fcfs", async_scheduling=False, enable_prefix_caching=False,
                          scheduling=replace(config.scheduling, options={})))
+    scheduled = [0]
+    schedule = engine.core.scheduler.schedule
+
+    def counting_schedule():
+        out = schedule()
+        scheduled[0] = out.total_num_scheduled_tokens
+        return out
+    engine.core.scheduler.schedule = counting_schedule  # type: ignore[method-assign]  # reads each timed step's size
     sched = config.scheduling
     samples: list[tuple[int, float]] = []
     greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -86,30 +96,34 @@ def measure(config: EngineConfig, repeats: int = 3, log=lambda line: None) -> St
         def decode_batch(r: int, batch: int = batch) -> None:
             for i in range(batch):
                 engine.add_request([1 + (i + r) % 7] * 8 + [i, r], greedy)
-            engine.step()  # the prefill, untimed
-        samples.append((batch, _median_step(engine, decode_batch, repeats)))
+            while any(req.num_output_tokens == 0 for req in engine.core.requests.values()):
+                engine.step()  # the prefills, untimed
+        samples.append(_median_step(engine, decode_batch, repeats, scheduled))
     chunk = 32
     while chunk <= sched.max_num_batched_tokens:
         def prefill(r: int, chunk: int = chunk) -> None:
             engine.add_request([2 + r] * (chunk - 1) + [chunk + r], SamplingParams(max_tokens=1, ignore_eos=True))
-        samples.append((chunk, _median_step(engine, prefill, repeats)))
+        samples.append(_median_step(engine, prefill, repeats, scheduled))
         chunk *= 2
     base, per_token = fit(samples)
     log(f"step-time profile from {len(samples)} step shapes: {base * 1000:.2f} ms + {per_token * 1000:.3f} ms/token")
-    return StepTimeProfile(base, per_token, f"measured here on {config.model or 'the default model'}")
+    blocks = engine.core.kv_cache.pool.num_usable_blocks + 1  # the pool keeps one block back as the null block
+    return StepTimeProfile(base, per_token, f"measured here on {config.model or 'the default model'}"), blocks
 
 
-def _median_step(engine, prepare: Callable[[int], None], repeats: int) -> float:
-    """The median time of the step after ``prepare(r)``, over ``repeats`` runs, each drained before the next."""
-    times = []
+def _median_step(engine, prepare: Callable[[int], None], repeats: int, scheduled: list[int]) -> tuple[int, float]:
+    """(tokens, seconds) of the step after ``prepare(r)``: the median time over ``repeats`` runs (each drained before
+    the next) and the tokens the median run's step computed."""
+    runs = []
     for r in range(repeats):
         prepare(r)
         started = time.perf_counter()
         engine.step()
-        times.append(time.perf_counter() - started)
+        runs.append((time.perf_counter() - started, scheduled[0]))
         while engine.has_unfinished_requests():
             engine.step()
-    return sorted(times)[len(times) // 2]
+    seconds, tokens = sorted(runs)[len(runs) // 2]
+    return tokens, seconds
 
 
 def from_server(url: str, block_size: int, timeout_s: float = 10.0) -> tuple[StepTimeProfile, int]:
@@ -119,10 +133,11 @@ def from_server(url: str, block_size: int, timeout_s: float = 10.0) -> tuple[Ste
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        text = httpx.get(url.rstrip("/") + "/metrics", timeout=timeout_s).text
-    except httpx.HTTPError as exc:
+        response = httpx.get(url.rstrip("/") + "/metrics", timeout=timeout_s)
+        response.raise_for_status()
+        samples = [s for family in text_string_to_metric_families(response.text) for s in family.samples]
+    except (httpx.HTTPError, httpx.InvalidURL, ValueError) as exc:  # unreachable, an error status, not Prometheus
         raise ConfigError(f"cannot read {url}/metrics: {exc}") from None
-    samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
 
     def one(name: str, **labels: str) -> float | None:
         found = [s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]

@@ -153,17 +153,18 @@ def _run(engine, profile: StepTimeProfile, arrivals: Iterable[Arrival]) -> Simul
                                   f"{a.output_tokens} output tokens: {exc}") from None
             live[req_id] = (a.lane, a.time_s, None)
         outputs = engine.step()
-        seconds = profile.seconds(scheduled[0]) if scheduled[0] else 0.0
-        if seconds == 0.0:
-            # Nothing ran: a merge-window hold (until it ends or the next arrival) or an empty step.
-            nxt = queue[index].time_s if index < len(queue) else math.inf
-            seconds = min(core.hold_s, max(nxt - now, 0.0)) if core.hold_s > 0 else max(min(nxt - now, 1.0), 1e-6)
+        if not scheduled[0]:
+            # Nothing ran: a merge-window hold (until it ends or the next arrival), or an empty step (the loop
+            # around it costs about a step's fixed part).
+            gap = max((queue[index].time_s if index < len(queue) else math.inf) - now, 0.0)
+            seconds = min(core.hold_s, gap) if core.hold_s > 0 else min(gap, max(profile.base_s, 1e-4))
             stalled += 1
             if stalled > _MAX_STALLED_STEPS:
                 raise ConfigError(f"{engine.core.scheduler.num_waiting} requests can never be scheduled: the KV cache "
                                   f"({engine.core.kv_cache.pool.num_usable_blocks} blocks) or the step budget is "
                                   "too small for them")
         else:
+            seconds = profile.seconds(scheduled[0])
             stalled = 0
             steps += 1
             busy += seconds

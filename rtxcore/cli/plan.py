@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -81,9 +82,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--lane-mix names lane {unknown[0]}, which the config does not define")
     if args.profile:
         log(f"measuring the step-time profile of {served.model or 'the default model'} here...")
-        profile = measure(served, log=log)
+        profile, blocks = measure(served, log=log)
         if served.num_kv_blocks is None:
-            served = replace(served, num_kv_blocks=_served_blocks(served))
+            served = replace(served, num_kv_blocks=blocks)
     elif args.profile_url is not None:
         profile, blocks = from_server(args.profile_url, served.block_size)
         if served.num_kv_blocks is None:
@@ -103,6 +104,9 @@ def run(args: argparse.Namespace) -> int:
     planner = Planner(served, profile, mix, args.duration, args.seed, log)
     capacities = {m.name: planner.capacity(m.name) for m in mix}
     capacity = min(capacities.values())
+    if not math.isfinite(capacity):
+        raise ConfigError("no lane ever misses its target in the simulation (a step-time profile near 0?): no "
+                          "capacity to plan from")
     predictions = [planner.predict(load * capacity) for load in loads] + [planner.predict(r) for r in args.rate]
     at_headroom = planner.predict(HEADROOM * capacity)
     report = {
@@ -132,17 +136,9 @@ def _loads(text: str) -> list[float]:
         loads = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise ConfigError(f"--loads must be numbers separated by commas, got {text!r}") from None
-    if not loads or any(not load > 0 for load in loads):
+    if not loads or any(not (load > 0 and math.isfinite(load)) for load in loads):
         raise ConfigError(f"--loads must be positive numbers, got {text!r}")
     return loads
-
-
-def _served_blocks(served) -> int:
-    """The KV blocks the served engine gets on this machine (what it allocates from memory)."""
-    from rtxcore.engine.llm import LLM
-
-    engine = LLM(served)
-    return engine.core.kv_cache.pool.num_usable_blocks + 1  # the pool keeps one block back as the null block
 
 
 def _ms(value: float | None) -> str:

@@ -79,6 +79,8 @@ class EngineMetrics:
         self._tier_totals: dict[tuple[str, int], int] = {}
         # Tenant label values handed out so far: bounded, so a config with many tenants cannot blow up the series.
         self._tenant_labels: set[str] = set()
+        # The lanes whose targets are exported (kept to export them again under a new model label).
+        self._lanes: list[LaneSpec] = []
 
     # -- what servers call ----------------------------------------------------------------------------------------
 
@@ -87,7 +89,8 @@ class EngineMetrics:
 
     def set_lane_targets(self, lanes: Iterable[LaneSpec]) -> None:
         """Export each lane's targets (rtx_lane_target_seconds), for dashboards to draw measured latency against."""
-        for spec in lanes:
+        self._lanes = list(lanes)
+        for spec in self._lanes:
             self._families.lane_target.labels(self.model_name, spec.name, "ttft").set(spec.ttft_target_s)
             self._families.lane_target.labels(self.model_name, spec.name, "itl").set(spec.itl_target_s)
 
@@ -108,6 +111,7 @@ class EngineMetrics:
         self.model_name = self.timeline.model_name = name
         self._m = self._families.bind(name)
         self._speculation.relabel(name)
+        self.set_lane_targets(self._lanes)  # dropped with the old label's series
 
     def record_rejection(self, reason: str, lane: str | None = None, tenant: str | None = None) -> None:
         """A request the server or scheduler refused (e.g. ``"overloaded"`` for a 429), with its lane and tenant

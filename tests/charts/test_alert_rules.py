@@ -15,8 +15,9 @@ from tests.charts.test_helm_chart import HELM, one, render
 from tests.helpers import REPO
 
 PROMTOOL = REPO / ".tools" / "bin" / "promtool"
-# The default render's selector: release "rtx" in namespace "serving".
-SERIES = 'namespace="serving", job="rtx-rtx-serve", pod="rtx-0", model="m"'
+# The default render's selector: release "rtx" in namespace "serving", scraped through its -metrics Service.
+SCRAPE = 'namespace="serving", service="rtx-rtx-serve-metrics", job="rtx-rtx-serve-metrics"'
+SERIES = f'{SCRAPE}, pod="rtx-0", model="m"'
 
 
 @pytest.fixture(scope="module")
@@ -75,28 +76,32 @@ def test_each_alert_fires_when_it_should_and_only_then(rules_file, tmp_path):
         # The device cache full and evicting: fires after 10 minutes; full but not evicting: quiet.
         {"series": f"rtx_kv_cache_usage_ratio{{{SERIES}}}", "values": "0.97x30"},
         {"series": f'rtx_kv_tier_pressure_ratio{{{SERIES}, tier="device"}}', "values": "0.95x30"},
-        {"series": 'rtx_kv_cache_usage_ratio{namespace="serving", job="rtx-rtx-serve", pod="rtx-1", model="m"}',
+        {"series": f'rtx_kv_cache_usage_ratio{{{SCRAPE}, pod="rtx-1", model="m"}}',
          "values": "0.99x30"},
-        {"series": 'rtx_kv_tier_pressure_ratio{namespace="serving", job="rtx-rtx-serve", pod="rtx-1", model="m", '
+        {"series": f'rtx_kv_tier_pressure_ratio{{{SCRAPE}, pod="rtx-1", model="m", '
                    'tier="device"}', "values": "0x30"},
         # One replica answers, the other stopped answering 5 minutes in.
         {"series": f"up{{{SERIES}}}", "values": "1x30"},
-        {"series": 'up{namespace="serving", job="rtx-rtx-serve", pod="rtx-1"}', "values": "1 1 1 1 1 0x25"},
+        {"series": f'up{{{SCRAPE}, pod="rtx-1"}}', "values": "1 1 1 1 1 0x25"},
         # One out-of-memory step at minute 12.
         {"series": f"rtx_oom_total{{{SERIES}}}", "values": "0x11 1x18"},
         # Another release's pods are not this chart's business.
-        {"series": 'up{namespace="other", job="rtx-rtx-serve", pod="x"}', "values": "0x30"},
+        {"series": 'up{namespace="other", service="rtx-rtx-serve-metrics", pod="x"}', "values": "0x30"},
+        # Nor are other services' pods in the same namespace.
+        {"series": 'up{namespace="serving", service="something-else", pod="y"}', "values": "0x30"},
     ]
     rules = {r["alert"]: r for r in yaml.safe_load(rules_file.read_text())["groups"][0]["rules"]}
-    pod0 = {"namespace": "serving", "job": "rtx-rtx-serve", "pod": "rtx-0", "model": "m"}
+    pod0 = {"namespace": "serving", "service": "rtx-rtx-serve-metrics", "job": "rtx-rtx-serve-metrics",
+            "pod": "rtx-0", "model": "m"}
     checks = [
         ("20m", _alerts(rules, "RtxServeLaneTTFTOverTarget", ({"lane": "realtime", "severity": "warning"}, "955ms"))),
         ("4m", _alerts(rules, "RtxServeBrownoutActive")),
         ("15m", _alerts(rules, "RtxServeBrownoutActive", ({"pod": "rtx-0", "severity": "warning"}, "1"))),
         ("15m", _alerts(rules, "RtxServeKVCachePressure", ({"pod": "rtx-0", "severity": "warning"}, "0.97"))),
         ("6m", _alerts(rules, "RtxServeReplicaDown")),
-        ("8m", _alerts(rules, "RtxServeReplicaDown", ({"namespace": "serving", "job": "rtx-rtx-serve",
-                                                       "pod": "rtx-1", "severity": "critical"}, "0"))),
+        ("8m", _alerts(rules, "RtxServeReplicaDown", ({"namespace": "serving", "service": "rtx-rtx-serve-metrics",
+                                                       "job": "rtx-rtx-serve-metrics", "pod": "rtx-1",
+                                                       "severity": "critical"}, "0"))),
         ("10m", _alerts(rules, "RtxServeOutOfMemory")),
         ("13m", _alerts(rules, "RtxServeOutOfMemory", ({**pod0, "severity": "warning"}, "1"))),
         ("28m", _alerts(rules, "RtxServeOutOfMemory")),

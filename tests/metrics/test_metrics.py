@@ -336,10 +336,17 @@ def test_exposition_has_process_metrics_and_no_created_series():
 
 
 def test_merge_window_holds_are_timed_apart_from_the_inbox_wait(registry):
-    """The sla-lanes scheduler holds a step open (2 ms by default) when requests arrive at an idle engine, so that
-    others may join their prefill: each hold is observed, and lasts about the window."""
+    """The sla-lanes scheduler holds a step open when requests arrive at an idle engine, so that others may join
+    their prefill: each hold is observed, and lasts about the window. A window of 200 ms (2 ms by default) so that a
+    busy machine's delay between a request's arrival and the next schedule cannot outlast it."""
+    from rtxcore.contracts.scheduler import SchedulerConfig
+    from rtxcore.engine.config import EngineConfig
+    from rtxcore.engine.llm import LLM
+
     metrics = EngineMetrics("tiny")
-    engine = AsyncEngine(make_engine(registry=registry, scheduler="sla-lanes").core, observers=[metrics.observer()])
+    config = EngineConfig(model="dummy:tiny", scheduler="sla-lanes",
+                          scheduling=SchedulerConfig(options={"merge_window_s": 0.2}))
+    engine = AsyncEngine(LLM(config, registry=registry).core, observers=[metrics.observer()])
     engine.start()
     try:
         params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
@@ -355,4 +362,17 @@ def test_merge_window_holds_are_timed_apart_from_the_inbox_wait(registry):
     holds = value(families, "rtx_merge_window_hold_seconds", "rtx_merge_window_hold_seconds_count")
     held = value(families, "rtx_merge_window_hold_seconds", "rtx_merge_window_hold_seconds_sum")
     assert holds >= 3
-    assert 0 < held / holds < 0.05  # the 2 ms window, plus the thread's wake-up on a busy machine
+    assert 0 < held / holds < 0.5  # at most the window, plus the thread's wake-up on a busy machine
+
+
+def test_lane_targets_survive_the_model_label_changing():
+    from rtxcore.lanes import DEFAULT_LANES
+
+    metrics = EngineMetrics("provisional")
+    metrics.set_lane_targets(DEFAULT_LANES.values())
+    metrics.set_model_name("loaded")  # e.g. a GGUF file's name once the model is loaded: old series are dropped
+    families = parse(metrics)
+    for spec in DEFAULT_LANES.values():
+        assert value(families, "rtx_lane_target_seconds", model="loaded", lane=spec.name,
+                     latency="ttft") == spec.ttft_target_s
+    assert {dict(lbls)["model"] for (_, lbls) in families["rtx_lane_target_seconds"]} == {"loaded"}

@@ -339,9 +339,12 @@ class SLALanesScheduler(Scheduler):
             - now - prefill_s
         # A merge window buys batching, so it may spend only a small part of the tightest request's slack.
         window = min(self.merge_window_s, _MERGE_SLACK_SHARE * slack)
-        if now - first >= window:
+        end = first + window
+        # Compared as the end time itself: a clock that lands exactly on it (a simulation's) ends the hold, where
+        # `now - first >= window` could round below it and hold for no time.
+        if now >= end:
             return None
-        return SchedulerOutput(hold_s=first + window - now)
+        return SchedulerOutput(hold_s=end - now)
 
     # -- brownout -------------------------------------------------------------------------------------------------
 

@@ -9,9 +9,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rtxcore.bench.loadgen.stats import percentile
 from rtxcore.bench.loadgen.workload import LaneProfile
 from rtxcore.capacity.profile import StepTimeProfile
-from rtxcore.capacity.simulation import SimulationResult, percentile, poisson_arrivals, simulate
+from rtxcore.capacity.simulation import SimulationResult, poisson_arrivals, simulate
 from rtxcore.engine.config import EngineConfig
 
 # Replicas are sized so that each runs at this share of its capacity: room for bursts and for a pod restarting.
@@ -47,7 +48,8 @@ class Prediction:
 
 
 def _quantiles(values: list[float]) -> dict[str, float | None]:
-    return {"p50": percentile(values, 0.5), "p95": percentile(values, 0.95), "p99": percentile(values, 0.99)}
+    # rtx loadgen's percentiles, so that predicted and measured figures are computed alike.
+    return {"p50": percentile(values, 50), "p95": percentile(values, 95), "p99": percentile(values, 99)}
 
 
 def summarize(rate: float, result: SimulationResult) -> Prediction:

@@ -67,6 +67,7 @@ def measure(config: EngineConfig, repeats: int = 3, log=lambda line: None) -> tu
     each timed step really computed. Returns the profile and the engine's KV block count (null block included)."""
     from dataclasses import replace
 
+    from rtxcore.capacity.simulation import count_scheduled_tokens
     from rtxcore.engine.llm import LLM
 
     # Steps timed one by one: serial (an overlapped step returns before its work is done) and first come, first
@@ -75,14 +76,7 @@ def measure(config: EngineConfig, repeats: int = 3, log=lambda line: None) -> tu
     # No prefix caching: a timed prompt must not reuse an earlier one's blocks.
     engine = LLM(replace(config, scheduler="fcfs", async_scheduling=False, enable_prefix_caching=False,
                          scheduling=replace(config.scheduling, options={})))
-    scheduled = [0]
-    schedule = engine.core.scheduler.schedule
-
-    def counting_schedule():
-        out = schedule()
-        scheduled[0] = out.total_num_scheduled_tokens
-        return out
-    engine.core.scheduler.schedule = counting_schedule  # type: ignore[method-assign]  # reads each timed step's size
+    scheduled = count_scheduled_tokens(engine)
     sched = config.scheduling
     samples: list[tuple[int, float]] = []
     greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

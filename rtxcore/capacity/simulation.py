@@ -79,15 +79,18 @@ class SimulationResult:
         return self.busy_s / self.duration_s if self.duration_s > 0 else 0.0
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-quantile (0..1) by linear interpolation between order statistics; None without values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = q * (len(ordered) - 1)
-    low = math.floor(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+def count_scheduled_tokens(engine) -> list[int]:
+    """A one-item list that holds, after each ``engine.step()``, the tokens that step's schedule computed: the
+    engine's scheduler is wrapped to read them (what a step's time depends on)."""
+    scheduled = [0]
+    schedule = engine.core.scheduler.schedule
+
+    def counting_schedule():
+        out = schedule()
+        scheduled[0] = out.total_num_scheduled_tokens
+        return out
+    engine.core.scheduler.schedule = counting_schedule
+    return scheduled
 
 
 def engine_config_for(served: EngineConfig) -> EngineConfig:
@@ -120,14 +123,7 @@ def _run(engine, profile: StepTimeProfile, arrivals: Iterable[Arrival]) -> Simul
     now = 0.0
     if hasattr(core.scheduler, "clock"):
         core.scheduler.clock = lambda: now
-    scheduled = [0]
-    schedule = core.scheduler.schedule
-
-    def counting_schedule():
-        out = schedule()
-        scheduled[0] = out.total_num_scheduled_tokens
-        return out
-    core.scheduler.schedule = counting_schedule  # reads each step's size
+    scheduled = count_scheduled_tokens(engine)
 
     queue = sorted(arrivals, key=lambda a: a.time_s)
     lanes: dict[str, LaneOutcome] = {}

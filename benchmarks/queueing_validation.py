@@ -44,6 +44,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--loads", default="0.5,0.8,1.0")
     ap.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals per load (default: 120)")
+    ap.add_argument("--plan-requests", type=int, default=3000, help="simulated arrivals per prediction (3000)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     loads = [float(x) for x in args.loads.split(",")]
@@ -83,7 +84,7 @@ def main() -> int:
     finally:
         server.terminate()
         server.wait(60)
-    planner = Planner(served, profile, MIX, duration_s=max(600.0, 4 * args.duration), seed=1, log=log)
+    planner = Planner(served, profile, MIX, requests=args.plan_requests, seed=1, log=log)
     rows = []
     print(f"# python benchmarks/queueing_validation.py {' '.join(sys.argv[1:])}")
     print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()}, "
@@ -93,7 +94,7 @@ def main() -> int:
           f"{'learnt':>8} {'ratio':>6}")
     for load, report, live in zip(loads, measured, learnt):
         prediction = planner.predict(report.offered_rate)
-        live_planner = Planner(served, live, MIX, duration_s=planner.duration_s, seed=1)
+        live_planner = Planner(served, live, MIX, requests=planner.requests, seed=1)
         live_prediction = live_planner.predict(report.offered_rate)
         print(f"# at {load}x the server had learnt {live.base_s * 1000:.1f} ms + "
               f"{live.per_token_s * 1000:.2f} ms/token")

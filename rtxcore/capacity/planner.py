@@ -19,8 +19,11 @@ from rtxcore.engine.config import EngineConfig
 HEADROOM = 0.8
 # A lane that has this share of its requests refused has missed its target as surely as one served late.
 MAX_REFUSED_SHARE = 0.01
-# Bisection steps of a lane's capacity: the interval shrinks to 1/2^8 of the first bracket.
-_SEARCH_STEPS = 8
+# Bisection steps of a lane's capacity: the interval shrinks to 1/64 of the first bracket, finer than the noise of
+# a few thousand simulated arrivals.
+_SEARCH_STEPS = 6
+# Arrivals of the light-load runs that find the rate the engine saturates at (a utilisation needs few).
+_PROBE_REQUESTS = 100
 
 
 @dataclass(slots=True)
@@ -63,7 +66,9 @@ class Planner:
     served: EngineConfig
     profile: StepTimeProfile
     mix: Sequence[LaneProfile]
-    duration_s: float = 300.0
+    # Arrivals per prediction rather than simulated seconds: a simulation costs about the same for any rate, so a
+    # fast engine (high capacity) is planned as quickly as a slow one.
+    requests: int = 3000
     seed: int = 0
     log: Callable[[str], None] = lambda line: None
     _cache: dict[float, Prediction] = field(default_factory=dict)
@@ -71,7 +76,7 @@ class Planner:
     def predict(self, rate: float) -> Prediction:
         rate = round(rate, 6)
         if rate not in self._cache:
-            arrivals = poisson_arrivals(rate, self.duration_s, self.mix, self.seed)
+            arrivals = poisson_arrivals(rate, self.requests / rate, self.mix, self.seed)
             self._cache[rate] = summarize(rate, simulate(self.served, self.profile, arrivals))
         return self._cache[rate]
 
@@ -92,9 +97,10 @@ class Planner:
         """Arrivals a second the engine could serve at full utilisation, from a light-load run's utilisation."""
         probe = 0.05
         while True:
-            p = self.predict(probe)
-            if p.utilization > 0.02 or probe > 1e4:
-                return probe / max(p.utilization, 1e-6)
+            arrivals = poisson_arrivals(probe, _PROBE_REQUESTS / probe, self.mix, self.seed)
+            utilization = simulate(self.served, self.profile, arrivals).utilization
+            if utilization > 0.02 or probe > 1e4:
+                return probe / max(utilization, 1e-6)
             probe *= 4
 
     def capacity(self, lane: str) -> float:

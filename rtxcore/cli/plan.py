@@ -46,8 +46,9 @@ def add_parser(sub) -> None:
                    help="also predict at this arrival rate in requests/s (repeatable)")
     g.add_argument("--target-rate", type=finite_float, default=None,
                    help="requests/s the deployment must serve: sizes replicas")
-    g.add_argument("--duration", type=finite_float, default=300.0,
-                   help="simulated seconds of arrivals per prediction (default: 300)")
+    g.add_argument("--requests", type=int, default=3000,
+                   help="simulated arrivals per prediction (default: 3000; the p99 of a lane with a tenth of them "
+                        "rests on 3 requests)")
     g.add_argument("--seed", type=int, default=0, help="seed of arrival times, lanes and lengths")
     p.add_argument("--json", dest="json_path", type=output_file, default=None, help="also write the plan as JSON")
     p.set_defaults(run=run)
@@ -66,8 +67,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("give one step-time profile: --profile, --profile-url URL, --profile-file FILE or "
                           "--step-time BASE_MS PER_TOKEN_MS")
     loads = _loads(args.loads)
-    if args.duration <= 0:
-        raise ConfigError(f"--duration must be > 0, got {args.duration:g}")
+    if args.requests < 100:
+        raise ConfigError(f"--requests must be at least 100, got {args.requests}")
     if args.target_rate is not None and args.target_rate <= 0:
         raise ConfigError(f"--target-rate must be > 0, got {args.target_rate:g}")
     if any(r <= 0 for r in args.rate):
@@ -101,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
                           "--profile")
     if args.profile_out:
         Path(args.profile_out).write_text(json.dumps(profile.to_json(), indent=2) + "\n")
-    planner = Planner(served, profile, mix, args.duration, args.seed, log)
+    planner = Planner(served, profile, mix, args.requests, args.seed, log)
     capacities = {m.name: planner.capacity(m.name) for m in mix}
     capacity = min(capacities.values())
     if not math.isfinite(capacity):
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         "profile": profile.to_json(), "num_kv_blocks": served.num_kv_blocks,
         "max_num_seqs": served.scheduling.max_num_seqs,
         "max_num_batched_tokens": served.scheduling.max_num_batched_tokens,
-        "simulated_seconds": args.duration, "seed": args.seed,
+        "simulated_requests": args.requests, "seed": args.seed,
         "capacity_per_lane": capacities, "capacity": capacity,
         "predictions": [p.to_json() for p in predictions],
         "autoscaling": {"replica_share_of_capacity": HEADROOM,

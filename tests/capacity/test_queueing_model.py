@@ -34,7 +34,7 @@ def test_one_request_at_a_time_is_an_m_d_1_queue(rho):
     served = EngineConfig(scheduler="fcfs", num_kv_blocks=64,
                           scheduling=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=256))
     mix = [LaneProfile("standard", 1.0, LengthRange(PROMPT, PROMPT), LengthRange(OUTPUT, OUTPUT))]
-    arrivals = poisson_arrivals(rate, 2500 / rate, mix, seed=1)
+    arrivals = poisson_arrivals(rate, (2500 if rho <= 0.5 else 800) / rate, mix, seed=1)
     result = simulate(served, PROFILE, arrivals)
     lane = result.lanes["standard"]
     assert lane.finished == len(arrivals) and lane.refused == 0
@@ -62,7 +62,7 @@ def test_capacity_is_where_a_lane_starts_missing_its_target():
     served = EngineConfig(scheduler="sla-lanes", num_kv_blocks=256,
                           scheduling=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128))
     mix = [LaneProfile("standard", 1.0, LengthRange(32, 64), LengthRange(8, 16))]
-    planner = Planner(served, StepTimeProfile(0.02, 0.001), mix, duration_s=60, seed=3)
+    planner = Planner(served, StepTimeProfile(0.02, 0.001), mix, requests=300, seed=3)
     capacity = planner.capacity("standard")
     assert planner.misses("standard", capacity) and not planner.misses("standard", 0.5 * capacity)
     light, heavy = planner.predict(0.25 * capacity), planner.predict(capacity)
@@ -74,7 +74,9 @@ def test_rtx_plan_reports_capacity_predictions_replicas_and_thresholds(tmp_path)
     out = tmp_path / "plan.json"
     proc = rtx("plan", "--model", "dummy:tiny", "--scheduler", "sla-lanes", "--num-kv-blocks", "256",
                    "--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--step-time", "20", "1",
-                   "--lane-mix", "realtime=0.2,standard=0.8", "--duration", "30", "--loads", "0.5,0.8",
+                   "--lane-mix", "realtime=0.2,standard=0.8", "--requests", "300", "--loads", "0.5,0.8",
+                   # Short answers: a simulation costs host time per step, and this checks the plan, not the lengths.
+                   "--output-tokens", "realtime=4:8", "--output-tokens", "standard=8:16",
                    "--target-rate", "50", "--json", str(out), timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert "capacity (requests/s" in proc.stdout and "replicas for 50 requests/s:" in proc.stdout
@@ -93,6 +95,7 @@ def test_rtx_plan_reports_capacity_predictions_replicas_and_thresholds(tmp_path)
     (("--step-time", "20", "1", "--num-kv-blocks", "64", "--lane-mix", "vip=1", "--prompt-tokens", "vip=1:2",
       "--output-tokens", "vip=1:2"), "lane vip, which the config does not define"),
     (("--step-time", "0", "0", "--num-kv-blocks", "64"), "not both 0"),
+    (("--step-time", "20", "1", "--num-kv-blocks", "64", "--requests", "10"), "--requests must be at least 100"),
     (("--step-time", "20", "1", "--num-kv-blocks", "64", "--lane-mix", "standard=1", "--prompt-tokens",
       "standard=3000:3000"), "cannot take a standard request of 3000 prompt"),
 ])
@@ -115,7 +118,8 @@ def test_rtx_plan_takes_the_step_time_a_live_server_learnt(tmp_path):
             t.join()
         out = tmp_path / "plan.json"
         proc = rtx("plan", "--model", "dummy:tiny", "--scheduler", "sla-lanes", "--profile-url", server.base_url,
-                   "--lane-mix", "standard=1", "--duration", "20", "--loads", "0.5", "--json", str(out), timeout=600)
+                   "--lane-mix", "standard=1", "--requests", "200", "--loads", "0.5", "--output-tokens", "standard=4:8",
+                   "--json", str(out), timeout=600)
         assert proc.returncode == 0, proc.stderr
         plan = json.loads(out.read_text())
         assert plan["num_kv_blocks"] == 100

@@ -9,8 +9,11 @@ run: setup
 
 # Two workers, each test file on one of them (module fixtures start servers once); then the tests that time
 # something, alone. The slowest tests are listed at the end, for keeping CI within its time.
+# One math thread per process in the parallel part: two workers, each starting servers and subprocesses with torch's
+# default of one thread per core, oversubscribe the 2-core CI machine (measured on four of the slowest files,
+# 2026-12-03: 380-405 s with the default, 136 s with one thread). The serial part and the gates keep the default.
 test: setup
-	.venv/bin/python -m pytest -q -n 2 --dist loadfile -m "not serial" --durations=60
+	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n 2 --dist loadfile -m "not serial" --durations=60
 	.venv/bin/python -m pytest -q -m serial --durations=10
 
 bench: setup

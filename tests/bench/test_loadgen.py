@@ -218,13 +218,15 @@ def test_bad_options_one_line_exit_2(args, fragment, capsys):
 
 def test_rtx_loadgen_against_a_server_completes_every_request(tmp_path):
     """The typical call, scaled down: capacity measured (4 s: a busy 2-core machine may finish nothing in a shorter
-    steady part), then 1.5x of it; every request ends 200 with [DONE]."""
+    steady part, so answers are shorter than the default mix's too), then 1.5x of it; every request ends 200 with
+    [DONE]."""
     out = tmp_path / "out.json"
     with start_server("--model", "dummy:tiny", "--no-grpc") as server:
         for duration in ("3", "15"):
             proc = subprocess.run(
                 [RTX, "loadgen", "--url", server.base_url, "--duration", duration, "--load", "1.5",
-                 "--capacity-clients", "4", "--capacity-duration", "4", "--logprobs", "--timeout", "30", "--json",
+                 "--capacity-clients", "4", "--capacity-duration", "4", "--output-tokens", "standard=8:24",
+                 "--output-tokens", "bulk=8:32", "--logprobs", "--timeout", "30", "--json",
                  str(out)], capture_output=True, text=True, timeout=120)
             assert proc.returncode == 0, proc.stderr + proc.stdout
             data = json.loads(out.read_text())

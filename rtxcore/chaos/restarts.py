@@ -87,7 +87,7 @@ def kill_during_compaction(ctx: DrillContext, result: DrillResult) -> None:
     server = start_server(*MODEL_ARGS, *args, env=env)
     target = Target(server.base_url)
     try:
-        streams = [Stream(i, ctx.max_tokens * 4) for i in range(ctx.num_streams)]
+        streams = [Stream(i, ctx.max_tokens * 12) for i in range(ctx.num_streams)]
         deadline = start_all(streams, target)
         held = wait_for(lambda: (control / "tmp_fsync_held").exists(), timeout=60, interval=0.01)
         killed_at = time.monotonic()

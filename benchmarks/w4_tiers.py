@@ -1,15 +1,20 @@
-"""W4 (steady multi-turn) scaled to this CPU, with KV tiers: prefix-cache hit rate and latency under load, with a
-device cache too small for every conversation, against the same device cache without offload and against a device
-cache with room for everything, all in one run.
+"""W4 (steady multi-turn) with KV tiers: prefix-cache hit rate and latency under load, with a device cache too
+small for every conversation (with and without tiers under it) against a device cache with room for everything, all
+in one run, repeated over seeds; the p99 ratios to the roomy cache reported as their median and spread.
 
     .venv/bin/python benchmarks/w4_tiers.py --json w4.json
 
-Part 1, hit rate: the conversations run turn by turn (every turn of every conversation is the history so far plus
-new tokens), once per configuration; the hit rate is cached prompt tokens over prompt tokens on turns 2..N.
-Part 2, latency at load: the requests part 1 made (fixed token lists, greedy replies) arrive open-loop, Poisson, at
-``--load`` times the capacity measured in part 1 with the roomy cache, turn after turn; per configuration, on the
-same engine with its prefix cache emptied, TTFT, inter-token latency and end-to-end p50/p99, and each p99 as a
-ratio to the roomy cache's.
+Per seed: part 1 (capacity and hit rate): ``--rounds`` rounds of ``--conversations`` new conversations run turn
+by turn on the roomy cache (every turn of every conversation is the history so far plus new tokens, greedy
+replies); its requests per second are the capacity, and its requests the load's. The other configurations run the
+first round turn by turn too, for their hit rate (cached prompt tokens over prompt tokens on turns 2..N) and to
+check their replies equal the roomy cache's. Part 2 (latency at load): every request of part 1 (fixed token lists)
+arrives open-loop, Poisson, at ``--load`` times the capacity, round after round and turn after turn; per
+configuration, on the same engine with its prefix cache (lower tiers included) emptied: TTFT, inter-token latency
+and end-to-end p50/p99, the hit rate at load, and each p99 as a ratio to the roomy cache's in the same seed.
+
+The load part is long enough for a p99 that holds when it has at least ``--load-requests`` requests (default
+2,000: a p99 then rests on 20): ``--rounds`` is raised to reach it.
 """
 
 from __future__ import annotations
@@ -18,8 +23,11 @@ import argparse
 import asyncio
 import datetime
 import json
+import math
 import random
+import statistics
 import sys
+import tempfile
 import time
 
 from rtxcore.bench.engine import Engine, build_engine, generate, serving_engine
@@ -28,47 +36,57 @@ from rtxcore.cli.bench import machine_description
 from rtxcore.contracts.scheduler import SchedulerConfig
 from rtxcore.sampling_params import SamplingParams
 
-CONFIGS = ("roomy", "offload", "no-offload")
+# roomy: a device cache with room for every conversation; offload: a small device cache over a host tier;
+# no-offload: the small device cache alone; disk: the small device cache over a small host tier over a disk tier.
+CONFIGS = ("roomy", "offload", "no-offload", "disk")
+RATIO_KEYS = ("ttft_p99_ms", "itl_p99_ms", "e2e_p99_ms")
 
 
-def make_engine(args, config: str, all_blocks: int, block_bytes: int) -> Engine:
+def make_engine(args, config: str, all_blocks: int, block_bytes: int, disk_dir: str) -> Engine:
     roomy = config == "roomy"
     blocks = int((args.roomy_factor if roomy else args.device_factor) * all_blocks) + 1
-    host_bytes = int(args.host_factor * all_blocks) * block_bytes if config == "offload" else 0
-    return build_engine(model=args.model, num_kv_blocks=blocks, kv_host_bytes=host_bytes,
+    host_factor = {"offload": args.host_factor, "disk": args.disk_host_factor}.get(config, 0.0)
+    disk = {"kv_disk_dir": disk_dir, "kv_disk_bytes": int(args.host_factor * all_blocks) * block_bytes,
+            "kv_snapshot_interval_s": 0} if config == "disk" else {}
+    return build_engine(model=args.model, num_kv_blocks=blocks,
+                        kv_host_bytes=int(host_factor * all_blocks) * block_bytes, **disk,
                         max_model_len=args.max_model_len,
                         scheduling=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                                    max_num_batched_tokens=args.max_num_batched_tokens))
 
 
-def turns(args, engine: Engine) -> tuple[list[list[list[int]]], float, float]:
-    """Run every turn; returns each turn's prompts (which hold the replies of the turns before: greedy, so equal
-    prompts across configurations mean equal outputs), the hit rate over turns 2..N and the seconds taken."""
-    rng = random.Random(args.seed)
+def conversations(args, engine: Engine, seed: int, rounds: int) -> tuple[list[list[int]], float, float]:
+    """Run ``rounds`` rounds of new conversations, each turn by turn; returns every request's prompt (rounds in
+    order, turns in order within a round; prompts hold the replies of the turns before: greedy, so equal prompts
+    across configurations mean equal outputs), the hit rate over turns 2..N and the seconds taken."""
+    rng = random.Random(seed)
     vocab = engine.core.model_config.vocab_size
     params = SamplingParams(max_tokens=args.reply_tokens, temperature=0.0, ignore_eos=True)
-    history: list[list[int]] = [[] for _ in range(args.conversations)]
-    prompts_by_turn, prompt_tokens, cached_tokens = [], 0, 0
     generate(engine, [[rng.randrange(3, vocab) for _ in range(8)]], params)  # warm-up, untimed
+    requests, prompt_tokens, cached_tokens = [], 0, 0
     start = time.perf_counter()
-    for turn in range(args.turns):
-        prompts = [h + [rng.randrange(3, vocab) for _ in range(args.new_tokens)] for h in history]
-        prompts_by_turn.append(prompts)
-        results = generate(engine, prompts, params)
-        if turn > 0:
-            prompt_tokens += sum(len(p) for p in prompts)
-            cached_tokens += sum(r.num_cached_tokens for r in results)
-        history = [p + r.token_ids for p, r in zip(prompts, results)]
-    return prompts_by_turn, cached_tokens / max(prompt_tokens, 1), time.perf_counter() - start
+    for _ in range(rounds):
+        history: list[list[int]] = [[] for _ in range(args.conversations)]
+        for turn in range(args.turns):
+            prompts = [h + [rng.randrange(3, vocab) for _ in range(args.new_tokens)] for h in history]
+            requests.extend(prompts)
+            results = generate(engine, prompts, params)
+            if turn > 0:
+                prompt_tokens += sum(len(p) for p in prompts)
+                cached_tokens += sum(r.num_cached_tokens for r in results)
+            history = [p + r.token_ids for p, r in zip(prompts, results)]
+    return requests, cached_tokens / max(prompt_tokens, 1), time.perf_counter() - start
 
 
-async def under_load(args, engine: Engine, prompts_by_turn, rate: float) -> dict[str, float]:
-    """Open-loop Poisson arrivals of every turn's requests in turn order; per-request latencies."""
+async def under_load(args, engine: Engine, requests: list[list[int]], rate: float, seed: int) -> dict[str, float]:
+    """Open-loop Poisson arrivals of ``requests`` in order; per-request latencies."""
     before = engine.core.kv_cache.stats
+    tiers = engine.core.kv_tiers
+    waits_before = (tiers.offload.stats.num_copy_wait_steps, tiers.offload.stats.copy_wait_seconds) if tiers else (0, 0)
     served = serving_engine(engine)
     served.start()
     params = SamplingParams(max_tokens=args.reply_tokens, temperature=0.0, ignore_eos=True)
-    rng = random.Random(args.seed + 1)
+    rng = random.Random(seed + 1)
     ttft, itl, e2e = [], [], []
     preemptions = 0
 
@@ -86,20 +104,22 @@ async def under_load(args, engine: Engine, prompts_by_turn, rate: float) -> dict
         e2e.append(time.perf_counter() - sent)
 
     tasks = []
-    start = time.perf_counter()
     await collect_warm_up(served, params)
-    for prompts in prompts_by_turn:
-        for prompt in prompts:
-            tasks.append(asyncio.create_task(one(prompt)))
-            await asyncio.sleep(rng.expovariate(rate))
+    start = time.perf_counter()
+    for prompt in requests:
+        tasks.append(asyncio.create_task(one(prompt)))
+        await asyncio.sleep(rng.expovariate(rate))
     await asyncio.gather(*tasks)
     elapsed = time.perf_counter() - start
     served.stop()
     stats = engine.core.kv_cache.stats
+    copies = engine.core.kv_tiers.offload.stats if engine.core.kv_tiers is not None else None
     queried = stats.num_prefix_query_tokens - before.num_prefix_query_tokens
     hit = stats.num_prefix_hit_tokens - before.num_prefix_hit_tokens
     return {"requests": len(tasks), "seconds": round(elapsed, 2), "hit_rate": round(hit / max(queried, 1), 4),
             "reloaded_tokens": stats.num_reloaded_tokens - before.num_reloaded_tokens, "preemptions": preemptions,
+            "copy_wait_steps": copies.num_copy_wait_steps - waits_before[0] if copies else 0,
+            "copy_wait_ms": round(1000 * (copies.copy_wait_seconds - waits_before[1]), 1) if copies else 0,
             **{f"{name}_{q}_ms": round(1000 * percentile(values, p), 1)
                for name, values in (("ttft", ttft), ("itl", itl), ("e2e", e2e))
                for q, p in (("p50", 50), ("p99", 99))}}
@@ -119,7 +139,8 @@ def profiled(args, config: str, engine: Engine, load) -> dict[str, float]:
     import pstats
 
     profiler = cProfile.Profile()
-    step = engine.step
+    core = engine.core  # what the serving front steps
+    step = core.step
 
     def profiled_step(*a, **kw):
         profiler.enable()
@@ -128,11 +149,11 @@ def profiled(args, config: str, engine: Engine, load) -> dict[str, float]:
         finally:
             profiler.disable()
 
-    engine.step = profiled_step
+    core.step = profiled_step  # type: ignore[method-assign]
     try:
         result = asyncio.run(load)
     finally:
-        del engine.step
+        del core.step
     out = io.StringIO()
     stats = pstats.Stats(profiler, stream=out)
     stats.sort_stats("tottime").print_stats(30)
@@ -158,60 +179,101 @@ def main() -> int:
                    help="device KV blocks as a share of what every conversation's history needs (default: 1/1.5, "
                         "a working set of 1.5x the device tier)")
     p.add_argument("--roomy-factor", type=float, default=1.5)
-    p.add_argument("--host-factor", type=float, default=1.5, help="host tier, as a share of the same")
+    p.add_argument("--host-factor", type=float, default=1.5,
+                   help="host tier (offload), and disk tier (disk), as a share of the same")
+    p.add_argument("--disk-host-factor", type=float, default=0.25, help="the host tier above the disk tier (disk)")
     p.add_argument("--load", type=float, default=1.5, help="arrival rate as a multiple of the measured capacity")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--load-requests", type=int, default=2000,
+                   help="fewest requests in the load part (rounds of new conversations are added to reach it)")
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds: one repetition each")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, among {', '.join(CONFIGS)} "
+                   "(roomy always runs: it sets the load and the ratios' base)")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--profile", default="", help="comma-separated configurations whose load part runs with the "
                    f"engine's steps under cProfile (of {', '.join(CONFIGS)}); their latencies are then not comparable")
     args = p.parse_args()
     args.profile = [c for c in args.profile.split(",") if c]
-    if set(args.profile) - set(CONFIGS):
-        p.error(f"--profile takes configurations among {', '.join(CONFIGS)}")
+    configs = ["roomy"] + [c for c in args.configs.split(",") if c and c != "roomy"]
+    if set(args.profile) - set(CONFIGS) or set(configs) - set(CONFIGS):
+        p.error(f"--configs and --profile take configurations among {', '.join(CONFIGS)}")
+    seeds = [int(s) for s in args.seeds.split(",")]
     longest = args.turns * (args.new_tokens + args.reply_tokens)
     args.max_model_len = longest + 16
     all_blocks = args.conversations * -(-longest // 16)
+    rounds = max(1, math.ceil(args.load_requests / (args.conversations * args.turns)))
 
     report = {"command": " ".join(sys.argv), "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-              "machine": machine_description(), "args": vars(args), "hit_rate": {}, "load": {}}
-    prompts_by_turn, capacity, block_bytes = None, None, 0
-    # One engine per configuration for both parts (building one can take a while on a GPU: CUDA graphs); its
-    # prefix cache, lower tiers included, is emptied between them.
-    for config in CONFIGS:
-        engine = make_engine(args, config, all_blocks, block_bytes)
-        prompts, rate, seconds = turns(args, engine)
-        report["hit_rate"][config] = {"hit_rate_turns_2_on": round(rate, 4), "seconds": round(seconds, 2),
-                                      "device_blocks": engine.core.kv_cache.num_usable_blocks,
-                                      "same_replies_as_roomy": prompts_by_turn is None or prompts == prompts_by_turn}
-        print(f"hit rate {config:>10}: {rate:.3f} over turns 2..{args.turns} ({seconds:.1f}s, "
-              f"{engine.core.kv_cache.num_usable_blocks} device blocks, same replies as roomy: "
-              f"{report['hit_rate'][config]['same_replies_as_roomy']})", flush=True)
-        if config == "roomy":
-            prompts_by_turn = prompts
-            capacity = args.conversations * args.turns / seconds
-            block_bytes = engine.core.backend.kv_cache_bytes_per_token() * engine.core.config.block_size
-            report["capacity_requests_per_s"] = round(capacity, 3)
-            report["arrival_rate_per_s"] = round(args.load * capacity, 3)
-        engine.core.kv_cache.reset_prefix_cache()
-        if config == "roomy":
-            # Once untimed: the load's batch shapes differ from part 1's, and compiling kernels for them (Triton on
-            # a GPU) must not land in the first configuration's figures.
-            asyncio.run(under_load(args, engine, prompts_by_turn, args.load * capacity))
+              "machine": machine_description(), "args": vars(args), "rounds": rounds, "seeds": {}}
+    disk_dir = tempfile.mkdtemp(prefix="w4-disk-tier-")
+    # One engine per configuration for every seed (building one can take a while on a GPU: CUDA graphs); its
+    # prefix cache, lower tiers included, is emptied between parts. roomy's is built first: it gives block_bytes.
+    engines: dict[str, Engine] = {}
+    for seed in seeds:
+        run = report["seeds"][seed] = {"hit_rate": {}, "load": {}}
+        requests: list[list[int]] = []
+        capacity = 0.0
+        for config in configs:
+            if config not in engines:
+                roomy = engines.get("roomy")
+                block_bytes = (roomy.core.backend.kv_cache_bytes_per_token() * roomy.core.config.block_size
+                               if roomy else 0)
+                engines[config] = make_engine(args, config, all_blocks, block_bytes, disk_dir)
+            engine = engines[config]
             engine.core.kv_cache.reset_prefix_cache()
-        load = under_load(args, engine, prompts_by_turn, args.load * capacity)
-        result = profiled(args, config, engine, load) if config in args.profile else asyncio.run(load)
-        report["load"][config] = result
-        print(f"at {args.load}x load {config:>10}: " + ", ".join(f"{k}={v}" for k, v in result.items()), flush=True)
-    base = report["load"]["roomy"]
-    for config in CONFIGS[1:]:
-        ratios = {f"{k}_ratio": round(report["load"][config][k] / base[k], 3)
-                  for k in ("ttft_p99_ms", "itl_p99_ms", "e2e_p99_ms") if base[k]}
-        report["load"][config].update(ratios)
-        print(f"p99 {config} / roomy: {ratios}")
+            prompts, rate, seconds = conversations(args, engine, seed, rounds if config == "roomy" else 1)
+            same = config == "roomy" or prompts == requests[:len(prompts)]
+            run["hit_rate"][config] = {"hit_rate_turns_2_on": round(rate, 4), "seconds": round(seconds, 2),
+                                       "device_blocks": engine.core.kv_cache.num_usable_blocks,
+                                       "same_replies_as_roomy": same}
+            print(f"seed {seed} hit rate {config:>10}: {rate:.3f} over turns 2..{args.turns} ({seconds:.1f}s, "
+                  f"{engine.core.kv_cache.num_usable_blocks} device blocks, same replies as roomy: {same})",
+                  flush=True)
+            if config == "roomy":
+                requests = prompts
+                capacity = len(requests) / seconds
+                run["capacity_requests_per_s"] = round(capacity, 3)
+                run["arrival_rate_per_s"] = round(args.load * capacity, 3)
+            engine.core.kv_cache.reset_prefix_cache()
+            if config == "roomy" and seed == seeds[0]:
+                # Once untimed (one round): the load's batch shapes differ from part 1's, and compiling kernels for
+                # them (Triton on a GPU) must not land in the first configuration's figures.
+                asyncio.run(under_load(args, engine, requests[:args.conversations * args.turns],
+                                       args.load * capacity, seed))
+                engine.core.kv_cache.reset_prefix_cache()
+            load = under_load(args, engine, requests, args.load * capacity, seed)
+            result = profiled(args, config, engine, load) if config in args.profile else asyncio.run(load)
+            run["load"][config] = result
+            print(f"seed {seed} at {args.load}x load {config:>10}: " + ", ".join(f"{k}={v}" for k, v in result.items()),
+                  flush=True)
+        base = run["load"]["roomy"]
+        for config in configs[1:]:
+            result = run["load"][config]
+            result.update({f"{k}_ratio": round(result[k] / base[k], 3) for k in RATIO_KEYS if base[k]})
+            result["hit_rate_minus_roomy"] = round(result["hit_rate"] - base["hit_rate"], 4)
+        if args.json:  # after every seed: a run cut short keeps what it measured
+            with open(args.json, "w") as fh:
+                json.dump(report, fh, indent=2)
+    report["summary"] = summary(report, configs[1:])
+    for config, figures in report["summary"].items():
+        print(f"{config} / roomy over seeds {args.seeds}: " + ", ".join(
+            f"{k} median {v['median']} ({v['min']}-{v['max']})" for k, v in figures.items()))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=2)
     return 0
+
+
+def summary(report: dict, configs: list[str]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per configuration, each p99 ratio and the hit-rate difference at load: median, least and most over seeds."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for config in configs:
+        out[config] = {}
+        for key in [f"{k}_ratio" for k in RATIO_KEYS] + ["hit_rate_minus_roomy"]:
+            values = [run["load"][config][key] for run in report["seeds"].values() if key in run["load"][config]]
+            if values:
+                out[config][key] = {"median": round(statistics.median(values), 3), "min": min(values),
+                                    "max": max(values)}
+    return out
 
 
 if __name__ == "__main__":

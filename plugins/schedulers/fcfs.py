@@ -77,10 +77,16 @@ class FCFSScheduler(Scheduler):
             index += 1
 
         # Admitting new work right after a preemption would only preempt again.
+        copying: list[Request] = []
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if req.num_computed_tokens == 0:
                 req.num_computed_tokens = self.kv_cache.lookup_prefix(req)
+            if not self.kv_cache.ready(req):
+                # Its prefix is still coming back from a lower tier: those behind it go first meanwhile, and it
+                # keeps its place (and its hold) at the head of the queue.
+                copying.append(self.waiting.popleft())
+                continue
             num_new = req.num_tokens_with_spec - req.num_computed_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
                 self._release(req)
@@ -97,6 +103,7 @@ class FCFSScheduler(Scheduler):
             out.scheduled.append(req)
             out.num_scheduled_tokens.append(num_new)
             budget -= num_new
+        self.waiting.extendleft(reversed(copying))
         return out
 
     def _preempt_until_fits(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:

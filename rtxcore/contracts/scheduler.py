@@ -53,6 +53,12 @@ class KVCacheAllocator(Protocol):
     def free(self, req: Request) -> None:
         """Release every block the request holds; full blocks stay in the prefix cache as evictable."""
 
+    def ready(self, req: Request) -> bool:
+        """Whether the blocks :meth:`lookup_prefix` found are all on the device. ``False`` while some are still being
+        copied back from a lower tier (host memory, disk): a scheduler should leave the request waiting, with its
+        hold, and let requests behind it go first. Scheduling it anyway is correct but makes the step wait for the
+        copy."""
+
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now, evictable cached blocks included."""

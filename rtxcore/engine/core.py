@@ -141,6 +141,7 @@ class EngineCore:
         self.hold_s = sched.hold_s
         if sched.is_empty:
             return []
+        self.kv_cache.prepare_step(sched.scheduled)
         plan = build_step(sched, self.kv_cache.block_table, self.config.block_size, self.generators, ())
         logits = self.faults.execute(plan)
         if logits is None or not plan.sampling_reqs:

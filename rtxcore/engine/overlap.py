@@ -80,6 +80,7 @@ class OverlappedSteps:
         core.hold_s = sched.hold_s
         if sched.is_empty:
             return outputs + (self._process(prev) if prev is not None else [])
+        core.kv_cache.prepare_step(sched.scheduled)
         plan = build_step(sched, core.kv_cache.block_table, core.config.block_size, core.generators,
                           prev.reqs if prev is not None else ())
         if prev is not None and plan.pending_rows:

@@ -6,6 +6,10 @@ It implements :class:`rtxcore.contracts.scheduler.KVCacheAllocator`, so the sche
 Blocks are registered in the prefix cache as soon as :meth:`~KVCacheManager.allocate` makes them full of known
 tokens, before the step that computes them runs. That is safe because a request that hits them is scheduled in the
 same step or later, and a forward pass writes a layer's KV before any attention of that layer reads it.
+
+Blocks reloaded from a lower tier on a GPU are registered at lookup too, while their bytes are still on the way
+(:mod:`rtxcore.kv.tiers.offload`): a request holding one is not :meth:`~KVCacheManager.ready`, and
+:meth:`~KVCacheManager.prepare_step` puts the bytes in place before any step that reads them.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from rtxcore.errors import ConfigError
 from rtxcore.kv.block_pool import BlockPool, BlockPoolError
 from rtxcore.kv.block_table import BlockTable
 from rtxcore.kv.hashing import BlockHash, hash_blocks
-from rtxcore.kv.tiers.offload import KVOffload
+from rtxcore.kv.tiers.offload import KVOffload, Reload
 from rtxcore.request import Request
 
 
@@ -89,6 +93,8 @@ class KVCacheManager:
             if not enable_prefix_caching:
                 raise ConfigError("KV offload keeps prefix-cache blocks: it needs prefix caching on")
             self.pool.on_evict = offload.spill
+        # Device blocks whose bytes a reload still has on the way, and that reload.
+        self._pending: dict[int, Reload] = {}
 
     @property
     def block_size(self) -> int:
@@ -186,6 +192,53 @@ class KVCacheManager:
         self._stats.num_prefix_hit_tokens += num_hit_tokens
         return num_hit_tokens
 
+    def ready(self, req: Request) -> bool:
+        """Whether ``req`` may join the next step: False while a large reload from a lower tier, started by its
+        lookup, is still copying (a scheduler then lets requests behind it go first; the lookup's hold stays). A
+        small reload is ready at once: its copy runs beside the step in flight (OVERLAP_BYTES)."""
+        if not self._pending:
+            return True
+        state = self._requests.get(req.req_id)
+        if state is None:
+            return True
+        assert self.offload is not None, "only reloads are pending"
+        for block_id in state.block_ids:
+            reload = self._pending.get(block_id)
+            if reload is not None and not reload.overlaps_a_step:
+                if not self.offload.arrived(reload):
+                    return False
+                self._complete(reload)
+        return True
+
+    def prepare_step(self, reqs: Sequence[Request]) -> None:
+        """Before a step of ``reqs`` is launched: the bytes of every reload they hold go into their blocks, ahead
+        of the step on the device's stream (which waits there for what is left of a copy: a small reload, or one a
+        scheduler placed without asking :meth:`ready`); reloads that have arrived for others too, freeing their
+        staging memory."""
+        if self.offload is not None:
+            self._prepare_reloads(self.offload, reqs)
+            self.offload.end_step()
+
+    def _prepare_reloads(self, offload: KVOffload, reqs: Sequence[Request]) -> None:
+        if not self._pending:
+            return
+        for req in reqs:
+            state = self._requests.get(req.req_id)
+            for block_id in state.block_ids if state is not None else ():
+                reload = self._pending.get(block_id)
+                if reload is not None:
+                    self._complete(reload)
+        for reload in {id(r): r for r in self._pending.values()}.values():
+            if offload.arrived(reload):
+                self._complete(reload)
+
+    def _complete(self, reload: Reload) -> None:
+        assert self.offload is not None
+        keep = {b for b in reload.block_ids if self._pending.get(b) is reload}
+        for block_id in keep:
+            del self._pending[block_id]
+        self.offload.complete(reload, keep)
+
     def allocate(self, req: Request, num_new_tokens: int) -> bool:
         """Make ``req``'s blocks cover ``req.num_computed_tokens + num_new_tokens`` tokens; all or nothing.
 
@@ -232,6 +285,8 @@ class KVCacheManager:
         """Release every block ``req`` holds; does nothing for a request holding none."""
         if req.req_id in self._requests:
             state = self._drop_state(req.req_id)
+            if self._pending:
+                self._give_up_reloads(state.block_ids)
             # Blocks registered for KV the request never got to compute (taken back in the step that scheduled
             # it) must not stay cached: a later hit, or a copy in a lower tier, would hold garbage.
             num_valid = max(req.num_computed_tokens, state.num_hit_tokens) // self._block_size
@@ -239,6 +294,19 @@ class KVCacheManager:
                 self.pool.uncache_unshared(block_id)
             # Tail first: under LRU a chain's tail is then evicted before its head, which later requests need most.
             self.pool.free_blocks(reversed(state.block_ids))
+
+    def _give_up_reloads(self, block_ids: list[int]) -> None:
+        """Blocks a leaving request held whose bytes are still on the way: if nobody else holds one, it leaves the
+        prefix cache (nothing valid is in it) and its reload no longer writes it; a reload left with no block is
+        cancelled."""
+        assert self.offload is not None
+        for block_id in block_ids:
+            reload = self._pending.get(block_id)
+            if reload is not None and self.pool.blocks[block_id].ref_cnt == 1:
+                self.pool.uncache_unshared(block_id)
+                del self._pending[block_id]
+                if not any(self._pending.get(b) is reload for b in reload.block_ids):
+                    self.offload.cancel(reload)
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached hash (e.g. after a weight update), in the lower tiers too; returns the number of device
@@ -258,6 +326,9 @@ class KVCacheManager:
             for block_id in state.block_ids:
                 num_refs[block_id] += 1
         self._table.check_invariants({state.row: state.block_ids for state in self._requests.values()})
+        for block_id in self._pending:
+            if num_refs[block_id] == 0:
+                raise BlockPoolError(f"block {block_id} awaits a reload's bytes but nobody holds it")
         for block in self.pool.blocks:
             if block.ref_cnt != num_refs[block.block_id]:
                 raise BlockPoolError(
@@ -265,8 +336,9 @@ class KVCacheManager:
                 )
 
     def _reload(self, offload: KVOffload, state: _RequestBlocks, max_hit_blocks: int) -> None:
-        """Extend the request's hit with blocks a lower tier holds, copied into fresh device blocks now, so they
-        are in place before the request's first step (prefetch at admission)."""
+        """Extend the request's hit with blocks a lower tier holds, copied into fresh device blocks from now on, so
+        they are in place before the request's first step (prefetch at admission; on a GPU the copy runs while
+        steps do, and the blocks stay pending until it has arrived)."""
         keys = state.block_hashes[len(state.block_ids):max_hit_blocks]
         tiers = offload.pin_run(keys)
         # Only what fits without taking blocks from requests: cached idle blocks may be evicted (and spilled) for it.
@@ -274,9 +346,12 @@ class KVCacheManager:
         block_ids = self.pool.allocate(n) if n else []
         # allocate() answers None only when asked for more than num_free_blocks, and n is capped at that.
         assert block_ids is not None
-        num_loaded = offload.reload(keys[:len(tiers)], tiers, block_ids)
+        reload = offload.reload(keys[:len(tiers)], tiers, block_ids)
+        num_loaded = reload.num_loaded
         for block_id, key in zip(block_ids[:num_loaded], keys):
             self.pool.cache_block(block_id, key)
+            if not reload.done:
+                self._pending[block_id] = reload
         self.pool.free_blocks(block_ids[num_loaded:])
         state.block_ids.extend(block_ids[:num_loaded])
         self._stats.num_reloaded_tokens += num_loaded * self._block_size

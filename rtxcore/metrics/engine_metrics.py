@@ -76,7 +76,7 @@ class EngineMetrics:
         self._kv_for: object = None
         self._kv_totals = (0, 0, 0)
         # (tier, counter) -> the total already added to the Prometheus counter.
-        self._tier_totals: dict[tuple[str, int], int] = {}
+        self._tier_totals: dict[tuple[str, int], float] = {}
         # Tenant label values handed out so far: bounded, so a config with many tenants cannot blow up the series.
         self._tenant_labels: set[str] = set()
         # The lanes whose targets are exported (kept to export them again under a new model label).
@@ -297,8 +297,14 @@ class EngineMetrics:
                                   (f.kv_tier_corrupt_blocks, st.num_corrupt)):
                 self._add_total(family, name, total)
         self._add_total(f.kv_snapshot_blocks, None, engine.kv_tiers.num_snapshot_blocks)
+        offload = engine.kv_tiers.offload
+        self._add_total(f.kv_copy_wait_steps, None, offload.stats.num_copy_wait_steps)
+        self._add_total(f.kv_copy_wait_seconds, None, offload.stats.copy_wait_seconds)
+        latency = f.kv_reload_latency.labels(model)
+        while offload.reload_seconds:
+            latency.observe(offload.reload_seconds.popleft())
 
-    def _add_total(self, family, tier: str | None, total: int) -> None:
+    def _add_total(self, family, tier: str | None, total: float) -> None:
         """Bring a Prometheus counter up to a running total kept elsewhere."""
         key = (tier or "", id(family))
         child = family.labels(self.model_name, tier) if tier else family.labels(self.model_name)

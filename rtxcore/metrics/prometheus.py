@@ -192,6 +192,14 @@ class Families:
             "rtx_kv_tier_corrupt_blocks", "KV blocks found damaged when read back from a tier, and dropped.", tier)
         self.kv_snapshot_blocks = counter(
             "rtx_kv_snapshot_blocks", "KV blocks written to disk by warm-restart snapshots.")
+        self.kv_reload_latency = histogram(
+            "rtx_kv_reload_seconds", "Seconds from a prefix hit in a lower tier to its blocks' bytes being in place on "
+            "the device (one sample per request's reload).", MERGE_WAIT_BUCKETS)
+        self.kv_copy_wait_steps = counter(
+            "rtx_kv_copy_wait_steps", "Engine steps that waited for KV blocks copied back from a lower tier (on a "
+            "GPU: the step reached them before their copy ended; on a CPU: every step with a reload).")
+        self.kv_copy_wait_seconds = counter(
+            "rtx_kv_copy_wait_seconds", "Seconds those steps waited, in all.")
 
         proposer = (PROPOSER_LABEL,)
         self.spec_proposed_tokens = counter(

@@ -262,6 +262,9 @@ def test_sigkill_under_load_every_accepted_request_completes_exactly_once(state_
         # The cache came back with the restart: the conversations' first round after it hits as before the kill.
         assert hit_rate(conversations, server.base_url) >= 0.85
         assert metric(server, "rtx_kv_reload_blocks_total") >= history_blocks
+        # Each reload timed; on this CPU every step with one copies between the steps, so waited for it.
+        assert metric(server, "rtx_kv_reload_seconds_count") > 0 and metric(server, "rtx_kv_reload_seconds_sum") > 0
+        assert metric(server, "rtx_kv_copy_wait_steps_total") > 0
     finally:
         assert server.stop() == 0, server.output()
 

@@ -102,6 +102,8 @@ class SLALanesScheduler(Scheduler):
         # When each live request arrived (scheduler clock): the start of its aging.
         self._arrival: dict[Request, float] = {}
         self._queued_tokens: dict[Request, int] = {}
+        # Queue heads set aside during one schedule() while their prefix is copied back (see _admit_head).
+        self._copying: list[Request] = []
         # The previous schedule(): when it ran and how many tokens it scheduled (0: nothing ran).
         self._last_schedule_time: float | None = None
         self._last_num_tokens = 0
@@ -225,6 +227,9 @@ class SLALanesScheduler(Scheduler):
             self._continue_running(lane, out, budget, decodes=False)
             while admitting and lane.waiting and budget.tokens > 0:
                 admitting = self._admit_head(lane, now, out, budget)
+        for req in self._copying:
+            self._push(self._by_name[req.lane], req, front=True)
+        self._copying.clear()
         return out
 
     def _continue_running(self, lane: _Lane, out: SchedulerOutput, budget: _Budget, decodes: bool) -> None:
@@ -260,12 +265,16 @@ class SLALanesScheduler(Scheduler):
 
     def _admit_head(self, lane: _Lane, now: float, out: SchedulerOutput, budget: _Budget) -> bool:
         """Start the head of ``lane``'s queue; False (and nothing held) when it cannot run this step, in which case
-        nobody behind it may jump the queue."""
+        nobody behind it may jump the queue. A head whose prefix is still being copied back from a lower tier steps
+        aside for this step, keeping its hold and its place (True: those behind it may go meanwhile)."""
         req = lane.waiting[0]
         if req in out.preempted:
             return False  # it made room for another this step; it cannot run in the same one
         if req.num_computed_tokens == 0:
             req.num_computed_tokens = self.kv_cache.lookup_prefix(req)
+        if not self.kv_cache.ready(req):
+            self._copying.append(self._pop(lane))
+            return True
         left = req.num_tokens_with_spec - req.num_computed_tokens
         num_new = budget.grant(left)
         if num_new <= 0 or (num_new < left and not self.config.enable_chunked_prefill) \

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -222,6 +223,10 @@ class KVTier(ABC):
     def note_uploads(self) -> None:  # noqa: B027 -- a no-op default, as sync_for_host
         """Rows :meth:`load` returned were queued for an asynchronous copy to the device."""
 
+    def order_reads(self, stream: torch.cuda.Stream, keys: Sequence[BlockHash]) -> None:  # noqa: B027
+        """Make ``stream`` wait for copies from the device still writing these keys' bytes here, before it copies
+        them out (a no-op default, as sync_for_host: only a tier written asynchronously needs it)."""
+
     def _note_pressure(self, evicted: float) -> None:
         self.pressure += PRESSURE_ALPHA * (evicted - self.pressure)
 
@@ -255,21 +260,66 @@ class HostTier(KVTier):
         # Copies from the device queued since _pending_writes was recorded: a store that evicts a slot it wrote
         # earlier in the same call reads that slot before the store's own event exists.
         self._writes_unrecorded = False
+        # Per slot, the event after its last copy from the device, until seen complete: a reload on the copy
+        # stream waits for the slots it reads only (waiting for the last store would wait for the step in flight,
+        # which the store's copies queue behind).
+        self._slot_written: dict[int, torch.cuda.Event] = {}
+        self._slots_unrecorded: list[int] = []
+        # Copies from the device not issued yet, (slot, row), gathered over one store so that runs of consecutive
+        # slots from consecutive rows go in one copy: a copy's launch costs the engine's thread several
+        # microseconds, and a block is one copy otherwise.
+        self._queued: list[tuple[int, torch.Tensor]] = []
 
     def store(self, keys: list[BlockHash], data: torch.Tensor) -> None:
         super().store(keys, data)
         if data.is_cuda:
-            self._pending_writes = _record_event()
-            self._writes_unrecorded = False
+            self._issue_queued()
+            self._record_writes()
+
+    def _issue_queued(self) -> None:
+        queued, self._queued = self._queued, []
+        i = 0
+        while i < len(queued):
+            slot, row = queued[i]
+            j = i + 1
+            while (j < len(queued) and queued[j][0] == slot + (j - i)
+                   and queued[j][1].data_ptr() == row.data_ptr() + (j - i) * self.block_bytes):
+                j += 1
+            source = row.as_strided((j - i, self.block_bytes), (self.block_bytes, 1))
+            self._buffer[slot:slot + j - i].copy_(source, non_blocking=True)
+            i = j
+
+    def order_reads(self, stream: torch.cuda.Stream, keys: Sequence[BlockHash]) -> None:
+        if self._slots_unrecorded:
+            self._record_writes()
+        for key in keys:
+            slot = self._slot_of.get(key)
+            if slot is None or slot not in self._slot_written:
+                continue
+            event = self._slot_written[slot]
+            if event.query():
+                del self._slot_written[slot]
+            else:
+                stream.wait_event(event)
+
+    def _record_writes(self) -> None:
+        self._pending_writes = event = _record_event()
+        self._writes_unrecorded = False
+        if len(self._slot_written) > self.num_slots // 2:
+            self._slot_written = {slot: e for slot, e in self._slot_written.items() if not e.query()}
+        for slot in self._slots_unrecorded:
+            self._slot_written[slot] = event
+        self._slots_unrecorded.clear()
 
     def note_uploads(self) -> None:
         if self._buffer.is_pinned():
             self._pending_reads = _record_event()
 
     def sync_for_host(self) -> None:
+        if self._queued:
+            self._issue_queued()
         if self._writes_unrecorded:
-            self._pending_writes = _record_event()  # after every copy queued so far on the stream
-            self._writes_unrecorded = False
+            self._record_writes()  # after every copy queued so far on the stream
         if self._pending_writes is not None:
             self._pending_writes.synchronize()
             self._pending_writes = None
@@ -279,10 +329,16 @@ class HostTier(KVTier):
             # A host-side write must not overtake an upload still queued from this buffer.
             self._pending_reads.synchronize()
             self._pending_reads = None
-        self._buffer[slot].copy_(data, non_blocking=data.is_cuda)
-        self._writes_unrecorded |= data.is_cuda
+        if data.is_cuda:
+            self._queued.append((slot, data))
+            self._writes_unrecorded = True
+            self._slots_unrecorded.append(slot)
+        else:
+            self._buffer[slot].copy_(data)
 
     def _read(self, slot: int, key: BlockHash) -> torch.Tensor:
+        if self._queued:
+            self._issue_queued()
         return self._buffer[slot]
 
 

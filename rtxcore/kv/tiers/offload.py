@@ -4,13 +4,20 @@ The device pool calls :meth:`KVOffload.spill` with the cached blocks it is about
 overwrites them; their bytes go to the first lower tier (unless it holds them already). At admission, the KV-cache
 manager asks :meth:`KVOffload.reload` for the part of a request's prefix that the device lacks but a lower tier
 holds, and the blocks come back into fresh device blocks before the request's first step runs.
+
+On a GPU a reload overlaps the steps: its bytes travel to a staging buffer on a copy stream of their own while the
+steps run, and :meth:`KVOffload.complete` puts them into their blocks on the steps' stream once they have arrived
+(a device-to-device copy, microseconds). Only that last copy is ordered with the steps: blocks freed while a step
+is in flight may still be written by it, and the steps' stream is what orders such writes.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import time
+from collections import deque
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +29,12 @@ log = logging.getLogger("rtx.kv")
 
 # Most blocks moved in one call to the backend: bounds the staging memory each copy takes on the device.
 COPY_CHUNK_BLOCKS = 64
+# Reload latencies kept for the metrics between two reads (a reader that stops reading loses the oldest).
+_LATENCIES_KEPT = 4096
+# A GPU reload up to this size joins the next step at once: its copy runs beside the step in flight (at PCIe speed,
+# about a millisecond), and the next step waits only for what is left of it. A larger one keeps its request out of
+# the steps until it has arrived (KVCacheManager.ready), so that no step waits for it.
+OVERLAP_BYTES = 64 << 20
 
 ReadBlocks = Callable[[list[int]], torch.Tensor]
 WriteBlocks = Callable[[list[int], torch.Tensor], None]
@@ -34,6 +47,34 @@ class OffloadStats:
     num_spill_hits: int = 0
     # Blocks brought back to the device, and the requests' tokens they covered.
     num_reloaded: int = 0
+    # Steps that waited for a reload's bytes, and for how long in all: on a GPU, those whose stream reached a
+    # reload's bytes before they had arrived (timed on the device); on a CPU, every step with a reload (it copies
+    # between the steps).
+    num_copy_wait_steps: int = 0
+    copy_wait_seconds: float = 0.0
+
+
+@dataclass(eq=False, slots=True)
+class Reload:
+    """Blocks on their way back to the device: ``block_ids[i]`` receives ``keys[i]``'s bytes. ``keys`` and
+    ``tiers`` are every key :meth:`KVOffload.pin_run` pinned (held until the reload completes or is cancelled)."""
+
+    keys: list[BlockHash]
+    tiers: list[KVTier]
+    block_ids: list[int]
+    started_s: float
+    # Staged bytes on the device, one row per block, and the copy-stream event after their copy (GPU only).
+    data: torch.Tensor | None = None
+    copied: torch.cuda.Event | None = None
+    # Rows read from a tier below the first: they also go up to the first tier on completion.
+    from_below: list[int] = field(default_factory=list)
+    done: bool = False
+    # Small enough to join the next step while it copies (OVERLAP_BYTES).
+    overlaps_a_step: bool = False
+
+    @property
+    def num_loaded(self) -> int:
+        return len(self.block_ids)
 
 
 class KVOffload:
@@ -50,6 +91,15 @@ class KVOffload:
         # Where reloaded blocks are staged before the backend scatters them into its cache.
         self.device = torch.device(device)
         self.stats = OffloadStats()
+        # Seconds from each reload's start to its bytes being in their blocks; read by the metrics.
+        self.reload_seconds: deque[float] = deque(maxlen=_LATENCIES_KEPT)
+        self._copy_stream: torch.cuda.Stream | None = None
+        # This step's point on the device's stream before it first waited for a copy, and the copies it waited for;
+        # then the same for earlier steps whose events have not all completed (read by poll()).
+        self._step_wait: tuple[torch.cuda.Event, list[torch.cuda.Event]] | None = None
+        self._wait_checks: list[tuple[torch.cuda.Event, list[torch.cuda.Event]]] = []
+        # Host seconds this step spent copying reloads (CPU).
+        self._host_copy_s = 0.0
 
     @property
     def top(self) -> KVTier:
@@ -83,41 +133,142 @@ class KVOffload:
             pinned.append(tier)
         return pinned
 
-    def reload(self, keys: Sequence[BlockHash], tiers: Sequence[KVTier], block_ids: list[int]) -> int:
-        """Copy the first ``len(block_ids)`` pinned blocks into device ``block_ids``, then unpin every key
-        :meth:`pin_run` pinned; returns how many leading blocks came back (a damaged one ends the run: the blocks
-        after it depend on it)."""
+    def reload(self, keys: Sequence[BlockHash], tiers: Sequence[KVTier], block_ids: list[int]) -> Reload:
+        """Read the first ``len(block_ids)`` pinned blocks and send them to device ``block_ids``; a damaged one
+        ends the run (the blocks after it depend on it): ``num_loaded`` of the result says how many came back.
+
+        On a CPU the blocks are in place on return. On a GPU their copy runs on a copy stream: call
+        :meth:`complete` before a step reads them (when :meth:`arrived` says so, it waits for nothing), or
+        :meth:`cancel`. Every key :meth:`pin_run` pinned stays pinned until then.
+        """
+        started = time.perf_counter()
         rows: list[torch.Tensor] = []
+        for key, tier in zip(keys[:len(block_ids)], tiers):
+            try:
+                rows.append(tier.load(key))
+            except TierReadError as exc:
+                log.warning("KV block %s in the %s tier is damaged and was dropped: %s", key.hex(), tier.name, exc)
+                break
+        n = len(rows)
+        reload = Reload(list(keys), list(tiers), block_ids[:n], started,
+                        from_below=[i for i in range(n) if tiers[i] is not self.top])
+        self.stats.num_reloaded += n
+        if n == 0 or self.device.type != "cuda":
+            try:
+                for start in range(0, n, COPY_CHUNK_BLOCKS):
+                    end = min(start + COPY_CHUNK_BLOCKS, n)
+                    data = torch.stack(rows[start:end]).to(self.device)
+                    self._write(block_ids[start:end], data)
+                    self._store_from_below(reload, data, start, end)
+            finally:
+                self._release(reload)
+            if n:
+                self._host_copy_s += time.perf_counter() - started
+            return reload
         try:
-            for key, tier in zip(keys[:len(block_ids)], tiers):
-                try:
-                    rows.append(tier.load(key))
-                except TierReadError as exc:
-                    log.warning("KV block %s in the %s tier is damaged and was dropped: %s", key.hex(), tier.name,
-                                exc)
-                    break
-            for start in range(0, len(rows), COPY_CHUNK_BLOCKS):
-                end = min(start + COPY_CHUNK_BLOCKS, len(rows))
-                if self.device.type == "cuda":
-                    self._pin(rows, start, end)
-                data = torch.empty((end - start, rows[start].numel()), dtype=torch.uint8, device=self.device)
-                for i in range(start, end):
-                    # From pinned host memory this is an asynchronous copy, ordered before the next step.
-                    data[i - start].copy_(rows[i], non_blocking=True)
-                self._write(block_ids[start:end], data)
-                # Inclusive: a block read from disk also goes to the tiers above, which reload faster.
-                from_below = [i for i in range(start, end) if tiers[i] is not self.top]
-                if from_below:
-                    rows_below = to_device([i - start for i in from_below], torch.long, data.device)
-                    self.top.store([keys[i] for i in from_below], data.index_select(0, rows_below))
+            self._pin(rows, 0, n)
+            stream = self._copy_stream
+            if stream is None:
+                stream = self._copy_stream = torch.cuda.Stream(self.device)
+            for tier in set(tiers[:n]):
+                tier.order_reads(stream, keys[:n])
+            with torch.cuda.stream(stream):
+                width = rows[0].numel()
+                data = torch.empty((n, width), dtype=torch.uint8, device=self.device)
+                i = 0
+                while i < n:
+                    # Rows next to each other in host memory (consecutive slots) go in one copy: each launch costs
+                    # the engine's thread several microseconds. From pinned memory the copy is asynchronous,
+                    # beside the steps on the compute engines.
+                    j = i + 1
+                    while j < n and rows[j].data_ptr() == rows[i].data_ptr() + (j - i) * width:
+                        j += 1
+                    data[i:j].copy_(rows[i].as_strided((j - i, width), (width, 1)), non_blocking=True)
+                    i = j
+                reload.copied = torch.cuda.Event(enable_timing=True)
+                reload.copied.record(stream)
+        except BaseException:
+            self._release(reload)
+            raise
+        reload.data = data
+        reload.overlaps_a_step = data.numel() <= OVERLAP_BYTES
+        return reload
+
+    def arrived(self, reload: Reload) -> bool:
+        """Whether the reload's bytes are on the device (completing it then waits for nothing)."""
+        return reload.done or reload.copied is None or reload.copied.query()
+
+    def complete(self, reload: Reload, block_ids: Collection[int] | None = None) -> None:
+        """Put a GPU reload's bytes into their blocks, queued on the current stream (after the steps queued so far,
+        before the next), waiting there for the copy if it has not arrived; only the blocks in ``block_ids``
+        (default: all) when some were given up meanwhile."""
+        if reload.done:
+            return
+        try:
+            assert reload.data is not None and reload.copied is not None, "only a GPU reload is pending"
+            stream = torch.cuda.current_stream(self.device)
+            if not reload.copied.query():
+                if self._step_wait is None:
+                    before = torch.cuda.Event(enable_timing=True)
+                    before.record(stream)
+                    self._step_wait = (before, [])
+                self._step_wait[1].append(reload.copied)
+                stream.wait_event(reload.copied)
+            data = reload.data
+            data.record_stream(stream)  # allocated on the copy stream, last used on this one
+            keep = [i for i, b in enumerate(reload.block_ids) if block_ids is None or b in block_ids]
+            if len(keep) == reload.num_loaded:
+                self._write(reload.block_ids, data)
+            elif keep:
+                self._write([reload.block_ids[i] for i in keep],
+                            data.index_select(0, to_device(keep, torch.long, data.device)))
+            self._store_from_below(reload, data, 0, reload.num_loaded)
         finally:
-            if self.device.type == "cuda":
-                for tier in set(tiers):
-                    tier.note_uploads()
-            for key, tier in zip(keys, tiers):
-                tier.unpin(key)
-        self.stats.num_reloaded += len(rows)
-        return len(rows)
+            self._release(reload)
+        self.reload_seconds.append(time.perf_counter() - reload.started_s)
+
+    def end_step(self) -> None:
+        """A step's reloads are all queued (called before it is launched): count it if it waited for a copy, once
+        the device's timings for that are in (a later call reads them; nothing here waits for the device)."""
+        if self._host_copy_s:
+            self.stats.num_copy_wait_steps += 1
+            self.stats.copy_wait_seconds += self._host_copy_s
+            self._host_copy_s = 0.0
+        if self._step_wait is not None:
+            self._wait_checks.append(self._step_wait)
+            self._step_wait = None
+        while self._wait_checks:
+            before, copies = self._wait_checks[0]
+            if not (before.query() and all(c.query() for c in copies)):
+                break
+            self._wait_checks.pop(0)
+            waited_ms = max(before.elapsed_time(c) for c in copies)
+            if waited_ms > 0:
+                self.stats.num_copy_wait_steps += 1
+                self.stats.copy_wait_seconds += waited_ms / 1000
+
+    def cancel(self, reload: Reload) -> None:
+        """Give up a pending reload: its blocks went to nobody (the staged bytes are dropped, unread)."""
+        if not reload.done:
+            self._release(reload)
+
+    def _store_from_below(self, reload: Reload, data: torch.Tensor, start: int, end: int) -> None:
+        """Inclusive: a block read from disk also goes to the tiers above, which reload faster."""
+        rows = [i - start for i in reload.from_below if start <= i < end]
+        if rows:
+            self.top.store([reload.keys[start + i] for i in rows],
+                           data.index_select(0, to_device(rows, torch.long, data.device)))
+
+    def _release(self, reload: Reload) -> None:
+        reload.done = True
+        reload.data = None
+        if self.device.type == "cuda":
+            for tier in set(reload.tiers):
+                tier.note_uploads()
+        for key, tier in zip(reload.keys, reload.tiers):
+            tier.unpin(key)
+        if self.device.type != "cuda" and reload.num_loaded:
+            self.reload_seconds.append(time.perf_counter() - reload.started_s)
 
     @staticmethod
     def _pin(rows: list[torch.Tensor], start: int, end: int) -> None:

@@ -134,3 +134,26 @@ def test_rtx_plan_takes_the_step_time_a_live_server_learnt(tmp_path):
                               "exports no learnt step time")
     finally:
         assert plain.stop() == 0, plain.output()
+
+
+def test_a_profile_measured_here_plans_and_plans_the_same_from_its_file(tmp_path):
+    """``rtx plan --profile`` times real steps of the model on this machine (decode batches 1, 2, 4; prefill chunks
+    of 32 to 128 tokens: six shapes), fits its line and plans with it; the profile written by ``--profile-out``
+    read back with ``--profile-file`` gives the same plan (the simulation is seeded)."""
+    common = ("plan", "--model", "dummy:tiny", "--scheduler", "sla-lanes", "--max-num-seqs", "4",
+              "--max-num-batched-tokens", "128", "--lane-mix", "standard=1", "--requests", "200", "--loads", "0.5",
+              "--output-tokens", "standard=4:8")
+    profile_file, first, second = tmp_path / "profile.json", tmp_path / "first.json", tmp_path / "second.json"
+    proc = rtx(*common, "--profile", "--profile-out", str(profile_file), "--json", str(first), timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "step-time profile from 6 step shapes" in proc.stdout + proc.stderr
+    measured = json.loads(first.read_text())
+    assert measured["profile"]["source"].startswith("measured here")
+    assert measured["profile"]["base_s"] > 0 and measured["profile"]["per_token_s"] >= 0
+    assert measured["num_kv_blocks"] > 1 and measured["capacity"] > 0
+    proc = rtx(*common, "--profile-file", str(profile_file), "--num-kv-blocks", str(measured["num_kv_blocks"]),
+               "--json", str(second), timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    again = json.loads(second.read_text())
+    assert again["profile"]["base_s"] == measured["profile"]["base_s"]
+    assert again["capacity"] == measured["capacity"] and again["predictions"] == measured["predictions"]

@@ -66,11 +66,14 @@ def kill_during_compaction(ctx: DrillContext, result: DrillResult) -> None:
     running: the restart reads a whole journal, removes the temporary file, and every stream resumes where its client
     was, each event once.
 
-    Compaction starts once the journal is over ``--journal-compact-bytes`` and at least half of it is past retention.
-    Sized in bytes, not time: a first server runs requests to their end (with retention 0, all garbage), the journal
-    they leave is G bytes, and the server restarted on it compacts at 1.5 G, i.e. once the running streams have
-    written half of G (a third of the file, so the garbage is two thirds), well before they end. The shim holds that
-    compaction's fsync from the start (no earlier one can happen), and the drill kills the server there."""
+    Compaction starts once the journal is over ``--journal-compact-bytes`` and at least half of it is past retention,
+    which the journal checks every 0.2 s. Sized in bytes, not time: a first server runs four rounds of requests to
+    their end (with retention 0, all garbage), the journal they leave is G bytes, and the server restarted on it
+    compacts once it is over 1.25 G and while it is under 2 G, i.e. while the running streams have written between a
+    quarter and the whole of G: from about 8% to 33% of their output, a window a check cannot miss however fast the
+    model runs (the first version allowed half of one round's bytes, which a fast dummy:tiny wrote between two
+    checks). The shim holds that compaction's fsync from the start (no earlier one can happen), and the drill kills
+    the server there."""
     control = ctx.workdir / "control"
     control.mkdir()
     env = {"LD_PRELOAD": str(fsync_shim(ctx)), "RTX_CHAOS_CONTROL_DIR": str(control)}
@@ -78,11 +81,12 @@ def kill_during_compaction(ctx: DrillContext, result: DrillResult) -> None:
     journal = state / "journal" / "journal.log"
     base = ("--state-dir", str(state), "--journal-retention", "0")
     with running_server(*base, "--journal-compact-bytes", "1g") as server:
-        finished = new_streams(ctx, ctx.num_streams, first=100)
-        join_all(finished, start_all(finished, Target(server.base_url)))
+        for round_ in range(4):
+            finished = new_streams(ctx, ctx.num_streams, first=100 + round_ * ctx.num_streams)
+            join_all(finished, start_all(finished, Target(server.base_url)))
         server.stop()  # SIGTERM: the journal flushed, its garbage kept (compaction never reached 1 GiB)
     garbage = journal.stat().st_size
-    args = (*base, "--journal-compact-bytes", str(garbage * 3 // 2))
+    args = (*base, "--journal-compact-bytes", str(garbage * 5 // 4))
     (control / "hold_tmp_fsync").touch()
     server = start_server(*MODEL_ARGS, *args, env=env)
     target = Target(server.base_url)

@@ -29,7 +29,10 @@ async def fetch_lane_targets(client: httpx.AsyncClient, config: LoadgenConfig) -
     # With keys configured, every route but the probes and /metrics needs one: any tenant's will do.
     headers = {"Authorization": f"Bearer {config.tenants[0].api_key}"} if config.tenants else {}
     try:
-        resp = await client.get(config.url + "/v1/lanes", headers=headers, timeout=10)
+        # Connecting says whether anything answers; the answer itself may wait behind a busy or stalled engine
+        # (the route asks the engine thread), which is load to measure, not an unreachable server.
+        resp = await client.get(config.url + "/v1/lanes", headers=headers,
+                                timeout=httpx.Timeout(config.request_timeout_s, connect=10))
     except httpx.HTTPError as exc:
         raise RtxError(f"cannot reach the server at {config.url}: {type(exc).__name__} {exc}".rstrip()) from None
     fallback = dict(config.targets)

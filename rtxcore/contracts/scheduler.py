@@ -55,9 +55,10 @@ class KVCacheAllocator(Protocol):
 
     def ready(self, req: Request) -> bool:
         """Whether the blocks :meth:`lookup_prefix` found are all on the device. ``False`` while some are still being
-        copied back from a lower tier (host memory, disk): a scheduler should leave the request waiting, with its
-        hold, and let requests behind it go first. Scheduling it anyway is correct but makes the step wait for the
-        copy."""
+        copied back from a lower tier (host memory), or read from disk: a scheduler should leave the request waiting,
+        with its hold, and let requests behind it go first. Scheduling it anyway is correct but makes the step wait
+        for the copy, or computes what the disk reads would have brought. When it answers ``True`` after disk reads,
+        the hit may have grown: ``req.num_computed_tokens`` is then raised to it."""
 
     @property
     def num_free_blocks(self) -> int:

@@ -10,6 +10,9 @@ same step or later, and a forward pass writes a layer's KV before any attention 
 Blocks reloaded from a lower tier on a GPU are registered at lookup too, while their bytes are still on the way
 (:mod:`rtxcore.kv.tiers.offload`): a request holding one is not :meth:`~KVCacheManager.ready`, and
 :meth:`~KVCacheManager.prepare_step` puts the bytes in place before any step that reads them.
+
+Blocks only the disk holds are not part of the lookup's hit: the lookup starts reading them on worker threads, the
+request is not ready until they are in, and :meth:`~KVCacheManager.ready` then extends its hit with them.
 """
 
 from __future__ import annotations
@@ -18,13 +21,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from rtxcore.contracts.eviction import EvictionPolicy
 from rtxcore.errors import ConfigError
 from rtxcore.kv.block_pool import BlockPool, BlockPoolError
 from rtxcore.kv.block_table import BlockTable
 from rtxcore.kv.hashing import BlockHash, hash_blocks
-from rtxcore.kv.tiers.offload import KVOffload, Reload
+from rtxcore.kv.tiers.offload import KVOffload, Prefetch, Reload
 from rtxcore.request import Request
 
 
@@ -62,6 +66,8 @@ class _RequestBlocks:
     allocated: bool = False
     # Tokens the last allocate() made room for (for the fragmentation metric; the blocks may cover more).
     num_tokens: int = 0
+    # The disk blocks that follow the hit, being read: ready() extends the hit with them once they are in.
+    prefetch: Prefetch | None = None
 
 
 # What block_table() reads for a request that holds nothing; never stored or changed.
@@ -174,32 +180,43 @@ class KVCacheManager:
         num_known = len(req.all_token_ids)
         self._extend_hashes(req, state, num_known)
 
-        max_hit_blocks = (num_known - 1) // self._block_size
-        for block_hash in state.block_hashes[:max_hit_blocks]:
+        self._find_hit(state, (num_known - 1) // self._block_size)
+        self._stats.num_prefix_queries += 1
+        self._stats.num_prefix_query_tokens += num_known
+        return state.num_hit_tokens
+
+    def _find_hit(self, state: _RequestBlocks, max_hit_blocks: int,
+                  fetched: dict[BlockHash, torch.Tensor] | None = None, fetched_at: float | None = None) -> None:
+        """Extend the request's hit with the cached blocks that follow it, on the device or in a lower tier; with
+        ``fetched``, the bytes a prefetch started at ``fetched_at`` read (and no new prefetch)."""
+        start = len(state.block_ids)
+        for block_hash in state.block_hashes[start:max_hit_blocks]:
             block_id = self.pool.lookup(block_hash)
             if block_id is None:
                 break
             self.pool.incref(block_id)
             state.block_ids.append(block_id)
         if self.offload is not None and len(state.block_ids) < max_hit_blocks:
-            self._reload(self.offload, state, max_hit_blocks)
-        self._table.append(state.row, 0, state.block_ids)
+            self._reload(self.offload, state, max_hit_blocks, fetched, fetched_at)
+        self._table.append(state.row, start, state.block_ids[start:])
         state.num_cached_blocks = len(state.block_ids)
-        num_hit_tokens = state.num_hit_tokens = len(state.block_ids) * self._block_size
-
-        self._stats.num_prefix_queries += 1
-        self._stats.num_prefix_query_tokens += num_known
-        self._stats.num_prefix_hit_tokens += num_hit_tokens
-        return num_hit_tokens
+        self._stats.num_prefix_hit_tokens += len(state.block_ids) * self._block_size - state.num_hit_tokens
+        state.num_hit_tokens = len(state.block_ids) * self._block_size
 
     def ready(self, req: Request) -> bool:
-        """Whether ``req`` may join the next step: False while a large reload from a lower tier, started by its
-        lookup, is still copying (a scheduler then lets requests behind it go first; the lookup's hold stays). A
-        small reload is ready at once: its copy runs beside the step in flight (OVERLAP_BYTES)."""
-        if not self._pending:
-            return True
+        """Whether ``req`` may join the next step: False while its lookup's disk reads are still running, or a
+        large reload from a lower tier is still copying (a scheduler then lets requests behind it go first; the
+        lookup's hold stays). A small reload is ready at once: its copy runs beside the step in flight
+        (OVERLAP_BYTES). When the disk reads are in, the hit grows by the blocks they brought: True then comes
+        with ``req.num_computed_tokens`` raised to the new hit."""
         state = self._requests.get(req.req_id)
         if state is None:
+            return True
+        if state.prefetch is not None:
+            if not state.prefetch.done():
+                return False
+            self._extend_hit(req, state, state.prefetch)
+        if not self._pending:
             return True
         assert self.offload is not None, "only reloads are pending"
         for block_id in state.block_ids:
@@ -209,6 +226,20 @@ class KVCacheManager:
                     return False
                 self._complete(reload)
         return True
+
+    def _extend_hit(self, req: Request, state: _RequestBlocks, fetch: Prefetch) -> None:
+        state.prefetch = None
+        if req.num_computed_tokens != state.num_hit_tokens or state.allocated:
+            self._drop_prefetch(fetch)  # not placed as its lookup left it: its hit cannot change now
+            return
+        assert self.offload is not None, "only a lookup with tiers prefetches"
+        self._find_hit(state, (len(req.all_token_ids) - 1) // self._block_size, self.offload.collect(fetch),
+                       fetch.started_s)
+        req.num_computed_tokens = state.num_hit_tokens
+
+    def _drop_prefetch(self, fetch: Prefetch) -> None:
+        assert self.offload is not None, "only a lookup with tiers prefetches"
+        self.offload.drop_prefetch(fetch)
 
     def prepare_step(self, reqs: Sequence[Request]) -> None:
         """Before a step of ``reqs`` is launched: the bytes of every reload they hold go into their blocks, ahead
@@ -269,6 +300,9 @@ class KVCacheManager:
             state.block_ids.extend(new_block_ids)
         state.allocated = True
         state.num_tokens = num_tokens
+        if state.prefetch is not None:  # placed without asking ready(): it computes what the reads would bring
+            self._drop_prefetch(state.prefetch)
+            state.prefetch = None
 
         # Usually false (a decode fills a block only once every block_size steps), so cheap to test first.
         if self.enable_prefix_caching and num_tokens // block_size > state.num_cached_blocks:
@@ -285,6 +319,8 @@ class KVCacheManager:
         """Release every block ``req`` holds; does nothing for a request holding none."""
         if req.req_id in self._requests:
             state = self._drop_state(req.req_id)
+            if state.prefetch is not None:
+                self._drop_prefetch(state.prefetch)
             if self._pending:
                 self._give_up_reloads(state.block_ids)
             # Blocks registered for KV the request never got to compute (taken back in the step that scheduled
@@ -335,18 +371,30 @@ class KVCacheManager:
                     f"block {block.block_id} has ref_cnt {block.ref_cnt} but {num_refs[block.block_id]} holders"
                 )
 
-    def _reload(self, offload: KVOffload, state: _RequestBlocks, max_hit_blocks: int) -> None:
+    def _reload(self, offload: KVOffload, state: _RequestBlocks, max_hit_blocks: int,
+                fetched: dict[BlockHash, torch.Tensor] | None, fetched_at: float | None) -> None:
         """Extend the request's hit with blocks a lower tier holds, copied into fresh device blocks from now on, so
         they are in place before the request's first step (prefetch at admission; on a GPU the copy runs while
-        steps do, and the blocks stay pending until it has arrived)."""
+        steps do, and the blocks stay pending until it has arrived). The run stops at the first block only a slow
+        tier (disk) holds: from there on, the blocks are read on worker threads (state.prefetch), unless
+        ``fetched`` has read them already."""
         keys = state.block_hashes[len(state.block_ids):max_hit_blocks]
         tiers = offload.pin_run(keys)
+        slow = next((i for i, (key, tier) in enumerate(zip(keys, tiers))
+                     if tier.reads_in_background and not (fetched and key in fetched)), len(tiers))
+        if slow < len(tiers):
+            if fetched is None:
+                state.prefetch = offload.prefetch(keys[slow:len(tiers)], tiers[slow:])
+            else:  # a block the prefetch could not read, or one that reached the disk since: it is computed
+                for key, tier in zip(keys[slow:], tiers[slow:]):
+                    tier.unpin(key)
+            tiers = tiers[:slow]
         # Only what fits without taking blocks from requests: cached idle blocks may be evicted (and spilled) for it.
         n = min(len(tiers), self.pool.num_free_blocks)
         block_ids = self.pool.allocate(n) if n else []
         # allocate() answers None only when asked for more than num_free_blocks, and n is capped at that.
         assert block_ids is not None
-        reload = offload.reload(keys[:len(tiers)], tiers, block_ids)
+        reload = offload.reload(keys[:len(tiers)], tiers, block_ids, fetched, fetched_at)
         num_loaded = reload.num_loaded
         for block_id, key in zip(block_ids[:num_loaded], keys):
             self.pool.cache_block(block_id, key)

@@ -200,6 +200,11 @@ class Families:
             "GPU: the step reached them before their copy ended; on a CPU: every step with a reload).")
         self.kv_copy_wait_seconds = counter(
             "rtx_kv_copy_wait_seconds", "Seconds those steps waited, in all.")
+        self.kv_prefetched_blocks = counter(
+            "rtx_kv_prefetched_blocks", "KV blocks read from disk on worker threads, ahead of their reload.")
+        self.kv_prefetch_promoted_blocks = counter(
+            "rtx_kv_prefetch_promoted_blocks", "Of those, blocks no reload used (their request left, or ran without "
+            "them), stored in the host tier instead.")
 
         proposer = (PROPOSER_LABEL,)
         self.spec_proposed_tokens = counter(

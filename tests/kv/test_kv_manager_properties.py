@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -89,12 +90,17 @@ class WorkloadMachine(RuleBasedStateMachine):
     @rule(pick=st.integers(0, 7), chunk=st.integers(1, 12))
     def admit(self, pick, chunk):
         req = self.waiting[pick % len(self.waiting)]
-        num_hit = self.kv.lookup_prefix(req)
+        req.num_computed_tokens = self.kv.lookup_prefix(req)
+        if pick % 4:  # as the built-in schedulers do; a scheduler that never asks is correct too
+            deadline = time.monotonic() + 30
+            while not self.kv.ready(req):  # blocks read from a lower tier on worker threads
+                assert time.monotonic() < deadline, "a lower tier's reads never came in"
+                time.sleep(0.001)
+        num_hit = req.num_computed_tokens
         assert num_hit % self.block_size == 0 and 0 <= num_hit < req.num_tokens
         for i, block_id in enumerate(self.kv.block_ids(req.req_id)):
             expected = req.all_token_ids[i * self.block_size:(i + 1) * self.block_size]
             assert self.content[block_id] == expected and self.salt_of[block_id] == req.cache_salt
-        req.num_computed_tokens = num_hit
         if self._allocate_and_compute(req, min(chunk, req.num_tokens - num_hit)):
             self.waiting.remove(req)
             self.running.append(req)
@@ -105,6 +111,7 @@ class WorkloadMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.running)
     @rule(pick=st.integers(0, 7), chunk=st.integers(1, 12))
     def step(self, pick, chunk):
+        self.kv.prepare_step(self.running)  # as the engine before each step (collects lower tiers' reads that ended)
         req = self.running[pick % len(self.running)]
         if req.num_computed_tokens == req.num_tokens:  # prefill done: sample, then compute the sampled token
             if req.num_output_tokens >= req.params.max_tokens:

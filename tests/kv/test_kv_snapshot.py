@@ -107,7 +107,9 @@ def test_a_damaged_block_is_recomputed_not_loaded(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="rtx.kv"):
         again, _, cached = run(second, prompts)
     assert again == tokens and cached == 0
-    assert "damaged" in caplog.text and second.core.kv_tiers.disk.stats.num_corrupt == 1
+    # The request's disk blocks are read together: each one found damaged is dropped, its file removed.
+    removed = [path for path in files if not path.exists()]
+    assert "damaged" in caplog.text and second.core.kv_tiers.disk.stats.num_corrupt == len(removed) >= 1
 
 
 def test_offload_settings_are_checked():

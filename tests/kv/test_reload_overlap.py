@@ -30,8 +30,9 @@ class HeldCopies(KVOffload):
 
     landed = False
 
-    def reload(self, keys, tiers, block_ids) -> Reload:
-        rows = [tier.load(k) for k, tier in zip(keys[:len(block_ids)], tiers)]
+    def reload(self, keys, tiers, block_ids, fetched=None, started_s=None) -> Reload:
+        rows = [(fetched or {}).get(k, None) for k in keys[:len(block_ids)]]
+        rows = [tier.load(k) if row is None else row for k, tier, row in zip(keys, tiers, rows)]
         reload = Reload(list(keys), list(tiers), block_ids[:len(rows)], time.perf_counter(),
                         data=torch.stack(rows) if rows else None)
         if not rows:

@@ -265,6 +265,8 @@ def test_sigkill_under_load_every_accepted_request_completes_exactly_once(state_
         # Each reload timed; on this CPU every step with one copies between the steps, so waited for it.
         assert metric(server, "rtx_kv_reload_seconds_count") > 0 and metric(server, "rtx_kv_reload_seconds_sum") > 0
         assert metric(server, "rtx_kv_copy_wait_steps_total") > 0
+        # The snapshot's blocks are on disk: read on worker threads, never by the engine's thread.
+        assert metric(server, "rtx_kv_prefetched_blocks_total") >= history_blocks
     finally:
         assert server.stop() == 0, server.output()
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -149,17 +149,38 @@ class KVTier(ABC):
 
         :raises TierReadError: they could not be read back intact; the block has left the tier (and its pin).
         """
-        slot = self._slot_of[key]
         try:
-            data = self._read(slot, key)
+            data = self._read(self._slot_of[key], key)
         except TierReadError:
-            self.stats.num_corrupt += 1
-            self._pins[slot] = 0
-            self._discard(slot)
+            self.drop_damaged(key)
             raise
-        self.policy.touch(slot)
-        self.stats.num_loaded += 1
+        self.note_loaded(key)
         return data
+
+    # Whether reading a block takes long enough (a file) that the engine's thread should not wait for it: the
+    # offload then reads it on a worker thread through reader() (KVOffload.prefetch).
+    reads_in_background = False
+
+    def reader(self, key: BlockHash, pin_memory: bool) -> Callable[[], torch.Tensor]:
+        """A call that reads a pinned block's bytes on any thread (in pinned memory if asked), as :meth:`load` does
+        but touching nothing else in the tier; it raises :class:`TierReadError`. Asked on the engine's thread."""
+        raise NotImplementedError(f"the {self.name} tier is read on the engine's thread")
+
+    def note_loaded(self, key: BlockHash) -> None:
+        """``key``'s bytes were read out for the device (by :meth:`load` or a :meth:`reader`): a use."""
+        slot = self._slot_of.get(key)
+        if slot is not None:
+            self.policy.touch(slot)
+            self.stats.num_loaded += 1
+
+    def drop_damaged(self, key: BlockHash) -> None:
+        """``key``'s bytes could not be read back intact: it leaves the tier, whoever pinned it."""
+        slot = self._slot_of.get(key)
+        if slot is None:
+            return
+        self.stats.num_corrupt += 1
+        self._pins[slot] = 0
+        self._discard(slot)
 
     def clear(self) -> int:
         """Drop every block not pinned (the prefix cache was reset: their content may be stale); returns how many."""

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 import struct
+from collections.abc import Callable
+from functools import partial
 from hashlib import blake2b
 from pathlib import Path
 
@@ -89,19 +91,36 @@ class DiskTier(KVTier):
         header = _HEADER.pack(MAGIC, self.fingerprint, key, len(payload), checksum(payload))
         replace_atomically(path, header + payload, durable=False)
 
+    # A block file is read and checked in milliseconds (a page-cache hit still copies and hashes it): too long for
+    # the engine's thread, which would hold every running request's next step meanwhile.
+    reads_in_background = True
+
+    def reader(self, key: BlockHash, pin_memory: bool) -> Callable[[], torch.Tensor]:
+        # The path is fixed while the key is pinned; the call reads only the file and the tier's constants.
+        return partial(self._read_file, self.path(key), key, pin_memory)
+
     def _read(self, slot: int, key: BlockHash) -> torch.Tensor:
-        path = self.path(key)
+        return self._read_file(self.path(key), key, False)
+
+    def _read_file(self, path: Path, key: BlockHash, pin_memory: bool) -> torch.Tensor:
         try:
-            raw = path.read_bytes()
+            with open(path, "rb") as fh:
+                header = fh.read(_HEADER.size)
+                length = self._check_header(header, key)
+                if length != self.block_bytes:
+                    raise TierReadError(f"{path} says it holds {length} bytes, expected {self.block_bytes}")
+                # Straight into the (pinned, where asked) tensor that the copy to the device reads.
+                data = torch.empty(length, dtype=torch.uint8, pin_memory=pin_memory)
+                view = data.numpy().data
+                num_read = fh.readinto(view)
+                trailing = fh.read(1)
         except OSError as exc:
             raise TierReadError(f"cannot read {path}: {exc}") from None
-        length = self._check_header(raw[:_HEADER.size], key)
-        payload = memoryview(raw)[_HEADER.size:]
-        if len(payload) != length or length != self.block_bytes:
-            raise TierReadError(f"{path} holds {len(payload)} bytes, expected {self.block_bytes}")
-        if checksum(payload) != _HEADER.unpack(raw[:_HEADER.size])[4]:
+        if num_read != length or trailing:
+            raise TierReadError(f"{path} holds {'more' if trailing else num_read} bytes, expected {length}")
+        if checksum(view) != _HEADER.unpack(header)[4]:
             raise TierReadError(f"{path} fails its checksum")
-        return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        return data
 
     def _drop(self, slot: int, key: BlockHash) -> None:
         self.path(key).unlink(missing_ok=True)

@@ -9,6 +9,10 @@ On a GPU a reload overlaps the steps: its bytes travel to a staging buffer on a 
 steps run, and :meth:`KVOffload.complete` puts them into their blocks on the steps' stream once they have arrived
 (a device-to-device copy, microseconds). Only that last copy is ordered with the steps: blocks freed while a step
 is in flight may still be written by it, and the steps' stream is what orders such writes.
+
+Blocks on disk are read before their reload, on worker threads (:meth:`KVOffload.prefetch`): a file's read and
+checksum take milliseconds, which on the engine's thread would hold every running request's next step. The
+KV-cache manager starts the reads at a request's lookup and extends its hit with them once they are in.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +40,9 @@ _LATENCIES_KEPT = 4096
 # about a millisecond), and the next step waits only for what is left of it. A larger one keeps its request out of
 # the steps until it has arrived (KVCacheManager.ready), so that no step waits for it.
 OVERLAP_BYTES = 64 << 20
+# Worker threads reading block files: a few reads in flight keep an NVMe queue busy; the checksum (blake2b) releases
+# the GIL for buffers this large, so they run beside the engine's thread.
+READ_THREADS = 4
 
 ReadBlocks = Callable[[list[int]], torch.Tensor]
 WriteBlocks = Callable[[list[int], torch.Tensor], None]
@@ -52,6 +60,10 @@ class OffloadStats:
     # between the steps).
     num_copy_wait_steps: int = 0
     copy_wait_seconds: float = 0.0
+    # Blocks read from a slow tier (disk) on worker threads, and of those, the ones no reload used (their request
+    # left first, or went ahead without them): they went up to the first tier instead.
+    num_prefetched: int = 0
+    num_prefetches_promoted: int = 0
 
 
 @dataclass(eq=False, slots=True)
@@ -77,6 +89,21 @@ class Reload:
         return len(self.block_ids)
 
 
+@dataclass(eq=False, slots=True)
+class Prefetch:
+    """Blocks of a slow tier being read on worker threads: ``reads[i]`` reads ``keys[i]``, which stays pinned in
+    ``tiers[i]`` until :meth:`KVOffload.collect` (or, after :meth:`KVOffload.drop_prefetch`, the end of its read)."""
+
+    keys: list[BlockHash]
+    tiers: list[KVTier]
+    reads: list[Future[torch.Tensor]]
+    started_s: float
+    collected: bool = False
+
+    def done(self) -> bool:
+        return all(read.done() for read in self.reads)
+
+
 class KVOffload:
     def __init__(self, tiers: Sequence[KVTier], read_blocks: ReadBlocks, write_blocks: WriteBlocks,
                  device: torch.device | str = "cpu"):
@@ -100,6 +127,11 @@ class KVOffload:
         self._wait_checks: list[tuple[torch.cuda.Event, list[torch.cuda.Event]]] = []
         # Host seconds this step spent copying reloads (CPU).
         self._host_copy_s = 0.0
+        self._readers: ThreadPoolExecutor | None = None
+        # Block reads in flight, by key: a second request for the same blocks waits for the same read.
+        self._reading: dict[BlockHash, Future[torch.Tensor]] = {}
+        # Prefetches nobody will collect, until their reads end (their blocks then go up to the first tier).
+        self._dropped: list[Prefetch] = []
 
     @property
     def top(self) -> KVTier:
@@ -133,9 +165,76 @@ class KVOffload:
             pinned.append(tier)
         return pinned
 
-    def reload(self, keys: Sequence[BlockHash], tiers: Sequence[KVTier], block_ids: list[int]) -> Reload:
+    def prefetch(self, keys: Sequence[BlockHash], tiers: Sequence[KVTier]) -> Prefetch:
+        """Start reading, on worker threads, the blocks :meth:`pin_run` pinned in tiers that read slowly
+        (:attr:`KVTier.reads_in_background`); the others are unpinned. The pins of those read pass to the result:
+        :meth:`collect` it once :meth:`Prefetch.done`, or :meth:`drop_prefetch` it."""
+        if self._readers is None:
+            self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="rtx-kv-read")
+        # On a GPU the reads land in pinned memory, from which the copy to the device is asynchronous.
+        pin_memory = self.device.type == "cuda"
+        fetch = Prefetch([], [], [], time.perf_counter())
+        for key, tier in zip(keys, tiers):
+            if not tier.reads_in_background:
+                tier.unpin(key)
+                continue
+            read = self._reading.get(key)
+            if read is None:
+                read = self._reading[key] = self._readers.submit(tier.reader(key, pin_memory))
+                self.stats.num_prefetched += 1
+            fetch.keys.append(key)
+            fetch.tiers.append(tier)
+            fetch.reads.append(read)
+        return fetch
+
+    def collect(self, fetch: Prefetch) -> dict[BlockHash, torch.Tensor]:
+        """The bytes of a finished prefetch's blocks that read back intact, by key (a damaged block leaves its
+        tier); its pins are released. Hand them to :meth:`reload` with the keys pinned again."""
+        assert fetch.done(), "collect() waits for nothing: ask Prefetch.done() first"
+        rows: dict[BlockHash, torch.Tensor] = {}
+        if fetch.collected:
+            return rows
+        fetch.collected = True
+        for key, tier, read in zip(fetch.keys, fetch.tiers, fetch.reads):
+            if self._reading.get(key) is read:
+                del self._reading[key]
+            try:
+                rows[key] = read.result()
+            except TierReadError as exc:
+                log.warning("KV block %s in the %s tier is damaged and was dropped: %s", key.hex(), tier.name, exc)
+                tier.drop_damaged(key)
+            except Exception as exc:  # noqa: BLE001 -- the block is only missed: the request computes it
+                log.warning("could not read KV block %s from the %s tier: %r", key.hex(), tier.name, exc)
+            tier.unpin(key)
+        return rows
+
+    def drop_prefetch(self, fetch: Prefetch) -> None:
+        """Nobody will reload a prefetch's blocks (its request left, or went ahead without them): once its reads
+        end, what they read goes up to the first tier, which a later hit reloads from at once."""
+        if not fetch.collected:
+            self._dropped.append(fetch)
+            self._collect_dropped()
+
+    def _collect_dropped(self) -> None:
+        if not self._dropped:
+            return
+        waiting = []
+        for fetch in self._dropped:
+            if not fetch.done():
+                waiting.append(fetch)
+                continue
+            rows = [(key, row) for key, row in self.collect(fetch).items() if key not in self.top]
+            if rows:
+                self.top.store([key for key, _ in rows], torch.stack([row for _, row in rows]))
+                self.stats.num_prefetches_promoted += len(rows)
+        self._dropped = waiting
+
+    def reload(self, keys: Sequence[BlockHash], tiers: Sequence[KVTier], block_ids: list[int],
+               fetched: dict[BlockHash, torch.Tensor] | None = None, started_s: float | None = None) -> Reload:
         """Read the first ``len(block_ids)`` pinned blocks and send them to device ``block_ids``; a damaged one
         ends the run (the blocks after it depend on it): ``num_loaded`` of the result says how many came back.
+        A block in ``fetched`` (read by a :meth:`prefetch`) is not read again; ``started_s`` is then when the
+        prefetch started, for the reload's latency.
 
         On a CPU the blocks are in place on return. On a GPU their copy runs on a copy stream: call
         :meth:`complete` before a step reads them (when :meth:`arrived` says so, it waits for nothing), or
@@ -144,13 +243,18 @@ class KVOffload:
         started = time.perf_counter()
         rows: list[torch.Tensor] = []
         for key, tier in zip(keys[:len(block_ids)], tiers):
+            row = fetched.get(key) if fetched else None
+            if row is not None:
+                tier.note_loaded(key)
+                rows.append(row)
+                continue
             try:
                 rows.append(tier.load(key))
             except TierReadError as exc:
                 log.warning("KV block %s in the %s tier is damaged and was dropped: %s", key.hex(), tier.name, exc)
                 break
         n = len(rows)
-        reload = Reload(list(keys), list(tiers), block_ids[:n], started,
+        reload = Reload(list(keys), list(tiers), block_ids[:n], started if started_s is None else started_s,
                         from_below=[i for i in range(n) if tiers[i] is not self.top])
         self.stats.num_reloaded += n
         if n == 0 or self.device.type != "cuda":
@@ -180,8 +284,12 @@ class KVOffload:
                     # Rows next to each other in host memory (consecutive slots) go in one copy: each launch costs
                     # the engine's thread several microseconds. From pinned memory the copy is asynchronous,
                     # beside the steps on the compute engines.
+                    # Adjacent addresses alone are not enough: separate pinned allocations (rows read from disk)
+                    # can sit side by side, and a view past one's end is out of its bounds.
                     j = i + 1
-                    while j < n and rows[j].data_ptr() == rows[i].data_ptr() + (j - i) * width:
+                    storage = rows[i].untyped_storage().data_ptr()
+                    while (j < n and rows[j].data_ptr() == rows[i].data_ptr() + (j - i) * width
+                           and rows[j].untyped_storage().data_ptr() == storage):
                         j += 1
                     data[i:j].copy_(rows[i].as_strided((j - i, width), (width, 1)), non_blocking=True)
                     i = j
@@ -230,6 +338,7 @@ class KVOffload:
     def end_step(self) -> None:
         """A step's reloads are all queued (called before it is launched): count it if it waited for a copy, once
         the device's timings for that are in (a later call reads them; nothing here waits for the device)."""
+        self._collect_dropped()
         if self._host_copy_s:
             self.stats.num_copy_wait_steps += 1
             self.stats.copy_wait_seconds += self._host_copy_s

@@ -1,0 +1,221 @@
+"""Blocks only the disk tier holds are read on worker threads, never on the engine's thread: the request that needs
+them waits outside the steps (keeping its place) while others run, and joins with them once they are in; a damaged
+file ends the hit there; a request that leaves first leaves them in the tier above; two requests with one prefix
+read it once. Real block files; a disk tier whose reads wait for the test stands in for a slow disk."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from rtxcore.kv.hashing import hash_blocks
+from rtxcore.kv.manager import KVCacheManager
+from rtxcore.kv.tiers.base import HostTier, KVTier
+from rtxcore.kv.tiers.disk import DiskTier
+from rtxcore.kv.tiers.offload import KVOffload
+from rtxcore.request import Request, RequestStatus
+from tests.helpers.kv import POLICIES, make_request
+from tests.kv.test_reload_overlap import BLOCK_SIZE, NUM_BLOCKS, WIDTH, computed, first_turn_pushed_out, make_scheduler
+
+HISTORY = [5] * 12  # 3 full blocks
+
+
+class GatedDisk(DiskTier):
+    """A disk tier whose block reads wait for ``gate`` (as reads of a slow disk still in flight), counted."""
+
+    def __init__(self, root):
+        super().__init__(root, 32, WIDTH, POLICIES["lru"](32), bytes(20))
+        self.gate = threading.Event()
+        self.num_reads = 0
+        self.reader_threads: set[str] = set()
+
+    def reader(self, key, pin_memory) -> Callable[[], torch.Tensor]:
+        self.num_reads += 1
+        read = super().reader(key, pin_memory)
+
+        def gated() -> torch.Tensor:
+            self.reader_threads.add(threading.current_thread().name)
+            if not self.gate.wait(60):
+                raise TimeoutError("the test never opened the gate")
+            return read()
+        return gated
+
+
+def tiers(tmp_path, host_slots: int) -> tuple[KVCacheManager, KVOffload, GatedDisk, torch.Tensor]:
+    cache = torch.zeros(NUM_BLOCKS, WIDTH, dtype=torch.uint8)
+
+    def write(ids, data):
+        cache[ids] = data
+
+    disk = GatedDisk(tmp_path)
+    stack: list[KVTier] = [disk]
+    if host_slots:
+        stack.insert(0, HostTier(host_slots, WIDTH, POLICIES["lru"](host_slots), below=disk))
+    offload = KVOffload(stack, lambda ids: cache[ids].clone(), write)
+    return KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, POLICIES["lru"](NUM_BLOCKS), True, offload), offload, disk, cache
+
+
+def history_keys() -> list[bytes]:
+    return hash_blocks(HISTORY, BLOCK_SIZE, None, None)
+
+
+def wait_ready(kv: KVCacheManager, req: Request) -> None:
+    """What a scheduler does at every step: ask, until the reads are in."""
+    deadline = time.monotonic() + 30
+    while not kv.ready(req):
+        assert time.monotonic() < deadline, "the disk reads never came in"
+        time.sleep(0.002)
+
+
+def no_pins(*stack: KVTier) -> bool:
+    return not any(any(tier._pins) for tier in stack)
+
+
+@pytest.mark.parametrize("scheduler", ["fcfs", "sla-lanes"])
+def test_disk_blocks_are_read_beside_the_steps_and_join_the_hit_once_in(tmp_path, scheduler):
+    kv, offload, disk, cache = tiers(tmp_path, host_slots=0)  # a disk tier alone, as under --state-dir
+    s = make_scheduler(scheduler, kv)
+    expected = first_turn_pushed_out(s, kv, cache, HISTORY)
+    assert len(disk) >= 3
+
+    turn, stranger = make_request(HISTORY + [9, 7, 7]), make_request([3] * 6)
+    s.add_request(turn)
+    s.add_request(stranger)
+    out = s.schedule()  # returns with the reads held at the gate: the engine's thread did not wait for them
+    assert out.scheduled == [stranger], "the request whose blocks are being read ran, or held the queue"
+    assert turn.status is RequestStatus.WAITING and turn.num_computed_tokens == 0 and disk.num_reads == 3
+    kv.prepare_step(out.scheduled)
+    computed(kv, cache, out)
+
+    disk.gate.set()
+    wait_ready(kv, turn)
+    assert turn.num_computed_tokens == 12, "the blocks read from disk did not join the hit"
+    assert disk.reader_threads and all(name.startswith("rtx-kv-read") for name in disk.reader_threads)
+    out = s.schedule()
+    assert turn in out.scheduled and out.num_scheduled_tokens[out.scheduled.index(turn)] == 3
+    kv.prepare_step(out.scheduled)
+    assert torch.equal(cache[kv.block_ids(turn.req_id)[:3]], expected)
+    assert offload.stats.num_prefetched == 3 and disk.stats.num_loaded == 3
+    kv.check_invariants()
+    assert no_pins(disk)
+    disk.check_invariants()
+
+
+def test_a_damaged_block_file_ends_the_hit_there(tmp_path):
+    kv, offload, disk, cache = tiers(tmp_path, host_slots=0)
+    s = make_scheduler("fcfs", kv)
+    first_turn_pushed_out(s, kv, cache, HISTORY)
+    turn = make_request(HISTORY + [9, 7])
+    s.add_request(turn)
+    assert s.schedule().is_empty
+    second = disk.path(history_keys()[1])
+    raw = bytearray(second.read_bytes())
+    raw[-1] ^= 0x40
+    second.write_bytes(bytes(raw))
+    disk.gate.set()
+    wait_ready(kv, turn)
+    assert turn.num_computed_tokens == BLOCK_SIZE, "the hit went past the damaged block"
+    assert disk.stats.num_corrupt == 1 and not second.exists()
+    assert no_pins(disk)
+    disk.check_invariants()
+    kv.check_invariants()
+
+
+def test_a_request_leaving_while_its_blocks_are_read_leaves_them_in_the_tier_above(tmp_path):
+    kv, offload, disk, cache = tiers(tmp_path, host_slots=2)
+    host = offload.top
+    s = make_scheduler("fcfs", kv)
+    first_turn_pushed_out(s, kv, cache, HISTORY)
+    turn = make_request(HISTORY + [9, 7])
+    s.add_request(turn)
+    assert s.schedule().is_empty
+    keys = history_keys()[:3]
+    on_disk_only = [k for k in keys if k not in host]
+    assert on_disk_only and disk.num_reads == len(on_disk_only)
+    turn.status = RequestStatus.FINISHED_ABORTED
+    s.finish_request(turn)
+    disk.gate.set()
+    deadline = time.monotonic() + 30
+    while offload.stats.num_prefetches_promoted < len(on_disk_only):
+        assert time.monotonic() < deadline, "the abandoned reads never reached the host tier"
+        kv.prepare_step([])  # each step collects reads that ended
+        time.sleep(0.002)
+    assert all(k in host for k in on_disk_only[-2:])
+    assert no_pins(host, disk)
+    host.check_invariants(), disk.check_invariants()
+    kv.check_invariants()
+
+
+def test_two_requests_with_one_prefix_read_it_once(tmp_path):
+    kv, offload, disk, cache = tiers(tmp_path, host_slots=0)
+    s = make_scheduler("fcfs", kv)
+    expected = first_turn_pushed_out(s, kv, cache, HISTORY)
+    one, two = make_request(HISTORY + [9, 7]), make_request(HISTORY + [8, 8, 8])
+    s.add_request(one)
+    s.add_request(two)
+    assert s.schedule().is_empty
+    assert disk.num_reads == 3
+    disk.gate.set()
+    wait_ready(kv, one)
+    wait_ready(kv, two)
+    out = s.schedule()
+    assert set(out.scheduled) == {one, two} and one.num_computed_tokens == two.num_computed_tokens == 12
+    kv.prepare_step(out.scheduled)
+    for req in (one, two):
+        assert torch.equal(cache[kv.block_ids(req.req_id)[:3]], expected)
+    assert no_pins(disk)
+    kv.check_invariants()
+
+
+def test_a_request_placed_without_asking_ready_computes_its_prefix(tmp_path):
+    """A third-party scheduler that never asks ready() is still correct: the request computes what the reads would
+    have brought, and their pins go once the reads end."""
+    kv, offload, disk, cache = tiers(tmp_path, host_slots=0)
+    s = make_scheduler("fcfs", kv)
+    first_turn_pushed_out(s, kv, cache, HISTORY)
+    turn = make_request(HISTORY + [9, 7])
+    turn.num_computed_tokens = kv.lookup_prefix(turn)
+    assert turn.num_computed_tokens == 0
+    assert kv.allocate(turn, turn.num_tokens)
+    disk.gate.set()
+    deadline = time.monotonic() + 30
+    while not no_pins(disk):
+        assert time.monotonic() < deadline
+        kv.prepare_step([turn])
+        time.sleep(0.002)
+    kv.free(turn)
+    kv.check_invariants()
+    disk.check_invariants()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: reads into pinned memory on a worker")
+def test_on_a_gpu_blocks_read_into_pinned_memory_reach_their_blocks_intact(tmp_path):
+    from rtxcore.kv.block_io import read_blocks, write_blocks
+
+    caches = [torch.randn(2, 8, 4, 16, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    block_bytes = sum(c[:, 0].numel() for c in caches) * 2
+    disk = DiskTier(tmp_path, 8, block_bytes, POLICIES["lru"](8), bytes(20))
+    offload = KVOffload([disk], lambda ids: read_blocks(caches, 1, ids),
+                        lambda ids, data: write_blocks(caches, 1, ids, data), device="cuda")
+    kv = KVCacheManager(8, BLOCK_SIZE, POLICIES["lru"](8), True, offload)
+    disk.store(history_keys(), read_blocks(caches, 1, [1, 2, 3]))
+    for c in caches:
+        c.zero_()
+    req = make_request(HISTORY + [9])
+    req.num_computed_tokens = kv.lookup_prefix(req)
+    assert req.num_computed_tokens == 0
+    wait_ready(kv, req)
+    assert req.num_computed_tokens == 12
+    kv.prepare_step([req])
+    torch.cuda.synchronize()
+    blocks = kv.block_ids(req.req_id)[:3]
+    for c, e in zip(caches, expected):
+        assert torch.equal(c[:, blocks], e[:, [1, 2, 3]])
+    kv.free(req)
+    kv.check_invariants()
+    assert no_pins(disk)

@@ -168,6 +168,10 @@ class KVCacheManager:
         :raises BlockPoolError: the request already allocated since its last :meth:`free`.
         """
         state = self._requests.get(req.req_id)
+        if state is not None and state.prefetch is not None and not state.allocated:
+            # Asked again while its disk reads are in flight (its hit may be 0, which a scheduler takes for "not
+            # looked up yet"): the reads and the hold stay, and ready() says when they are in.
+            return state.num_hit_tokens
         if state is not None:
             if state.allocated:
                 raise BlockPoolError(f"lookup_prefix({req.req_id!r}) after allocate(); free() the request first")

@@ -90,6 +90,11 @@ def test_disk_blocks_are_read_beside_the_steps_and_join_the_hit_once_in(tmp_path
     assert turn.status is RequestStatus.WAITING and turn.num_computed_tokens == 0 and disk.num_reads == 3
     kv.prepare_step(out.scheduled)
     computed(kv, cache, out)
+    queries = kv.stats.num_prefix_queries
+    out = s.schedule()  # its hit is still 0: asking again keeps the reads in flight, and counts no new query
+    assert turn not in out.scheduled and disk.num_reads == 3 and kv.stats.num_prefix_queries == queries
+    kv.prepare_step(out.scheduled)
+    computed(kv, cache, out)
 
     disk.gate.set()
     wait_ready(kv, turn)

@@ -114,6 +114,7 @@ def test_a_damaged_block_file_ends_the_hit_there(tmp_path):
     kv, offload, disk, cache = tiers(tmp_path, host_slots=0)
     s = make_scheduler("fcfs", kv)
     first_turn_pushed_out(s, kv, cache, HISTORY)
+    disk.flush()  # the files are there (until then reads are served from the bytes being written)
     turn = make_request(HISTORY + [9, 7])
     s.add_request(turn)
     assert s.schedule().is_empty
@@ -124,6 +125,7 @@ def test_a_damaged_block_file_ends_the_hit_there(tmp_path):
     disk.gate.set()
     wait_ready(kv, turn)
     assert turn.num_computed_tokens == BLOCK_SIZE, "the hit went past the damaged block"
+    disk.flush()
     assert disk.stats.num_corrupt == 1 and not second.exists()
     assert no_pins(disk)
     disk.check_invariants()

@@ -63,6 +63,7 @@ def test_storing_a_held_key_is_a_touch_not_a_copy(tmp_path):
 def test_a_damaged_block_file_is_dropped_never_loaded(tmp_path, caplog):
     _, disk = tier_chain(tmp_path, 1, 2)
     disk.store([key(7)], payload(7).unsqueeze(0))
+    disk.flush()  # written on the tier's own thread
     path = disk.path(key(7))
     raw = bytearray(path.read_bytes())
     raw[-1] ^= 0xFF
@@ -71,6 +72,7 @@ def test_a_damaged_block_file_is_dropped_never_loaded(tmp_path, caplog):
     with pytest.raises(TierReadError, match="checksum"):
         disk.load(key(7))
     disk.unpin(key(7))  # a no-op now: the block left with its pin
+    disk.flush()  # its file is removed on the tier's own thread
     assert key(7) not in disk and not path.exists() and disk.stats.num_corrupt == 1
     disk.check_invariants()
 
@@ -78,6 +80,7 @@ def test_a_damaged_block_file_is_dropped_never_loaded(tmp_path, caplog):
 def test_a_block_file_of_another_cache_is_not_adopted(tmp_path):
     _, disk = tier_chain(tmp_path, 1, 2)
     disk.store([key(1)], payload(1).unsqueeze(0))
+    disk.flush()
     other = DiskTier(tmp_path, 2, BLOCK_BYTES, POLICIES["lru"](2), b"\x01" * 20)
     assert not other.adopt(key(1)) and not disk.path(key(1)).exists()
 
@@ -139,6 +142,7 @@ class TierMachine(RuleBasedStateMachine):
             assert self.stored <= held
 
     def teardown(self):
+        self.disk.flush()  # its files are written on the tier's own thread
         self.dir.cleanup()
 
 
@@ -202,6 +206,7 @@ class TieredWorkloadMachine(WorkloadMachine):
 
     def teardown(self):
         super().teardown()
+        self.offload.tiers[-1].flush()  # the disk tier's files are written on its own thread
         self.dir.cleanup()
 
 
@@ -282,10 +287,44 @@ def test_a_full_disk_costs_blocks_not_the_tier(tmp_path, monkeypatch):
 
     monkeypatch.setattr(disk_tier_module, "replace_atomically", no_space)
     host.store([key(2)], payload(2).unsqueeze(0))  # evicts key 1 from host; the disk cannot take it
+    disk.flush()  # the write fails on the tier's own thread; the block leaves once that is seen
     assert key(1) not in disk and disk.stats.num_rejected == 1 and len(disk) == 0
     monkeypatch.undo()
     host.store([key(3)], payload(3).unsqueeze(0))  # the disk has its slot back
-    assert key(2) in disk
+    disk.flush()
+    assert key(2) in disk and disk.path(key(2)).exists()
+    host.check_invariants(), disk.check_invariants()
+
+
+def test_a_spill_to_disk_never_waits_for_the_file(tmp_path, monkeypatch):
+    """The file is written on the tier's own thread: a store returns while the write is held, reads meanwhile get
+    the stored bytes, and a block removed before its write ran leaves no file behind."""
+    import threading
+
+    import rtxcore.kv.tiers.disk as disk_tier_module
+
+    gate = threading.Event()
+    write_file = disk_tier_module.replace_atomically
+
+    def held(path, data, durable=True):
+        assert gate.wait(30), "the test never opened the gate"
+        write_file(path, data, durable)
+
+    monkeypatch.setattr(disk_tier_module, "replace_atomically", held)
+    host, disk = tier_chain(tmp_path, 1, 1)
+    host.store([key(1)], payload(1).unsqueeze(0))
+    host.store([key(2)], payload(2).unsqueeze(0))  # key 1 goes down to disk: the call returned, the write is held
+    assert key(1) in disk and not disk.path(key(1)).exists()
+    assert disk.pin(key(1))
+    assert torch.equal(disk.load(key(1)), payload(1))
+    assert torch.equal(disk.reader(key(1), False)(), payload(1))
+    disk.unpin(key(1))
+    host.store([key(3)], payload(3).unsqueeze(0))  # key 2 down; key 1 (never on disk yet) evicted from it
+    gate.set()
+    disk.flush()
+    assert not disk.path(key(1)).exists() and disk.path(key(2)).exists()
+    assert disk.pin(key(2)) and torch.equal(disk.load(key(2)), payload(2))
+    disk.unpin(key(2))
     host.check_invariants(), disk.check_invariants()
 
 

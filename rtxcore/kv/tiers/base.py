@@ -175,12 +175,19 @@ class KVTier(ABC):
 
     def drop_damaged(self, key: BlockHash) -> None:
         """``key``'s bytes could not be read back intact: it leaves the tier, whoever pinned it."""
+        if key in self._slot_of:
+            self.stats.num_corrupt += 1
+            self.forget(key)
+
+    def forget(self, key: BlockHash) -> None:
+        """``key`` leaves the tier at once, whoever pinned it (their unpin is then a no-op)."""
         slot = self._slot_of.get(key)
-        if slot is None:
-            return
-        self.stats.num_corrupt += 1
-        self._pins[slot] = 0
-        self._discard(slot)
+        if slot is not None:
+            self._pins[slot] = 0
+            self._discard(slot)
+
+    def poll_writes(self) -> None:  # noqa: B027 -- a no-op default, as sync_for_host
+        """Account for writes into this tier that ended (each step): only a tier written in the background has any."""
 
     def clear(self) -> int:
         """Drop every block not pinned (the prefix cache was reset: their content may be stale); returns how many."""

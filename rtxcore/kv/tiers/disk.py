@@ -9,13 +9,20 @@ and the block counts as missing.
 Files are written to a temporary name and renamed, so a crash leaves either the whole file or none. They are not
 fsynced one by one: losing a cache entry to a power cut costs a recomputation, not correctness. The storage calls
 are the only thing that knows about files, to leave room for NVMe queues or GPUDirect Storage behind the same tier.
+
+Writes and removals run on one thread of their own, in the order they were asked (a block removed and stored again
+ends as stored), so that a spill never holds the engine's thread for a file. Until a block's write has ended, reads
+of it are served from the bytes it was given. A write that fails (a full disk) costs that block once noticed
+(:meth:`DiskTier.poll_writes`, every step); :meth:`DiskTier.flush` waits for them all (before a snapshot's index).
 """
 
 from __future__ import annotations
 
 import logging
 import struct
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from hashlib import blake2b
 from pathlib import Path
@@ -34,6 +41,9 @@ FINGERPRINT_SIZE = 20
 # magic, fingerprint, key, payload length, payload checksum
 _HEADER = struct.Struct(f"<8s{FINGERPRINT_SIZE}s{HASH_SIZE}sQ16s")
 SUFFIX = ".kvb"
+# Bytes of blocks waiting for their file (held in memory meanwhile): past this, a store waits for the oldest writes, so
+# a disk slower than the spills costs the engine time rather than unbounded memory.
+WRITE_BACKLOG_BYTES = 256 << 20
 
 
 def checksum(data: bytes | memoryview) -> bytes:
@@ -49,6 +59,13 @@ class DiskTier(KVTier):
         self.fingerprint = fingerprint
         self.blocks_dir = root / "blocks"
         self.blocks_dir.mkdir(parents=True, exist_ok=True)
+        self._file_ops: ThreadPoolExecutor | None = None
+        # Blocks whose write has not been seen to end, with its bytes (served to reads meanwhile); the writes in the
+        # order they were queued, with their sizes; the last file operation queued (what flush waits for).
+        self._writing: dict[BlockHash, tuple[Future[OSError | None], bytes]] = {}
+        self._writes: deque[tuple[BlockHash, Future[OSError | None], int]] = deque()
+        self._backlog_bytes = 0
+        self._last_op: Future | None = None
 
     def store(self, keys: list[BlockHash], data: torch.Tensor) -> None:
         super().store(keys, data.cpu())  # one copy from the device for the batch, not one per file
@@ -85,11 +102,53 @@ class DiskTier(KVTier):
         return sorted(self.blocks_dir.glob(f"*/*{SUFFIX}"))
 
     def _write(self, slot: int, key: BlockHash, data: torch.Tensor) -> None:
-        payload = data.contiguous().numpy().tobytes()
-        path = self.path(key)
-        path.parent.mkdir(exist_ok=True)
+        payload = data.contiguous().numpy().tobytes()  # a copy: the caller reuses its rows at once
         header = _HEADER.pack(MAGIC, self.fingerprint, key, len(payload), checksum(payload))
-        replace_atomically(path, header + payload, durable=False)
+        self.poll_writes()
+        while self._backlog_bytes > WRITE_BACKLOG_BYTES and self._writes:
+            self._writes[0][1].result()
+            self.poll_writes()
+        write = self._queue_file_op(self._write_file, self.path(key), header + payload)
+        self._writing[key] = (write, payload)
+        self._writes.append((key, write, len(payload)))
+        self._backlog_bytes += len(payload)
+
+    @staticmethod
+    def _write_file(path: Path, data: bytes) -> OSError | None:
+        try:
+            path.parent.mkdir(exist_ok=True)
+            replace_atomically(path, data, durable=False)
+        except OSError as exc:  # answered, not raised: poll_writes reads it on the engine's thread
+            return exc
+        return None
+
+    def _queue_file_op(self, fn: Callable, *args) -> Future:
+        if self._file_ops is None:
+            self._file_ops = ThreadPoolExecutor(1, thread_name_prefix="rtx-kv-write")
+        self._last_op = self._file_ops.submit(fn, *args)
+        return self._last_op
+
+    def poll_writes(self) -> None:
+        """Account for the writes that have ended: a failed one's block leaves the tier (a full or failing disk
+        costs that block, never the engine)."""
+        while self._writes and self._writes[0][1].done():
+            key, write, num_bytes = self._writes.popleft()
+            self._backlog_bytes -= num_bytes
+            current = self._writing.get(key)
+            if current is None or current[0] is not write:
+                continue  # removed (or stored again) since: this write's outcome no longer matters
+            del self._writing[key]
+            error = write.result()
+            if error is not None and key in self:
+                log.warning("could not store KV block %s in the %s tier: %s", key.hex(), self.name, error)
+                self.stats.num_rejected += 1
+                self.forget(key)
+
+    def flush(self) -> None:
+        """Wait until every file operation asked so far has ended, and account for them."""
+        if self._last_op is not None:
+            self._last_op.result()
+        self.poll_writes()
 
     # A block file is read and checked in milliseconds (a page-cache hit still copies and hashes it): too long for
     # the engine's thread, which would hold every running request's next step meanwhile.
@@ -97,9 +156,15 @@ class DiskTier(KVTier):
 
     def reader(self, key: BlockHash, pin_memory: bool) -> Callable[[], torch.Tensor]:
         # The path is fixed while the key is pinned; the call reads only the file and the tier's constants.
+        writing = self._writing.get(key)
+        if writing is not None:
+            return partial(_from_bytes, writing[1], pin_memory)
         return partial(self._read_file, self.path(key), key, pin_memory)
 
     def _read(self, slot: int, key: BlockHash) -> torch.Tensor:
+        writing = self._writing.get(key)
+        if writing is not None:
+            return _from_bytes(writing[1], False)
         return self._read_file(self.path(key), key, False)
 
     def _read_file(self, path: Path, key: BlockHash, pin_memory: bool) -> torch.Tensor:
@@ -123,7 +188,8 @@ class DiskTier(KVTier):
         return data
 
     def _drop(self, slot: int, key: BlockHash) -> None:
-        self.path(key).unlink(missing_ok=True)
+        self._writing.pop(key, None)
+        self._queue_file_op(_remove_file, self.path(key))  # after its write, if that is still queued
 
     def _check_header(self, header: bytes, key: BlockHash) -> int:
         if len(header) != _HEADER.size:
@@ -136,3 +202,16 @@ class DiskTier(KVTier):
         if file_key != key:
             raise TierReadError("holds another block than its name says")
         return length
+
+
+def _from_bytes(payload: bytes, pin_memory: bool) -> torch.Tensor:
+    data = torch.empty(len(payload), dtype=torch.uint8, pin_memory=pin_memory)
+    data.numpy().data[:] = payload
+    return data
+
+
+def _remove_file(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:  # a file left behind costs disk space, not correctness: a warm start checks each file
+        log.warning("could not remove KV block file %s: %s", path, exc)

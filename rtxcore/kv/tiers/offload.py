@@ -339,6 +339,8 @@ class KVOffload:
         """A step's reloads are all queued (called before it is launched): count it if it waited for a copy, once
         the device's timings for that are in (a later call reads them; nothing here waits for the device)."""
         self._collect_dropped()
+        for tier in self.tiers:
+            tier.poll_writes()
         if self._host_copy_s:
             self.stats.num_copy_wait_steps += 1
             self.stats.copy_wait_seconds += self._host_copy_s

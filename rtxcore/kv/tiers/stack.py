@@ -78,6 +78,7 @@ class KVTiers:
         start = time.monotonic()
         try:
             written = copy_to_disk(self.disk, kv_cache.cached_blocks(), self._read_blocks, self.host)
+            self.disk.flush()  # the index lists only blocks whose files are there
             # The index is rewritten only when the disk tier changed (blocks also reach it between snapshots).
             if self.disk.num_changes != self._indexed_changes:
                 write_index(self.disk, self.identity)

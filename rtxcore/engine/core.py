@@ -140,6 +140,7 @@ class EngineCore:
         sched = self.scheduler.schedule()
         self.hold_s = sched.hold_s
         if sched.is_empty:
+            self.hold_s = max(self.hold_s, self.kv_cache.idle_step())
             return []
         self.kv_cache.prepare_step(sched.scheduled)
         plan = build_step(sched, self.kv_cache.block_table, self.config.block_size, self.generators, ())

@@ -79,6 +79,7 @@ class OverlappedSteps:
         sched = core.scheduler.schedule()
         core.hold_s = sched.hold_s
         if sched.is_empty:
+            core.hold_s = max(core.hold_s, core.kv_cache.idle_step())
             return outputs + (self._process(prev) if prev is not None else [])
         core.kv_cache.prepare_step(sched.scheduled)
         plan = build_step(sched, core.kv_cache.block_table, core.config.block_size, core.generators,

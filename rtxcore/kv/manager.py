@@ -70,6 +70,10 @@ class _RequestBlocks:
     prefetch: Prefetch | None = None
 
 
+# How long an engine with nothing to schedule waits before asking again while requests wait for lower tiers' copies
+# or reads (milliseconds each), instead of spinning on empty schedules and taking the GIL from the reading threads.
+COPY_POLL_S = 0.001
+
 # What block_table() reads for a request that holds nothing; never stored or changed.
 _NO_BLOCKS = _RequestBlocks()
 
@@ -245,6 +249,15 @@ class KVCacheManager:
         assert self.offload is not None, "only a lookup with tiers prefetches"
         self.offload.drop_prefetch(fetch)
 
+    def idle_step(self) -> float:
+        """Nothing was scheduled: collect what lower tiers finished, and say how long to wait before scheduling
+        again (0.0 unless a request waits for a copy or a read, which a step of nothing cannot speed up)."""
+        if self.offload is None:
+            return 0.0
+        self.offload.end_step()
+        waiting = self._pending or any(state.prefetch is not None for state in self._requests.values())
+        return COPY_POLL_S if waiting else 0.0
+
     def prepare_step(self, reqs: Sequence[Request]) -> None:
         """Before a step of ``reqs`` is launched: the bytes of every reload they hold go into their blocks, ahead
         of the step on the device's stream (which waits there for what is left of a copy: a small reload, or one a
@@ -323,8 +336,6 @@ class KVCacheManager:
         """Release every block ``req`` holds; does nothing for a request holding none."""
         if req.req_id in self._requests:
             state = self._drop_state(req.req_id)
-            if state.prefetch is not None:
-                self._drop_prefetch(state.prefetch)
             if self._pending:
                 self._give_up_reloads(state.block_ids)
             # Blocks registered for KV the request never got to compute (taken back in the step that scheduled
@@ -352,6 +363,12 @@ class KVCacheManager:
         """Drop every cached hash (e.g. after a weight update), in the lower tiers too; returns the number of device
         blocks that left the cache."""
         if self.offload is not None:
+            # Reads started before the reset must not bring their bytes back: nobody uses or promotes them.
+            for state in self._requests.values():
+                if state.prefetch is not None:
+                    self.offload.drop_prefetch(state.prefetch, promote=False)
+                    state.prefetch = None
+            self.offload.forget_reads()
             for tier in self.offload.tiers:
                 tier.clear()
         return self.pool.reset_prefix_cache()
@@ -387,11 +404,15 @@ class KVCacheManager:
         slow = next((i for i, (key, tier) in enumerate(zip(keys, tiers))
                      if tier.reads_in_background and not (fetched and key in fetched)), len(tiers))
         if slow < len(tiers):
-            if fetched is None:
-                state.prefetch = offload.prefetch(keys[slow:len(tiers)], tiers[slow:])
-            else:  # a block the prefetch could not read, or one that reached the disk since: it is computed
-                for key, tier in zip(keys[slow:], tiers[slow:]):
-                    tier.unpin(key)
+            # No more than the device could take now (the rest is computed): reads beyond it would be dropped.
+            num_read = max(0, self.pool.num_free_blocks - slow) if fetched is None else 0
+            if num_read:
+                fetch = offload.prefetch(keys[slow:slow + num_read], tiers[slow:slow + num_read])
+                if fetch.keys:
+                    state.prefetch = fetch
+            # A block not read (past the cap, or the prefetch could not read it) is computed.
+            for key, tier in zip(keys[slow + num_read:], tiers[slow + num_read:]):
+                tier.unpin(key)
             tiers = tiers[:slow]
         # Only what fits without taking blocks from requests: cached idle blocks may be evicted (and spilled) for it.
         n = min(len(tiers), self.pool.num_free_blocks)
@@ -419,6 +440,9 @@ class KVCacheManager:
     def _drop_state(self, req_id: str) -> _RequestBlocks:
         state = self._requests.pop(req_id)
         self._table.free_row(state.row)
+        if state.prefetch is not None:
+            self._drop_prefetch(state.prefetch)
+            state.prefetch = None
         return state
 
     def _extend_hashes(self, req: Request, state: _RequestBlocks, num_tokens: int) -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rtxcore.kv.hashing import hash_blocks
-from rtxcore.kv.manager import KVCacheManager
+from rtxcore.kv.manager import COPY_POLL_S, KVCacheManager
 from rtxcore.kv.tiers.base import HostTier, KVTier
 from rtxcore.kv.tiers.disk import DiskTier
 from rtxcore.kv.tiers.offload import KVOffload
@@ -118,6 +118,7 @@ def test_a_damaged_block_file_ends_the_hit_there(tmp_path):
     turn = make_request(HISTORY + [9, 7])
     s.add_request(turn)
     assert s.schedule().is_empty
+    assert kv.idle_step() == COPY_POLL_S, "an engine with nothing to run but reads in flight should wait, not spin"
     second = disk.path(history_keys()[1])
     raw = bytearray(second.read_bytes())
     raw[-1] ^= 0x40
@@ -126,7 +127,7 @@ def test_a_damaged_block_file_ends_the_hit_there(tmp_path):
     wait_ready(kv, turn)
     assert turn.num_computed_tokens == BLOCK_SIZE, "the hit went past the damaged block"
     disk.flush()
-    assert disk.stats.num_corrupt == 1 and not second.exists()
+    assert disk.stats.num_corrupt == 1 and not second.exists() and kv.idle_step() == 0.0
     assert no_pins(disk)
     disk.check_invariants()
     kv.check_invariants()
@@ -154,6 +155,30 @@ def test_a_request_leaving_while_its_blocks_are_read_leaves_them_in_the_tier_abo
     assert all(k in host for k in on_disk_only[-2:])
     assert no_pins(host, disk)
     host.check_invariants(), disk.check_invariants()
+    kv.check_invariants()
+
+
+def test_reads_started_before_a_reset_of_the_cache_bring_nothing_back(tmp_path):
+    kv, offload, disk, cache = tiers(tmp_path, host_slots=1)
+    host = offload.top
+    s = make_scheduler("fcfs", kv)
+    first_turn_pushed_out(s, kv, cache, HISTORY)
+    # The host had room for one block: the others are on disk only.
+    num_on_disk = sum(key in disk for key in history_keys())
+    turn = make_request(HISTORY + [9, 7])
+    s.add_request(turn)
+    assert s.schedule().is_empty and disk.num_reads == num_on_disk >= 2
+    held = turn.num_computed_tokens  # the host's block, reloaded at lookup: the request keeps what it holds
+    kv.reset_prefix_cache()  # e.g. new weights: what the reads bring is stale
+    disk.gate.set()
+    wait_ready(kv, turn)
+    assert turn.num_computed_tokens == held < len(HISTORY), "stale blocks joined the hit after the reset"
+    deadline = time.monotonic() + 30
+    while not no_pins(disk):
+        assert time.monotonic() < deadline
+        kv.prepare_step([])
+        time.sleep(0.002)
+    assert not any(key in host for key in history_keys()) and offload.stats.num_prefetches_promoted == 0
     kv.check_invariants()
 
 

@@ -131,7 +131,9 @@ class KVTier(ABC):
 
     def unpin(self, key: BlockHash) -> None:
         slot = self._slot_of.get(key)
-        if slot is None:  # dropped while pinned: it failed to read back
+        # None: dropped while pinned (it failed to read back or to be written). 0: dropped, then stored again
+        # before this holder let go; the new copy was never this holder's.
+        if slot is None or self._pins[slot] == 0:
             return
         self._pins[slot] -= 1
         if self._pins[slot] == 0:

@@ -44,6 +44,16 @@ SUFFIX = ".kvb"
 # Bytes of blocks waiting for their file (held in memory meanwhile): past this, a store waits for the oldest writes, so
 # a disk slower than the spills costs the engine time rather than unbounded memory.
 WRITE_BACKLOG_BYTES = 256 << 20
+# One writer thread for the process: operations run in the order asked, for every tier (engines come and go in one
+# process; their threads should not).
+_file_ops: ThreadPoolExecutor | None = None
+
+
+def _queue_file_op(fn: Callable, *args) -> Future:
+    global _file_ops
+    if _file_ops is None:
+        _file_ops = ThreadPoolExecutor(1, thread_name_prefix="rtx-kv-write")
+    return _file_ops.submit(fn, *args)
 
 
 def checksum(data: bytes | memoryview) -> bytes:
@@ -59,9 +69,8 @@ class DiskTier(KVTier):
         self.fingerprint = fingerprint
         self.blocks_dir = root / "blocks"
         self.blocks_dir.mkdir(parents=True, exist_ok=True)
-        self._file_ops: ThreadPoolExecutor | None = None
-        # Blocks whose write has not been seen to end, with its bytes (served to reads meanwhile); the writes in the
-        # order they were queued, with their sizes; the last file operation queued (what flush waits for).
+        # Blocks whose write has not been seen to end, with the file's bytes (served to reads meanwhile); the writes
+        # in the order they were queued, with their sizes; the last file operation queued (what flush waits for).
         self._writing: dict[BlockHash, tuple[Future[OSError | None], bytes]] = {}
         self._writes: deque[tuple[BlockHash, Future[OSError | None], int]] = deque()
         self._backlog_bytes = 0
@@ -108,8 +117,9 @@ class DiskTier(KVTier):
         while self._backlog_bytes > WRITE_BACKLOG_BYTES and self._writes:
             self._writes[0][1].result()
             self.poll_writes()
-        write = self._queue_file_op(self._write_file, self.path(key), header + payload)
-        self._writing[key] = (write, payload)
+        blob = header + payload
+        write = self._last_op = _queue_file_op(self._write_file, self.path(key), blob)
+        self._writing[key] = (write, blob)
         self._writes.append((key, write, len(payload)))
         self._backlog_bytes += len(payload)
 
@@ -121,12 +131,6 @@ class DiskTier(KVTier):
         except OSError as exc:  # answered, not raised: poll_writes reads it on the engine's thread
             return exc
         return None
-
-    def _queue_file_op(self, fn: Callable, *args) -> Future:
-        if self._file_ops is None:
-            self._file_ops = ThreadPoolExecutor(1, thread_name_prefix="rtx-kv-write")
-        self._last_op = self._file_ops.submit(fn, *args)
-        return self._last_op
 
     def poll_writes(self) -> None:
         """Account for the writes that have ended: a failed one's block leaves the tier (a full or failing disk
@@ -189,7 +193,7 @@ class DiskTier(KVTier):
 
     def _drop(self, slot: int, key: BlockHash) -> None:
         self._writing.pop(key, None)
-        self._queue_file_op(_remove_file, self.path(key))  # after its write, if that is still queued
+        self._last_op = _queue_file_op(_remove_file, self.path(key))  # after its write, if that is still queued
 
     def _check_header(self, header: bytes, key: BlockHash) -> int:
         if len(header) != _HEADER.size:
@@ -204,9 +208,10 @@ class DiskTier(KVTier):
         return length
 
 
-def _from_bytes(payload: bytes, pin_memory: bool) -> torch.Tensor:
-    data = torch.empty(len(payload), dtype=torch.uint8, pin_memory=pin_memory)
-    data.numpy().data[:] = payload
+def _from_bytes(blob: bytes, pin_memory: bool) -> torch.Tensor:
+    """A block's bytes from its file's bytes (header first)."""
+    data = torch.empty(len(blob) - _HEADER.size, dtype=torch.uint8, pin_memory=pin_memory)
+    data.numpy().data[:] = memoryview(blob)[_HEADER.size:]
     return data
 
 

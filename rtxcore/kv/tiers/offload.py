@@ -41,8 +41,20 @@ _LATENCIES_KEPT = 4096
 # the steps until it has arrived (KVCacheManager.ready), so that no step waits for it.
 OVERLAP_BYTES = 64 << 20
 # Worker threads reading block files: a few reads in flight keep an NVMe queue busy; the checksum (blake2b) releases
-# the GIL for buffers this large, so they run beside the engine's thread.
+# the GIL for buffers this large, so they run beside the engine's thread. One pool for the process (engines come and
+# go in one process; their threads should not).
 READ_THREADS = 4
+# Bytes of blocks being read at once, at most (pinned memory on a GPU, which torch's cache keeps): blocks past it are
+# computed instead. A lookup caps its reads at the device's free blocks too.
+PREFETCH_BYTES = 256 << 20
+_readers: ThreadPoolExecutor | None = None
+
+
+def _block_readers() -> ThreadPoolExecutor:
+    global _readers
+    if _readers is None:
+        _readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="rtx-kv-read")
+    return _readers
 
 ReadBlocks = Callable[[list[int]], torch.Tensor]
 WriteBlocks = Callable[[list[int], torch.Tensor], None]
@@ -99,6 +111,8 @@ class Prefetch:
     reads: list[Future[torch.Tensor]]
     started_s: float
     collected: bool = False
+    # Whether the blocks go up to the first tier if nobody reloads them (not after a reset of the cache).
+    promote: bool = True
 
     def done(self) -> bool:
         return all(read.done() for read in self.reads)
@@ -127,7 +141,6 @@ class KVOffload:
         self._wait_checks: list[tuple[torch.cuda.Event, list[torch.cuda.Event]]] = []
         # Host seconds this step spent copying reloads (CPU).
         self._host_copy_s = 0.0
-        self._readers: ThreadPoolExecutor | None = None
         # Block reads in flight, by key: a second request for the same blocks waits for the same read.
         self._reading: dict[BlockHash, Future[torch.Tensor]] = {}
         # Prefetches nobody will collect, until their reads end (their blocks then go up to the first tier).
@@ -169,18 +182,22 @@ class KVOffload:
         """Start reading, on worker threads, the blocks :meth:`pin_run` pinned in tiers that read slowly
         (:attr:`KVTier.reads_in_background`); the others are unpinned. The pins of those read pass to the result:
         :meth:`collect` it once :meth:`Prefetch.done`, or :meth:`drop_prefetch` it."""
-        if self._readers is None:
-            self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="rtx-kv-read")
         # On a GPU the reads land in pinned memory, from which the copy to the device is asynchronous.
         pin_memory = self.device.type == "cuda"
         fetch = Prefetch([], [], [], time.perf_counter())
-        for key, tier in zip(keys, tiers):
-            if not tier.reads_in_background:
-                tier.unpin(key)
-                continue
+        for i, (key, tier) in enumerate(zip(keys, tiers)):
             read = self._reading.get(key)
             if read is None:
-                read = self._reading[key] = self._readers.submit(tier.reader(key, pin_memory))
+                if not tier.reads_in_background:
+                    tier.unpin(key)
+                    continue
+                if (len(self._reading) + 1) * tier.block_bytes > PREFETCH_BYTES:
+                    # Enough in flight: this block and the rest of the run are computed (a hit being a run from the
+                    # start, nothing after a gap is of use).
+                    for later, later_tier in zip(keys[i:], tiers[i:]):
+                        later_tier.unpin(later)
+                    break
+                read = self._reading[key] = _block_readers().submit(tier.reader(key, pin_memory))
                 self.stats.num_prefetched += 1
             fetch.keys.append(key)
             fetch.tiers.append(tier)
@@ -208,12 +225,21 @@ class KVOffload:
             tier.unpin(key)
         return rows
 
-    def drop_prefetch(self, fetch: Prefetch) -> None:
+    def drop_prefetch(self, fetch: Prefetch, promote: bool = True) -> None:
         """Nobody will reload a prefetch's blocks (its request left, or went ahead without them): once its reads
-        end, what they read goes up to the first tier, which a later hit reloads from at once."""
+        end, what they read goes up to the first tier (with ``promote``, and on a CPU: on a GPU the host tier's
+        buffer may still be read by uploads queued behind the step in flight, which a host write would wait for),
+        where a later hit reloads it from at once."""
         if not fetch.collected:
+            fetch.promote = fetch.promote and promote and self.device.type != "cuda"
             self._dropped.append(fetch)
             self._collect_dropped()
+
+    def forget_reads(self) -> None:
+        """The cache was reset: reads in flight are shared with no later lookup, and none is promoted."""
+        self._reading.clear()
+        for fetch in self._dropped:
+            fetch.promote = False
 
     def _collect_dropped(self) -> None:
         if not self._dropped:
@@ -224,7 +250,7 @@ class KVOffload:
                 waiting.append(fetch)
                 continue
             rows = [(key, row) for key, row in self.collect(fetch).items() if key not in self.top]
-            if rows:
+            if rows and fetch.promote:
                 self.top.store([key for key, _ in rows], torch.stack([row for _, row in rows]))
                 self.stats.num_prefetches_promoted += len(rows)
         self._dropped = waiting

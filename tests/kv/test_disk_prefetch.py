@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -68,6 +68,15 @@ def wait_ready(kv: KVCacheManager, req: Request) -> None:
     deadline = time.monotonic() + 30
     while not kv.ready(req):
         assert time.monotonic() < deadline, "the disk reads never came in"
+        time.sleep(0.002)
+
+
+def steps_until(kv: KVCacheManager, condition: Callable[[], bool], what: str, reqs: Sequence[Request] = ()) -> None:
+    """Run empty engine steps (each collects the reads that ended) until ``condition`` holds."""
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline, what
+        kv.prepare_step(reqs)
         time.sleep(0.002)
 
 
@@ -147,11 +156,8 @@ def test_a_request_leaving_while_its_blocks_are_read_leaves_them_in_the_tier_abo
     turn.status = RequestStatus.FINISHED_ABORTED
     s.finish_request(turn)
     disk.gate.set()
-    deadline = time.monotonic() + 30
-    while offload.stats.num_prefetches_promoted < len(on_disk_only):
-        assert time.monotonic() < deadline, "the abandoned reads never reached the host tier"
-        kv.prepare_step([])  # each step collects reads that ended
-        time.sleep(0.002)
+    steps_until(kv, lambda: offload.stats.num_prefetches_promoted >= len(on_disk_only),
+                "the abandoned reads never reached the host tier")
     assert all(k in host for k in on_disk_only[-2:])
     assert no_pins(host, disk)
     host.check_invariants(), disk.check_invariants()
@@ -173,11 +179,7 @@ def test_reads_started_before_a_reset_of_the_cache_bring_nothing_back(tmp_path):
     disk.gate.set()
     wait_ready(kv, turn)
     assert turn.num_computed_tokens == held < len(HISTORY), "stale blocks joined the hit after the reset"
-    deadline = time.monotonic() + 30
-    while not no_pins(disk):
-        assert time.monotonic() < deadline
-        kv.prepare_step([])
-        time.sleep(0.002)
+    steps_until(kv, lambda: no_pins(disk), "the reads' pins were never released")
     assert not any(key in host for key in history_keys()) and offload.stats.num_prefetches_promoted == 0
     kv.check_invariants()
 
@@ -214,11 +216,7 @@ def test_a_request_placed_without_asking_ready_computes_its_prefix(tmp_path):
     assert turn.num_computed_tokens == 0
     assert kv.allocate(turn, turn.num_tokens)
     disk.gate.set()
-    deadline = time.monotonic() + 30
-    while not no_pins(disk):
-        assert time.monotonic() < deadline
-        kv.prepare_step([turn])
-        time.sleep(0.002)
+    steps_until(kv, lambda: no_pins(disk), "the reads' pins were never released", [turn])
     kv.free(turn)
     kv.check_invariants()
     disk.check_invariants()

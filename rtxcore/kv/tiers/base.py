@@ -165,8 +165,14 @@ class KVTier(ABC):
 
     def reader(self, key: BlockHash, pin_memory: bool) -> Callable[[], torch.Tensor]:
         """A call that reads a pinned block's bytes on any thread (in pinned memory if asked), as :meth:`load` does
-        but touching nothing else in the tier; it raises :class:`TierReadError`. Asked on the engine's thread."""
-        raise NotImplementedError(f"the {self.name} tier is read on the engine's thread")
+        but touching nothing else in the tier; it raises :class:`TierReadError`. Asked on the engine's thread.
+
+        This default reads at once, on the asking thread (a fast tier's read costs less than handing it over), and
+        the call hands over a copy of the bytes; a tier that :attr:`reads_in_background` reads in the call."""
+        data = self._read(self._slot_of[key], key).clone()
+        if pin_memory:
+            data = data.pin_memory()
+        return lambda: data
 
     def note_loaded(self, key: BlockHash) -> None:
         """``key``'s bytes were read out for the device (by :meth:`load` or a :meth:`reader`): a use."""

@@ -28,7 +28,8 @@ from rtxcore.errors import ConfigError
 from rtxcore.kv.block_pool import BlockPool, BlockPoolError
 from rtxcore.kv.block_table import BlockTable
 from rtxcore.kv.hashing import BlockHash, hash_blocks
-from rtxcore.kv.tiers.offload import KVOffload, Prefetch, Reload
+from rtxcore.kv.tiers.offload import KVOffload, Reload
+from rtxcore.kv.tiers.prefetch import Prefetch
 from rtxcore.request import Request
 
 

@@ -10,7 +10,7 @@ steps run, and :meth:`KVOffload.complete` puts them into their blocks on the ste
 (a device-to-device copy, microseconds). Only that last copy is ordered with the steps: blocks freed while a step
 is in flight may still be written by it, and the steps' stream is what orders such writes.
 
-Blocks on disk are read before their reload, on worker threads (:meth:`KVOffload.prefetch`): a file's read and
+Blocks on disk are read before their reload, on worker threads (:mod:`rtxcore.kv.tiers.prefetch`): a file's read and
 checksum take milliseconds, which on the engine's thread would hold every running request's next step. The
 KV-cache manager starts the reads at a request's lookup and extends its hit with them once they are in.
 """
@@ -21,13 +21,13 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from rtxcore.kv.hashing import BlockHash
 from rtxcore.kv.tiers.base import KVTier, TierReadError
+from rtxcore.kv.tiers.prefetch import BlockReads, Prefetch
 from rtxcore.transfer import to_device
 
 log = logging.getLogger("rtx.kv")
@@ -40,22 +40,6 @@ _LATENCIES_KEPT = 4096
 # about a millisecond), and the next step waits only for what is left of it. A larger one keeps its request out of
 # the steps until it has arrived (KVCacheManager.ready), so that no step waits for it.
 OVERLAP_BYTES = 64 << 20
-# Worker threads reading block files: a few reads in flight keep an NVMe queue busy; the checksum (blake2b) releases
-# the GIL for buffers this large, so they run beside the engine's thread. One pool for the process (engines come and
-# go in one process; their threads should not).
-READ_THREADS = 4
-# Bytes of blocks being read at once, at most (pinned memory on a GPU, which torch's cache keeps): blocks past it are
-# computed instead. A lookup caps its reads at the device's free blocks too.
-PREFETCH_BYTES = 256 << 20
-_readers: ThreadPoolExecutor | None = None
-
-
-def _block_readers() -> ThreadPoolExecutor:
-    global _readers
-    if _readers is None:
-        _readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="rtx-kv-read")
-    return _readers
-
 ReadBlocks = Callable[[list[int]], torch.Tensor]
 WriteBlocks = Callable[[list[int], torch.Tensor], None]
 
@@ -101,23 +85,6 @@ class Reload:
         return len(self.block_ids)
 
 
-@dataclass(eq=False, slots=True)
-class Prefetch:
-    """Blocks of a slow tier being read on worker threads: ``reads[i]`` reads ``keys[i]``, which stays pinned in
-    ``tiers[i]`` until :meth:`KVOffload.collect` (or, after :meth:`KVOffload.drop_prefetch`, the end of its read)."""
-
-    keys: list[BlockHash]
-    tiers: list[KVTier]
-    reads: list[Future[torch.Tensor]]
-    started_s: float
-    collected: bool = False
-    # Whether the blocks go up to the first tier if nobody reloads them (not after a reset of the cache).
-    promote: bool = True
-
-    def done(self) -> bool:
-        return all(read.done() for read in self.reads)
-
-
 class KVOffload:
     def __init__(self, tiers: Sequence[KVTier], read_blocks: ReadBlocks, write_blocks: WriteBlocks,
                  device: torch.device | str = "cpu"):
@@ -141,10 +108,8 @@ class KVOffload:
         self._wait_checks: list[tuple[torch.cuda.Event, list[torch.cuda.Event]]] = []
         # Host seconds this step spent copying reloads (CPU).
         self._host_copy_s = 0.0
-        # Block reads in flight, by key: a second request for the same blocks waits for the same read.
-        self._reading: dict[BlockHash, Future[torch.Tensor]] = {}
-        # Prefetches nobody will collect, until their reads end (their blocks then go up to the first tier).
-        self._dropped: list[Prefetch] = []
+        # Blocks of slow tiers (disk) read on worker threads ahead of their reload.
+        self.reads = BlockReads(self.top, self.device, self.stats)
 
     @property
     def top(self) -> KVTier:
@@ -179,81 +144,20 @@ class KVOffload:
         return pinned
 
     def prefetch(self, keys: Sequence[BlockHash], tiers: Sequence[KVTier]) -> Prefetch:
-        """Start reading, on worker threads, the blocks :meth:`pin_run` pinned in tiers that read slowly
-        (:attr:`KVTier.reads_in_background`); the others are unpinned. The pins of those read pass to the result:
-        :meth:`collect` it once :meth:`Prefetch.done`, or :meth:`drop_prefetch` it."""
-        # On a GPU the reads land in pinned memory, from which the copy to the device is asynchronous.
-        pin_memory = self.device.type == "cuda"
-        fetch = Prefetch([], [], [], time.perf_counter())
-        for i, (key, tier) in enumerate(zip(keys, tiers)):
-            read = self._reading.get(key)
-            if read is None:
-                if not tier.reads_in_background:
-                    tier.unpin(key)
-                    continue
-                if (len(self._reading) + 1) * tier.block_bytes > PREFETCH_BYTES:
-                    # Enough in flight: this block and the rest of the run are computed (a hit being a run from the
-                    # start, nothing after a gap is of use).
-                    for later, later_tier in zip(keys[i:], tiers[i:]):
-                        later_tier.unpin(later)
-                    break
-                read = self._reading[key] = _block_readers().submit(tier.reader(key, pin_memory))
-                self.stats.num_prefetched += 1
-            fetch.keys.append(key)
-            fetch.tiers.append(tier)
-            fetch.reads.append(read)
-        return fetch
+        """See :meth:`BlockReads.start`."""
+        return self.reads.start(keys, tiers)
 
     def collect(self, fetch: Prefetch) -> dict[BlockHash, torch.Tensor]:
-        """The bytes of a finished prefetch's blocks that read back intact, by key (a damaged block leaves its
-        tier); its pins are released. Hand them to :meth:`reload` with the keys pinned again."""
-        assert fetch.done(), "collect() waits for nothing: ask Prefetch.done() first"
-        rows: dict[BlockHash, torch.Tensor] = {}
-        if fetch.collected:
-            return rows
-        fetch.collected = True
-        for key, tier, read in zip(fetch.keys, fetch.tiers, fetch.reads):
-            if self._reading.get(key) is read:
-                del self._reading[key]
-            try:
-                rows[key] = read.result()
-            except TierReadError as exc:
-                log.warning("KV block %s in the %s tier is damaged and was dropped: %s", key.hex(), tier.name, exc)
-                tier.drop_damaged(key)
-            except Exception as exc:  # noqa: BLE001 -- the block is only missed: the request computes it
-                log.warning("could not read KV block %s from the %s tier: %r", key.hex(), tier.name, exc)
-            tier.unpin(key)
-        return rows
+        """See :meth:`BlockReads.collect`; hand the result to :meth:`reload` with the keys pinned again."""
+        return self.reads.collect(fetch)
 
     def drop_prefetch(self, fetch: Prefetch, promote: bool = True) -> None:
-        """Nobody will reload a prefetch's blocks (its request left, or went ahead without them): once its reads
-        end, what they read goes up to the first tier (with ``promote``, and on a CPU: on a GPU the host tier's
-        buffer may still be read by uploads queued behind the step in flight, which a host write would wait for),
-        where a later hit reloads it from at once."""
-        if not fetch.collected:
-            fetch.promote = fetch.promote and promote and self.device.type != "cuda"
-            self._dropped.append(fetch)
-            self._collect_dropped()
+        """See :meth:`BlockReads.drop`."""
+        self.reads.drop(fetch, promote)
 
     def forget_reads(self) -> None:
-        """The cache was reset: reads in flight are shared with no later lookup, and none is promoted."""
-        self._reading.clear()
-        for fetch in self._dropped:
-            fetch.promote = False
-
-    def _collect_dropped(self) -> None:
-        if not self._dropped:
-            return
-        waiting = []
-        for fetch in self._dropped:
-            if not fetch.done():
-                waiting.append(fetch)
-                continue
-            rows = [(key, row) for key, row in self.collect(fetch).items() if key not in self.top]
-            if rows and fetch.promote:
-                self.top.store([key for key, _ in rows], torch.stack([row for _, row in rows]))
-                self.stats.num_prefetches_promoted += len(rows)
-        self._dropped = waiting
+        """See :meth:`BlockReads.forget`."""
+        self.reads.forget()
 
     def reload(self, keys: Sequence[BlockHash], tiers: Sequence[KVTier], block_ids: list[int],
                fetched: dict[BlockHash, torch.Tensor] | None = None, started_s: float | None = None) -> Reload:
@@ -364,7 +268,7 @@ class KVOffload:
     def end_step(self) -> None:
         """A step's reloads are all queued (called before it is launched): count it if it waited for a copy, once
         the device's timings for that are in (a later call reads them; nothing here waits for the device)."""
-        self._collect_dropped()
+        self.reads.collect_dropped()
         for tier in self.tiers:
             tier.poll_writes()
         if self._host_copy_s:

@@ -77,7 +77,7 @@ class Planner:
         rate = round(rate, 6)
         if rate not in self._cache:
             arrivals = poisson_arrivals(rate, self.requests / rate, self.mix, self.seed)
-            self._cache[rate] = summarize(rate, simulate(self.served, self.profile, arrivals))
+            self._cache[rate] = summarize(rate, simulate(self.served, self.profile, arrivals, self.seed))
         return self._cache[rate]
 
     def target(self, lane: str) -> float:
@@ -98,7 +98,7 @@ class Planner:
         probe = 0.05
         while True:
             arrivals = poisson_arrivals(probe, _PROBE_REQUESTS / probe, self.mix, self.seed)
-            utilization = simulate(self.served, self.profile, arrivals).utilization
+            utilization = simulate(self.served, self.profile, arrivals, self.seed).utilization
             if utilization > 0.02 or probe > 1e4:
                 return probe / max(utilization, 1e-6)
             probe *= 4

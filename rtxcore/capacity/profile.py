@@ -1,9 +1,11 @@
 """A step-time profile: how long one engine step takes as a function of the tokens it computes,
-``seconds = base_s + per_token_s * tokens``, the same shape as the sla-lanes scheduler's own model
-(rtx_plugins.schedulers.sla_lanes.step_time) learnt from live steps.
+``seconds = base_s + per_token_s * tokens`` (rtxcore.capacity.step_time), and optionally how far real steps stray
+from that line: the quantiles of their ratio to it, from which the simulation draws each step's time.
 
 ``measure`` times real steps of the model on this machine: decode steps of every batch size up to the engine's
-``max_num_seqs`` (in powers of two) and prefill chunks up to its token budget, a least-squares fit over all of them.
+``max_num_seqs`` (in powers of two) and prefill chunks up to its token budget, a least-squares fit over all of them
+(no spread: each shape's time is a median on a quiet engine). ``from_server`` reads what a live server's engine
+learnt from its own steps under real load, spread included.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from rtxcore.capacity.step_time import SPREAD_QUANTILES, draw_ratio
 from rtxcore.engine.config import EngineConfig
 from rtxcore.errors import ConfigError
 from rtxcore.sampling_params import SamplingParams
@@ -25,9 +28,15 @@ class StepTimeProfile:
     per_token_s: float
     # Where it came from (the machine and model, or "given"), for the report.
     source: str = "given"
+    # Quantiles, at step_time.SPREAD_QUANTILES, of real steps' time over the line's; empty: every step on the line.
+    spread: tuple[float, ...] = ()
 
     def seconds(self, num_tokens: int) -> float:
         return self.base_s + self.per_token_s * num_tokens
+
+    def draw(self, num_tokens: int, u: float) -> float:
+        """One step's time, ``u`` uniform in [0, 1): the line's, times a ratio drawn from the spread."""
+        return self.seconds(num_tokens) * draw_ratio(self.spread, u)
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
@@ -36,12 +45,21 @@ class StepTimeProfile:
     def load(cls, path: Path) -> StepTimeProfile:
         try:
             data = json.loads(Path(path).read_text())
-            profile = cls(float(data["base_s"]), float(data["per_token_s"]), str(data.get("source", str(path))))
+            profile = cls(float(data["base_s"]), float(data["per_token_s"]), str(data.get("source", str(path))),
+                          tuple(float(x) for x in data.get("spread", ())))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"cannot read a step-time profile from {path}: {exc}") from None
         if profile.base_s < 0 or profile.per_token_s < 0 or profile.base_s + profile.per_token_s == 0:
             raise ConfigError(f"a step-time profile's base_s and per_token_s must be >= 0, not both 0 ({path})")
+        check_spread(profile.spread, str(path))
         return profile
+
+
+def check_spread(spread: tuple[float, ...], where: str) -> None:
+    if spread and (len(spread) != len(SPREAD_QUANTILES) or spread[0] <= 0
+                   or any(b < a for a, b in zip(spread, spread[1:]))):
+        raise ConfigError(f"a step-time profile's spread must be {len(SPREAD_QUANTILES)} positive, non-decreasing "
+                          f"ratios at the quantiles {', '.join(map(str, SPREAD_QUANTILES))} ({where})")
 
 
 def fit(samples: list[tuple[int, float]]) -> tuple[float, float]:
@@ -121,8 +139,8 @@ def _median_step(engine, prepare: Callable[[int], None], repeats: int, scheduled
 
 
 def from_server(url: str, block_size: int, timeout_s: float = 10.0) -> tuple[StepTimeProfile, int]:
-    """The step-time model a running server's sla-lanes scheduler learnt from its own steps under load, and its KV
-    block count, read from its ``/metrics``."""
+    """The step-time profile a running server's engine learnt from its own steps under load (its spread included),
+    and its KV block count, read from its ``/metrics``."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -136,14 +154,17 @@ def from_server(url: str, block_size: int, timeout_s: float = 10.0) -> tuple[Ste
     def one(name: str, **labels: str) -> float | None:
         found = [s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
         return found[0] if found else None
-    base, per_token = one("rtx_step_time_model_seconds", part="base"), one("rtx_step_time_model_seconds",
-                                                                          part="per_token")
+    base, per_token = one("rtx_step_time_profile_seconds", part="base"), one("rtx_step_time_profile_seconds",
+                                                                            part="per_token")
     if base is None or per_token is None:
-        raise ConfigError(f"{url} exports no learnt step time (rtx_step_time_model_seconds): it needs "
-                          "--scheduler sla-lanes and some steps under load")
+        raise ConfigError(f"{url} exports no learnt step time (rtx_step_time_profile_seconds): it needs some "
+                          "minutes of steps under load first")
+    ratios = [one("rtx_step_time_spread_ratio", quantile=str(q)) for q in SPREAD_QUANTILES]
+    spread = tuple(r for r in ratios if r is not None)
+    check_spread(spread, f"{url}/metrics")
     capacity = one("rtx_kv_tier_capacity_bytes", tier="device")
     per_token_bytes = one("rtx_kv_bytes_per_token")
     if not capacity or not per_token_bytes:
         raise ConfigError(f"{url} exports no KV cache size (rtx_kv_tier_capacity_bytes)")
     blocks = round(capacity / (per_token_bytes * block_size)) + 1  # the usable blocks, and the null block
-    return StepTimeProfile(base, per_token, f"learnt by the server at {url}"), blocks
+    return StepTimeProfile(base, per_token, f"learnt by the server at {url}", spread), blocks

@@ -6,7 +6,9 @@ scheduler plugin and KV-cache manager, on a small stand-in model (``dummy:tiny``
 matter, only how many), whose steps take the time the step-time profile says instead of the time they take here.
 The scheduler reads that virtual clock, so its admission, aging and brownout decisions are the ones the real server
 would make at those times. A request arriving during a step joins at its end, as the server's inbox does; an empty
-step that holds for a merge window waits that long or until the next arrival.
+step that holds for a merge window waits that long or until the next arrival. With a profile that has a spread (one
+a live server learnt), each step's time is the profile's line times a ratio drawn from it, so the tails that real
+steps' variation makes (a step slowed by the serving threads, a collector pause) are in the prediction too.
 
 Each simulated second costs a few milliseconds of host time per step (the stand-in model's forward pass and the
 engine's own work), so an hour of traffic at a few steps a second simulates in well under a minute.
@@ -20,7 +22,7 @@ import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
-from rtxcore.bench.loadgen.workload import LaneProfile
+from rtxcore.bench.loadgen.workload import LaneProfile, PlannedRequest
 from rtxcore.capacity.profile import StepTimeProfile
 from rtxcore.engine.config import EngineConfig
 from rtxcore.errors import AdmissionRefused, ConfigError, InvalidRequestError
@@ -53,6 +55,12 @@ def poisson_arrivals(rate: float, duration_s: float, mix: Sequence[LaneProfile],
             return out
         m = rng.choices(mix, weights)[0]
         out.append(Arrival(t, m.name, m.prompt_tokens.sample(rng), m.output_tokens.sample(rng)))
+
+
+def arrivals_of(plan: Iterable[PlannedRequest]) -> list[Arrival]:
+    """The arrivals of an ``rtx loadgen`` load phase (``plan_requests``: the same seed, the same plan), so that the
+    model can be run on exactly the requests a live run sent."""
+    return [Arrival(p.send_at_s, p.lane, p.num_prompt_tokens, p.max_tokens) for p in plan]
 
 
 @dataclass(slots=True)
@@ -104,8 +112,10 @@ def engine_config_for(served: EngineConfig) -> EngineConfig:
                    enable_prefix_caching=False)
 
 
-def simulate(served: EngineConfig, profile: StepTimeProfile, arrivals: Iterable[Arrival]) -> SimulationResult:
-    """Run ``arrivals`` through the stand-in of ``served`` on the virtual clock; every request to its end."""
+def simulate(served: EngineConfig, profile: StepTimeProfile, arrivals: Iterable[Arrival],
+             seed: int = 0) -> SimulationResult:
+    """Run ``arrivals`` through the stand-in of ``served`` on the virtual clock; every request to its end. ``seed``
+    draws the steps' times from the profile's spread."""
     from rtxcore.engine.llm import LLM
 
     # The scheduler's brownout changes are logged as the live server's are; here they are the model's, not news.
@@ -113,12 +123,12 @@ def simulate(served: EngineConfig, profile: StepTimeProfile, arrivals: Iterable[
     level = brownout_log.level
     brownout_log.setLevel(logging.ERROR)
     try:
-        return _run(LLM(engine_config_for(served)), profile, arrivals)
+        return _run(LLM(engine_config_for(served)), profile, arrivals, random.Random(seed))
     finally:
         brownout_log.setLevel(level)
 
 
-def _run(engine, profile: StepTimeProfile, arrivals: Iterable[Arrival]) -> SimulationResult:
+def _run(engine, profile: StepTimeProfile, arrivals: Iterable[Arrival], rng: random.Random) -> SimulationResult:
     core = engine.core
     now = 0.0
     if hasattr(core.scheduler, "clock"):
@@ -160,7 +170,7 @@ def _run(engine, profile: StepTimeProfile, arrivals: Iterable[Arrival]) -> Simul
                                   f"({engine.core.kv_cache.pool.num_usable_blocks} blocks) or the step budget is "
                                   "too small for them")
         else:
-            seconds = profile.seconds(scheduled[0])
+            seconds = profile.draw(scheduled[0], rng.random())
             stalled = 0
             steps += 1
             busy += seconds

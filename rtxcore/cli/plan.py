@@ -31,10 +31,11 @@ def add_parser(sub) -> None:
                    help="measure it here: load the model and time decode and prefill steps (also gives the KV "
                         "block count)")
     g.add_argument("--profile-url", default=None, metavar="URL",
-                   help="read it from a running rtx serve --scheduler sla-lanes: the step time its scheduler learnt "
-                        "from its own steps (rtx_step_time_model_seconds), and its KV block count")
+                   help="read it from a running rtx serve after minutes of load: the step time its engine learnt "
+                        "from its own steps and their spread (rtx_step_time_profile_seconds, "
+                        "rtx_step_time_spread_ratio), and its KV block count")
     g.add_argument("--profile-file", type=Path, default=None,
-                   help="a JSON profile {base_s, per_token_s} (e.g. the one --profile-out wrote)")
+                   help="a JSON profile {base_s, per_token_s[, spread]} (e.g. the one --profile-out wrote)")
     g.add_argument("--step-time", nargs=2, type=finite_float, default=None, metavar=("BASE_MS", "PER_TOKEN_MS"),
                    help="a step takes BASE_MS + PER_TOKEN_MS x tokens")
     g.add_argument("--profile-out", type=output_file, default=None, help="write the profile used as JSON")

@@ -159,3 +159,7 @@ class SchedulerStatus:
     # The scheduler's step-time model, (base seconds, seconds per token), once it has seen enough steps to trust
     # it; None otherwise. Exported so that capacity planning can use what the server learnt under real load.
     step_time: tuple[float, float] | None = None
+    # Per lane, the time to first token the scheduler predicts for a request of the lane's recent mean prompt length
+    # arriving now (what admission would compare with the target); None until its predictions are trusted.
+    # Exported so that dashboards can set it beside the measured figure.
+    predicted_ttft_s: dict[str, float] | None = None

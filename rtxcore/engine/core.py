@@ -15,7 +15,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from rtxcore.capacity.step_time import StepTimeRecorder
 from rtxcore.contracts.sampler import SamplerOutput
+from rtxcore.contracts.scheduler import SchedulerOutput
 from rtxcore.engine.batch_builder import StepPlan, build_embedding_batch, build_step
 from rtxcore.engine.components import EngineComponents, build_components
 from rtxcore.engine.config import EngineConfig
@@ -54,6 +56,8 @@ class EngineCore:
         self.generators: dict[str, torch.Generator] = {}
         # Set by each step: how long the scheduler holds its waiting work to merge arrivals (0: no hold).
         self.hold_s = 0.0
+        # What this engine's steps take under the load it serves, for capacity planning (exported as metrics).
+        self.step_times = StepTimeRecorder()
         # Overlap the host's work with the device's: on by default where the model runs on an accelerator.
         # Not with a proposer: proposing needs the accepted tokens on the host (requests that bring their own tokens
         # make the overlapped step run a serial one while they last).
@@ -134,10 +138,16 @@ class EngineCore:
             self._failed = []
         return outputs
 
+    def schedule(self) -> SchedulerOutput:
+        """The scheduler's next step, its time to the last one recorded."""
+        sched = self.scheduler.schedule()
+        self.step_times.observe(time.perf_counter(), sched.total_num_scheduled_tokens)
+        return sched
+
     @torch.inference_mode()
     def step_serial(self) -> list[RequestOutput]:
         self.maintain()
-        sched = self.scheduler.schedule()
+        sched = self.schedule()
         self.hold_s = sched.hold_s
         if sched.is_empty:
             self.hold_s = max(self.hold_s, self.kv_cache.idle_step())

@@ -76,7 +76,7 @@ class OverlappedSteps:
             # Penalties need every earlier token on the host before sampling: no overlap this step.
             outputs, prev = self._process(prev), None
         core.maintain()
-        sched = core.scheduler.schedule()
+        sched = core.schedule()
         core.hold_s = sched.hold_s
         if sched.is_empty:
             core.hold_s = max(core.hold_s, core.kv_cache.idle_step())

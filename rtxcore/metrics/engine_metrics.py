@@ -22,6 +22,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from rtxcore.capacity.step_time import SPREAD_QUANTILES
 from rtxcore.engine.async_engine import StepObserver
 from rtxcore.engine.core import EngineCore
 from rtxcore.engine.outputs import RequestOutput
@@ -37,6 +38,8 @@ disable_created_metrics()
 
 # Distinct tenant label values; further tenants are labelled "other".
 MAX_TENANT_LABELS = 100
+# Seconds between exports of the engine's step-time profile.
+PROFILE_EXPORT_INTERVAL_S = 1.0
 
 
 @dataclass(slots=True)
@@ -75,6 +78,7 @@ class EngineMetrics:
         # KV-cache counters at the previous step, to turn the manager's totals into counter increments.
         self._kv_for: object = None
         self._kv_totals = (0, 0, 0)
+        self._next_profile_export = 0.0
         # (tier, counter) -> the total already added to the Prometheus counter.
         self._tier_totals: dict[tuple[str, int], float] = {}
         # Tenant label values handed out so far: bounded, so a config with many tenants cannot blow up the series.
@@ -247,9 +251,23 @@ class EngineMetrics:
                 f.lane_running.labels(self.model_name, lane).set(n)
             f.brownout_level.labels(self.model_name).set(status.brownout_level)
             f.brownout_pressure.labels(self.model_name).set(status.pressure)
+            for lane, seconds in (status.predicted_ttft_s or {}).items():
+                f.lane_predicted_ttft.labels(self.model_name, lane).set(seconds)
             if status.step_time is not None:
                 f.step_time_model.labels(self.model_name, "base").set(status.step_time[0])
                 f.step_time_model.labels(self.model_name, "per_token").set(status.step_time[1])
+        recorder = engine.step_times
+        now = time.monotonic()
+        if recorder.ready and now >= self._next_profile_export:
+            # Sorting the recent ratios for the spread costs about as much as a small GPU step's host work: once
+            # a second is enough for a figure a planner reads after minutes of load.
+            self._next_profile_export = now + PROFILE_EXPORT_INTERVAL_S
+            base, per_token = recorder.model.coefficients()
+            f = self._families
+            f.step_time_profile.labels(self.model_name, "base").set(base)
+            f.step_time_profile.labels(self.model_name, "per_token").set(per_token)
+            for q, ratio in zip(SPREAD_QUANTILES, recorder.spread()):
+                f.step_time_spread.labels(self.model_name, str(q)).set(ratio)
         m.kv_cache_usage.set(kv.usage)
         m.kv_cache_fragmentation.set(kv.fragmentation)
         stats = kv.stats

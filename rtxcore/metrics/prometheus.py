@@ -157,9 +157,19 @@ class Families:
         self.lane_target = gauge(
             "rtx_lane_target_seconds", "Each lane's latency targets (the SLA): time to first token and inter-token "
             "latency.", (LANE_LABEL, "latency"))
+        self.lane_predicted_ttft = gauge(
+            "rtx_lane_predicted_ttft_seconds", "Time to first token the lane-aware scheduler predicts for a request "
+            "of the lane's recent mean prompt length arriving now.", lane)
         self.step_time_model = gauge(
             "rtx_step_time_model_seconds", "The lane-aware scheduler's learnt step time, seconds = base + per_token x "
             "tokens: part=\"base\" and part=\"per_token\" (absent until it has seen enough steps).", ("part",))
+        self.step_time_profile = gauge(
+            "rtx_step_time_profile_seconds", "The engine's step time under its live load, for capacity planning "
+            "(forgetting over about 500 steps), seconds = base + per_token x tokens: part=\"base\", "
+            "part=\"per_token\".", ("part",))
+        self.step_time_spread = gauge(
+            "rtx_step_time_spread_ratio", "Quantiles of recent steps' time over the step-time profile's prediction.",
+            ("quantile",))
         self.brownout_level = gauge(
             "rtx_brownout_level", "Degradation steps in force (0: none; lane-aware schedulers with brownout).")
         self.brownout_pressure = gauge(

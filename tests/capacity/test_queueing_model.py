@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import statistics
 import threading
+import time
 
 import httpx
 import pytest
@@ -14,8 +15,10 @@ from rtxcore.bench.loadgen import LaneProfile, LengthRange
 from rtxcore.capacity.planner import Planner
 from rtxcore.capacity.profile import StepTimeProfile, fit
 from rtxcore.capacity.simulation import poisson_arrivals, simulate
+from rtxcore.capacity.step_time import SPREAD_QUANTILES
 from rtxcore.contracts.scheduler import SchedulerConfig
 from rtxcore.engine.config import EngineConfig
+from rtxcore.metrics.engine_metrics import PROFILE_EXPORT_INTERVAL_S
 from tests.helpers.cli import assert_one_line_error, rtx
 from tests.helpers.server import start_server
 
@@ -105,17 +108,23 @@ def test_rtx_plan_bad_input_is_one_line(args, message):
 
 
 def test_rtx_plan_takes_the_step_time_a_live_server_learnt(tmp_path):
-    """``--profile-url``: the sla-lanes scheduler's step-time model, learnt from its own steps, and the server's KV
-    block count, read from its /metrics."""
-    server = start_server("--no-grpc", "--model", "dummy:tiny", "--scheduler", "sla-lanes", "--num-kv-blocks", "100")
+    """``--profile-url``: the step-time profile the engine learnt from its own steps (whatever the scheduler: fcfs
+    here), its spread, and the server's KV block count, read from its /metrics; a server that has not run enough
+    steps yet says so in one line."""
+    server = start_server("--no-grpc", "--model", "dummy:tiny", "--num-kv-blocks", "100")
     try:
+        assert_one_line_error(rtx("plan", "--model", "dummy:tiny", "--profile-url", server.base_url),
+                              "exports no learnt step time")
+        # Enough back-to-back steps for the profile (50) and then its spread (50 more).
         threads = [threading.Thread(target=httpx.post, args=(server.base_url + "/v1/completions",),
-                                    kwargs={"json": {"prompt": [5] * (8 + i), "max_tokens": 12, "ignore_eos": True},
-                                            "timeout": 60}) for i in range(6)]
+                                    kwargs={"json": {"prompt": [5] * (8 + i), "max_tokens": 150, "ignore_eos": True},
+                                            "timeout": 120}) for i in range(6)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+        time.sleep(PROFILE_EXPORT_INTERVAL_S)  # the export is refreshed at most this often
+        httpx.post(server.base_url + "/v1/completions", json={"prompt": [5] * 8, "max_tokens": 2}, timeout=60)
         out = tmp_path / "plan.json"
         proc = rtx("plan", "--model", "dummy:tiny", "--scheduler", "sla-lanes", "--profile-url", server.base_url,
                    "--lane-mix", "standard=1", "--requests", "200", "--loads", "0.5", "--output-tokens", "standard=4:8",
@@ -123,17 +132,14 @@ def test_rtx_plan_takes_the_step_time_a_live_server_learnt(tmp_path):
         assert proc.returncode == 0, proc.stderr
         plan = json.loads(out.read_text())
         assert plan["num_kv_blocks"] == 100
-        assert plan["profile"]["source"].startswith("learnt by the server")
-        assert plan["profile"]["base_s"] + plan["profile"]["per_token_s"] > 0
+        profile = plan["profile"]
+        assert profile["source"].startswith("learnt by the server")
+        assert profile["base_s"] + profile["per_token_s"] > 0
+        spread = profile["spread"]
+        assert len(spread) == len(SPREAD_QUANTILES) and spread == sorted(spread) and spread[0] > 0
+        assert spread[0] <= 1.0 <= spread[-1]  # steps on both sides of the line
     finally:
         assert server.stop() == 0, server.output()
-    # A server whose scheduler learns nothing (fcfs) says so in one line.
-    plain = start_server("--no-grpc", "--model", "dummy:tiny")
-    try:
-        assert_one_line_error(rtx("plan", "--model", "dummy:tiny", "--profile-url", plain.base_url),
-                              "exports no learnt step time")
-    finally:
-        assert plain.stop() == 0, plain.output()
 
 
 def test_a_profile_measured_here_plans_and_plans_the_same_from_its_file(tmp_path):

@@ -12,32 +12,17 @@ import httpx
 import pytest
 
 from rtxcore.bench.loadgen import (
-    LaneProfile,
-    LengthRange,
     LoadgenConfig,
     Outcome,
     SpikyArrivals,
     brownout_level,
     run_loadgen_sync,
 )
-from tests.helpers import REPO
 from tests.helpers.server import start_server
+from tests.helpers.w5 import SERVER_ARGS, W5_LANES
 
 # Serial: latency under load against targets in seconds, which a test running beside it would eat into.
 pytestmark = pytest.mark.serial
-
-W5_CONFIG = REPO / "benchmarks" / "w5_cpu.toml"
-# W5's mix (10% realtime with short prompts, 60% standard, 30% bulk with long prompts), lengths scaled to 2 cores.
-W5_LANES = (
-    LaneProfile("realtime", 0.1, LengthRange(16, 32), LengthRange(8, 16)),
-    LaneProfile("standard", 0.6, LengthRange(32, 96), LengthRange(16, 32)),
-    LaneProfile("bulk", 0.3, LengthRange(96, 192), LengthRange(32, 64)),
-)
-# What benchmarks/w5_cpu.toml asks of the engine besides lanes: a batch the size of the closed-loop clients and a
-# step budget that keeps a step near half a second on 2 cores (128 tokens: a 256-token step took over a second on
-# some of the machines CI runs on, longer than realtime's whole target allows for two steps).
-SERVER_ARGS = ("--scheduler", "sla-lanes", "--config", str(W5_CONFIG), "--max-num-seqs", "16",
-               "--max-num-batched-tokens", "128", "--no-grpc")
 
 
 @pytest.fixture(scope="module")

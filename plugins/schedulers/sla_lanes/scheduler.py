@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from rtx_plugins.schedulers.sla_lanes.brownout import STEPS, BrownoutConfig, BrownoutController
-from rtx_plugins.schedulers.sla_lanes.step_time import StepTimeModel
+from rtxcore.capacity.step_time import StepTimeModel
 from rtxcore.contracts import Scheduler, SchedulerConfig, SchedulerOutput
 from rtxcore.contracts.scheduler import KVCacheAllocator, SchedulerStatus
 from rtxcore.errors import AdmissionRefused, ConfigError
@@ -32,6 +32,8 @@ from rtxcore.request import Request, RequestStatus
 
 # Weight of the newest request in a lane's measured TTFT ratio.
 _TTFT_WEIGHT = 0.2
+# Weight of the newest request in a lane's mean prompt (the request its exported TTFT prediction is for).
+_PROMPT_WEIGHT = 0.1
 # Per brownout evaluation, how much of a lane's measured TTFT ratio is kept (about 2 s to fade at 0.1 s intervals).
 _MEASURED_FADE = 0.95
 # Weight of the newest evaluation in the smoothed pressure (evaluations come every brownout interval).
@@ -99,6 +101,11 @@ class SLALanesScheduler(Scheduler):
         self._contended = [[0.0, 0.0] for _ in self.lanes]
         # Recent time to first token over the target, per lane (exponentially weighted over requests).
         self._ttft_ratio = [0.0] * len(self.lanes)
+        # Per lane: recent requests' prompt tokens to compute (exponentially weighted), and the time to first token
+        # predicted for one such request arriving at the last brownout evaluation (what dashboards set beside the
+        # measured one).
+        self._mean_prompt = [0.0] * len(self.lanes)
+        self._predicted_ttft: dict[str, float] = {}
         # When each live request arrived (scheduler clock): the start of its aging.
         self._arrival: dict[Request, float] = {}
         self._queued_tokens: dict[Request, int] = {}
@@ -136,7 +143,8 @@ class SLALanesScheduler(Scheduler):
                                running={lane.spec.name: len(lane.running) for lane in self.lanes},
                                brownout_level=self.brownout.level, brownout_steps=self.brownout.steps,
                                pressure=self.brownout.pressure,
-                               step_time=self.step_time.coefficients() if self.step_time.ready else None)
+                               step_time=self.step_time.coefficients() if self.step_time.ready else None,
+                               predicted_ttft_s=dict(self._predicted_ttft) if self.step_time.ready else None)
 
     # -- admission ------------------------------------------------------------------------------------------------
 
@@ -150,6 +158,8 @@ class SLALanesScheduler(Scheduler):
                                    f"{spec.name} requests; retry later", self.brownout.seconds_to_leave(now),
                                    "brownout")
         predicted = self.predict_ttft(spec, num_tokens)
+        mean = self._mean_prompt[spec.priority]
+        self._mean_prompt[spec.priority] = num_tokens if mean == 0 else mean + _PROMPT_WEIGHT * (num_tokens - mean)
         if len(lane.waiting) >= spec.max_queue:
             raise AdmissionRefused(f"the {spec.name} lane's queue is full ({spec.max_queue} requests)",
                                    max(predicted / max(len(lane.waiting), 1), _MIN_RETRY_AFTER_S), "queue_full")
@@ -375,6 +385,9 @@ class SLALanesScheduler(Scheduler):
             measured = self._ttft_ratio[lane.spec.priority] if busy else 0.0
             if measured > pressure:
                 pressure, cause = measured, f"{lane.spec.name} lane measured TTFT at {measured:.2f}x its target"
+        if self.step_time.ready:
+            self._predicted_ttft = {lane.spec.name: self.predict_ttft(lane.spec, round(
+                self._mean_prompt[lane.spec.priority])) for lane in self.lanes}
         streaming = [lane.spec.itl_target_s for lane in self.lanes if lane.running]
         if streaming and self.step_time.ready:
             ratio = self.step_time.predict(self._last_num_tokens) / min(streaming)

@@ -15,7 +15,7 @@ from rtx_plugins.schedulers.sla_lanes.brownout import (
     BrownoutConfig,
     BrownoutController,
 )
-from rtx_plugins.schedulers.sla_lanes.step_time import StepTimeModel
+from rtxcore.capacity.step_time import StepTimeModel
 from rtxcore.contracts import SchedulerConfig
 from rtxcore.errors import AdmissionRefused, ConfigError
 from rtxcore.lanes import DEFAULT_LANES, LANE_NAMES, parse_lanes

@@ -138,6 +138,7 @@ def test_the_dashboard_shows_the_servers_metrics(server, chromium, tmp_path):
         expected[f"lane-queued:{lane}"] = _total(samples, "rtx_lane_requests_queued", lane=lane)
         expected[f"lane-ttft-target:{lane}"] = _total(samples, "rtx_lane_target_seconds", lane=lane, latency="ttft")
         expected[f"lane-itl-target:{lane}"] = _total(samples, "rtx_lane_target_seconds", lane=lane, latency="itl")
+        expected[f"lane-ttft-predicted:{lane}"] = _total(samples, "rtx_lane_predicted_ttft_seconds", lane=lane)
         for q in (50, 95):
             expected[f"lane-ttft-p{q}:{lane}"] = _quantile(q / 100, samples, "rtx_lane_time_to_first_token_seconds",
                                                            lane=lane)
@@ -147,6 +148,8 @@ def test_the_dashboard_shows_the_servers_metrics(server, chromium, tmp_path):
     assert expected["generated"] == 8 * len(LANES) * 4 and expected["steps"] > 0
     assert all(expected[f"lane-ttft-p95:{lane}"] for lane in LANES)
     assert expected["lane-ttft-target:realtime"] < expected["lane-ttft-target:bulk"]
+    # The scheduler's model had seen enough steps to predict; bulk's longer prompts wait longer than realtime's.
+    assert 0 < expected["lane-ttft-predicted:realtime"] <= expected["lane-ttft-predicted:bulk"]
     for key, value in expected.items():
         assert key in shown, f"{key} is not on the page"
         if value is None:

@@ -159,6 +159,8 @@ function render(now) {
     const itlTarget = total(s, "rtx_lane_target_seconds", { lane, latency: "itl" });
     cell(tr, `lane-queued:${lane}`, total(s, "rtx_lane_requests_queued", { lane }), fmt.count);
     cell(tr, `lane-running:${lane}`, total(s, "rtx_lane_requests_running", { lane }), fmt.count);
+    const predicted = total(s, "rtx_lane_predicted_ttft_seconds", { lane });
+    cell(tr, `lane-ttft-predicted:${lane}`, predicted, fmt.seconds, predicted !== null && predicted > ttftTarget);
     cell(tr, `lane-ttft-p50:${lane}`, ttft.p50, fmt.seconds);
     cell(tr, `lane-ttft-p95:${lane}`, ttft.p95, fmt.seconds, ttft.p95 !== null && ttft.p95 > ttftTarget);
     cell(tr, `lane-ttft-target:${lane}`, ttftTarget, fmt.seconds);

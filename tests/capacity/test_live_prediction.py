@@ -1,0 +1,82 @@
+"""The queueing model against live load (issue 32's check in CI): `rtx serve` with the sla-lanes scheduler and
+W5's CPU lanes takes half its measured capacity from `rtx loadgen`; the model, given the step-time profile the
+server's engine learnt meanwhile and the very requests the load phase sent (their send times, lanes and lengths),
+predicts the median time to first token the client measured within 10%.
+
+The client's figure runs from the send to the first streamed token, as the model's clock does from the arrival. The
+engine's own figure (the `rtx.requests` timelines: submission to first token) is shown beside it: it leaves out the
+HTTP side's work before the submission, which on 2 cores waits for the engine's thread (about 30 ms a request)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from rtxcore.bench.loadgen import LoadgenConfig, Outcome, run_loadgen_sync
+from rtxcore.bench.loadgen.stats import percentile
+from rtxcore.bench.loadgen.workload import plan_requests
+from rtxcore.capacity.profile import from_server
+from rtxcore.capacity.simulation import arrivals_of, simulate
+from rtxcore.contracts.scheduler import SchedulerConfig
+from rtxcore.engine.config import EngineConfig
+from rtxcore.server.serve_config import load_serve_config
+from tests.helpers.server import start_server
+from tests.helpers.w5 import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, SERVER_ARGS, W5_CONFIG, W5_LANES
+
+# Serial: the live latencies are what is checked, and a test running beside it would change them.
+pytestmark = pytest.mark.serial
+
+BLOCK_SIZE = 16
+
+
+def server_ttfts(stderr: str, since: float) -> list[float]:
+    """Time to first token of every request submitted after ``since`` (Unix time) that finished, from the server's
+    request timelines."""
+    out = []
+    for line in stderr.splitlines():
+        start = line.find('{"event"')
+        if start < 0:
+            continue
+        record = json.loads(line[start:])
+        if record.get("event") == "request_finished" and record["enqueue"] >= since and record.get("ttft_s"):
+            out.append(record["ttft_s"])
+    return out
+
+
+def test_the_model_predicts_the_median_time_to_first_token_at_half_capacity():
+    server = start_server(*SERVER_ARGS)
+    try:
+        # The capacity phase also gives the engine's profile its first few hundred steps.
+        capacity = run_loadgen_sync(LoadgenConfig(url=server.base_url, lanes=W5_LANES, capacity_clients=16,
+                                                  capacity_duration_s=30, duration_s=1, load=0.1)).capacity
+        assert capacity is not None and capacity > 0
+        config = LoadgenConfig(url=server.base_url, lanes=W5_LANES, capacity=capacity, duration_s=200, load=0.5,
+                               seed=32, request_timeout_s=300)
+        started = time.time()
+        report = run_loadgen_sync(config)
+        profile, blocks = from_server(server.base_url, BLOCK_SIZE)
+    finally:
+        assert server.stop() == 0, server.output()
+    assert report.overall.count(Outcome.COMPLETED) == report.overall.num_sent, "every request completes at 0.5x"
+    measured = server_ttfts(server.stderr, started)
+    assert len(measured) == report.overall.num_sent
+
+    served_config = load_serve_config(str(W5_CONFIG))
+    served = EngineConfig(scheduler="sla-lanes", num_kv_blocks=blocks, scheduling=SchedulerConfig(
+        max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, lanes=served_config.lanes,
+        options=served_config.scheduler_options))
+    # Three draws of the steps' times from the profile's spread, pooled: the prediction's own noise out of the way.
+    arrivals = arrivals_of(plan_requests(config, report.offered_rate))
+    predicted = percentile([t for seed in (1, 2, 3) for lane in simulate(served, profile, arrivals, seed).lanes.values()
+                            for t in lane.ttft_s], 50)
+    client_p50, engine_p50 = report.overall.ttft_s[50], percentile(measured, 50)
+    assert predicted is not None and engine_p50 is not None and client_p50 is not None
+    ratio = predicted / client_p50
+    figures = (f"predicted p50 TTFT {predicted:.3f}s against {client_p50:.3f}s measured by the client ({ratio:.2f}x; "
+               f"the engine measured {engine_p50:.3f}s) at {report.offered_rate:.2f} requests/s, {len(measured)} "
+               f"requests, profile {profile.base_s * 1000:.1f} ms + {profile.per_token_s * 1000:.2f} ms/token, "
+               f"spread {[round(r, 2) for r in profile.spread]}")
+    print(figures)  # shown with -rP: how close a passing run came
+    assert 0.9 <= ratio <= 1.1, figures

@@ -1,0 +1,59 @@
+"""The engine's own step-time profile (rtxcore.capacity.step_time.StepTimeRecorder) and the spread the simulation
+draws steps' times from."""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+import pytest
+
+from rtxcore.capacity.step_time import RECORDER_MIN_SAMPLES, SPREAD_QUANTILES, StepTimeRecorder, draw_ratio
+
+
+def record(recorder: StepTimeRecorder, steps: list[tuple[int, float]], idle_every: int = 0) -> None:
+    """Feed schedules as an engine would: each (tokens, seconds) step back to back, and with ``idle_every`` an
+    empty schedule followed by a long wait for work every so many steps."""
+    now = 0.0
+    for i, (tokens, seconds) in enumerate(steps):
+        recorder.observe(now, tokens)
+        now += seconds
+        if idle_every and i % idle_every == idle_every - 1:
+            recorder.observe(now, 0)
+            now += 100.0  # waiting for a request: never a step's time
+    recorder.observe(now, 0)
+
+
+def test_the_recorder_learns_the_line_and_its_spread_and_skips_idle_gaps():
+    rng = random.Random(3)
+    steps = []
+    for _ in range(3000):
+        tokens = rng.randint(1, 256)
+        steps.append((tokens, (0.05 + 0.002 * tokens) * rng.choice((0.8, 1.0, 1.2))))
+    recorder = StepTimeRecorder()
+    record(recorder, steps, idle_every=7)
+    assert recorder.ready
+    base, per_token = recorder.model.coefficients()
+    assert base == pytest.approx(0.05, rel=0.15) and per_token == pytest.approx(0.002, rel=0.1)
+    spread = recorder.spread()
+    assert len(spread) == len(SPREAD_QUANTILES)
+    # Three equally likely ratios: the outer quantiles are theirs, the median the middle one.
+    assert spread[0] == pytest.approx(0.8, abs=0.05) and spread[-1] == pytest.approx(1.2, abs=0.05)
+    assert spread[SPREAD_QUANTILES.index(0.5)] == pytest.approx(1.0, abs=0.05)
+
+
+def test_the_recorder_is_not_ready_before_it_has_seen_enough_steps():
+    recorder = StepTimeRecorder()
+    record(recorder, [(10, 0.1)] * (RECORDER_MIN_SAMPLES + 5))
+    assert not recorder.ready  # the model is, its spread has only a few ratios
+    record(recorder, [(10, 0.1)] * RECORDER_MIN_SAMPLES)
+    assert recorder.ready
+
+
+def test_draws_from_a_spread_follow_its_quantiles():
+    spread = tuple(0.5 + q for q in SPREAD_QUANTILES)  # ratio = 0.5 + u between the outer quantiles
+    rng = random.Random(0)
+    draws = [draw_ratio(spread, rng.random()) for _ in range(20000)]
+    assert statistics.median(draws) == pytest.approx(1.0, abs=0.02)
+    assert min(draws) == pytest.approx(spread[0]) and max(draws) == pytest.approx(spread[-1])
+    assert draw_ratio((), 0.3) == 1.0

@@ -5,11 +5,14 @@ each measured figure.
 
 Usage: python benchmarks/queueing_validation.py [--loads 0.5,0.8,1.0] [--duration 120] [--json OUT]
 
-Two step-time profiles, each giving its own predictions: one measured first, in this process, with the server not
-yet started (``rtx plan --profile``), and the one the server's scheduler learnt from its own steps during each load
-phase, read from its /metrics right after it (``rtx plan --profile-url``).
-Measured TTFT is the client's (send to first streamed token: HTTP, tokenization and the stream included); ITL pools
-every gap of every completed request, as `rtx loadgen` reports them.
+Two step-time profiles: one measured first, in this process, with the server not yet started (``rtx plan
+--profile``: a line, no spread), and the one the server's engine learnt from its own steps up to the end of each
+load phase, spread included, read from its /metrics right after it (``rtx plan --profile-url``). Three predictions
+per figure: the in-process profile and the learnt one at the phase's arrival rate (fresh Poisson arrivals, as `rtx
+plan` predicts), and the learnt one on the very requests the phase sent (its plan: times, lanes, lengths).
+Measured TTFT is the client's (send to first streamed token: HTTP, the stream and the load generator's process
+included) and the engine's (submission to first token, from the server's request timelines: what the model
+simulates); ITL pools every gap of every completed request, as `rtx loadgen` reports them.
 """
 
 from __future__ import annotations
@@ -20,14 +23,18 @@ import json
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
 from rtxcore.bench.loadgen import LaneProfile, LengthRange, LoadgenConfig, run_loadgen_sync
-from rtxcore.capacity.planner import Planner
+from rtxcore.bench.loadgen.stats import percentile
+from rtxcore.bench.loadgen.workload import plan_requests
+from rtxcore.capacity.planner import Planner, summarize
 from rtxcore.capacity.profile import from_server, measure
+from rtxcore.capacity.simulation import arrivals_of, simulate
 from rtxcore.contracts.scheduler import SchedulerConfig
 from rtxcore.engine.config import EngineConfig
 from rtxcore.server.serve_config import load_serve_config
@@ -55,12 +62,14 @@ def main() -> int:
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     profile, blocks = measure(served, log=log)
     served.num_kv_blocks = blocks
+    server_log = tempfile.NamedTemporaryFile("w+", prefix="rtx-serve-", suffix=".log")
     server = subprocess.Popen([sys.executable, "-m", "rtxcore.cli.main", "serve", "--port", str(PORT), "--no-grpc",
                                "--scheduler", "sla-lanes", "--config", str(CONFIG), "--max-num-seqs",
                                str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
                                "--num-kv-blocks", str(blocks)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              stdout=subprocess.DEVNULL, stderr=server_log)
     url = f"http://127.0.0.1:{PORT}"
+    phases = []  # (load, loadgen config, report, learnt profile, phase start as Unix time)
     try:
         for _ in range(300):
             try:
@@ -69,54 +78,77 @@ def main() -> int:
             except httpx.HTTPError:
                 pass
             time.sleep(1)
-        measured, learnt, capacity = [], [], None
+        capacity = run_loadgen_sync(LoadgenConfig(url=url, lanes=MIX, capacity_clients=16, capacity_duration_s=40,
+                                                  duration_s=1, load=0.1), log).capacity
+        assert capacity is not None
         for i, load in enumerate(loads):
             config = LoadgenConfig(url=url, duration_s=args.duration, load=load, capacity=capacity, lanes=MIX,
-                                   capacity_clients=16, capacity_duration_s=40, seed=10 + i,
-                                   request_timeout_s=600)
+                                   seed=10 + i, request_timeout_s=600)
+            started = time.time()
             report = run_loadgen_sync(config, log)
-            capacity = report.capacity
-            measured.append(report)
-            learnt.append(from_server(url, 16)[0])
-            log(f"learnt by the server at {load}x: {learnt[-1].base_s * 1000:.1f} ms + "
-                f"{learnt[-1].per_token_s * 1000:.2f} ms/token")
+            live = from_server(url, 16)[0]
+            phases.append((load, config, report, live, started))
+            log(f"learnt by the server at {load}x: {live.base_s * 1000:.1f} ms + {live.per_token_s * 1000:.2f} "
+                f"ms/token, spread {[round(r, 2) for r in live.spread]}")
             time.sleep(10)
     finally:
         server.terminate()
         server.wait(60)
+    server_log.seek(0)
+    timelines = request_timelines(server_log)
     planner = Planner(served, profile, MIX, requests=args.plan_requests, seed=1, log=log)
     rows = []
     print(f"# python benchmarks/queueing_validation.py {' '.join(sys.argv[1:])}")
     print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()}, "
           f"{profile.base_s * 1000:.1f} ms + {profile.per_token_s * 1000:.2f} ms/token, {blocks} KV blocks, "
           f"capacity {capacity:.3f} requests/s (closed loop, 16 clients)")
-    print(f"{'load':>5} {'rate':>6} {'lane':<9} {'figure':<9} {'measured':>9} {'in-proc':>8} {'ratio':>6} "
-          f"{'learnt':>8} {'ratio':>6}")
-    for load, report, live in zip(loads, measured, learnt):
-        prediction = planner.predict(report.offered_rate)
-        live_planner = Planner(served, live, MIX, requests=planner.requests, seed=1)
-        live_prediction = live_planner.predict(report.offered_rate)
+    print(f"{'load':>5} {'rate':>6} {'lane':<9} {'figure':<9} {'client':>7} {'engine':>7} {'in-proc':>8} "
+          f"{'learnt':>7} {'trace':>7}   ratios to the engine's figure (TTFT) or the client's (ITL)")
+    for load, config, report, live, started in phases:
+        predictions = {
+            "in_process": planner.predict(report.offered_rate),
+            "learnt": Planner(served, live, MIX, requests=planner.requests, seed=1).predict(report.offered_rate),
+            "learnt_trace": summarize(report.offered_rate, simulate(
+                served, live, arrivals_of(plan_requests(config, report.offered_rate)), seed=1)),
+        }
         print(f"# at {load}x the server had learnt {live.base_s * 1000:.1f} ms + "
-              f"{live.per_token_s * 1000:.2f} ms/token")
+              f"{live.per_token_s * 1000:.2f} ms/token, spread {[round(r, 2) for r in live.spread]}")
         for lane in report.lanes:
-            p, q = prediction.lanes.get(lane.name), live_prediction.lanes.get(lane.name)
-            if p is None or q is None:
-                continue
+            engine_ttfts = [t["ttft_s"] for t in timelines if t.get("lane") == lane.name and t["enqueue"] >= started
+                            and t.get("ttft_s") is not None]
             for figure, key, quantile in (("TTFT p50", "ttft_s", 50), ("TTFT p95", "ttft_s", 95),
                                           ("ITL p50", "itl_s", 50), ("ITL p95", "itl_s", 95)):
-                meas = getattr(lane, key)[quantile]
-                pred, pred_live = getattr(p, key)[f"p{quantile}"], getattr(q, key)[f"p{quantile}"]
-                ratio = pred / meas if pred and meas else None
-                ratio_live = pred_live / meas if pred_live and meas else None
-                rows.append({"load": load, "rate": report.offered_rate, "lane": lane.name, "figure": figure,
-                             "measured_s": meas, "predicted_s": pred, "ratio": ratio,
-                             "predicted_learnt_s": pred_live, "ratio_learnt": ratio_live})
-                print(f"{load:>5.2f} {report.offered_rate:>6.3f} {lane.name:<9} {figure:<9} {_s(meas):>9} "
-                      f"{_s(pred):>8} {_r(ratio):>6} {_s(pred_live):>8} {_r(ratio_live):>6}")
+                client = getattr(lane, key)[quantile]
+                engine = percentile(engine_ttfts, quantile) if key == "ttft_s" else None
+                row = {"load": load, "rate": report.offered_rate, "lane": lane.name, "figure": figure,
+                       "client_s": client, "engine_s": engine}
+                base = engine if engine is not None else client
+                for name, prediction in predictions.items():
+                    predicted = getattr(prediction.lanes[lane.name], key)[f"p{quantile}"] \
+                        if lane.name in prediction.lanes else None
+                    row[f"{name}_s"] = predicted
+                    row[f"{name}_ratio"] = predicted / base if predicted and base else None
+                rows.append(row)
+                print(f"{load:>5.2f} {report.offered_rate:>6.3f} {lane.name:<9} {figure:<9} {_s(client):>7} "
+                      f"{_s(engine):>7} " + " ".join(f"{_s(row[n + '_s'])}/{_r(row[n + '_ratio'])}"
+                                                       for n in predictions))
     if args.json:
-        Path(args.json).write_text(json.dumps({"profile": profile.to_json(), "capacity": capacity, "rows": rows},
-                                              indent=2))
+        Path(args.json).write_text(json.dumps({"profile": profile.to_json(), "capacity": capacity, "rows": rows,
+                                               "learnt": [live.to_json() for *_, live, _ in phases]}, indent=2))
     return 0
+
+
+def request_timelines(lines) -> list[dict]:
+    """The server's request timelines (the JSON lines of its `rtx.requests` log)."""
+    out = []
+    for line in lines:
+        start = line.find('{"event"')
+        if start >= 0:
+            try:
+                out.append(json.loads(line[start:]))
+            except ValueError:  # a line cut short by the server's exit
+                pass
+    return out
 
 
 def _r(value):

@@ -37,6 +37,7 @@ from rtxcore.capacity.profile import from_server, measure
 from rtxcore.capacity.simulation import arrivals_of, simulate
 from rtxcore.contracts.scheduler import SchedulerConfig
 from rtxcore.engine.config import EngineConfig
+from rtxcore.metrics.timeline import read_timelines
 from rtxcore.server.serve_config import load_serve_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -95,7 +96,7 @@ def main() -> int:
         server.terminate()
         server.wait(60)
     server_log.seek(0)
-    timelines = request_timelines(server_log)
+    timelines = read_timelines(server_log)
     planner = Planner(served, profile, MIX, requests=args.plan_requests, seed=1, log=log)
     rows = []
     print(f"# python benchmarks/queueing_validation.py {' '.join(sys.argv[1:])}")
@@ -136,19 +137,6 @@ def main() -> int:
         Path(args.json).write_text(json.dumps({"profile": profile.to_json(), "capacity": capacity, "rows": rows,
                                                "learnt": [live.to_json() for *_, live, _ in phases]}, indent=2))
     return 0
-
-
-def request_timelines(lines) -> list[dict]:
-    """The server's request timelines (the JSON lines of its `rtx.requests` log)."""
-    out = []
-    for line in lines:
-        start = line.find('{"event"')
-        if start >= 0:
-            try:
-                out.append(json.loads(line[start:]))
-            except ValueError:  # a line cut short by the server's exit
-                pass
-    return out
 
 
 def _r(value):

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rtxcore.capacity.step_time import SPREAD_QUANTILES, draw_ratio
+from rtxcore.capacity.step_time import SPREAD_QUANTILES, StepTimeModel, draw_ratio
 from rtxcore.engine.config import EngineConfig
 from rtxcore.errors import ConfigError
 from rtxcore.sampling_params import SamplingParams
@@ -63,20 +63,12 @@ def check_spread(spread: tuple[float, ...], where: str) -> None:
 
 
 def fit(samples: list[tuple[int, float]]) -> tuple[float, float]:
-    """Least-squares ``(base_s, per_token_s)`` over ``(tokens, seconds)`` samples, both kept >= 0."""
-    n = len(samples)
-    mean_x = sum(x for x, _ in samples) / n
-    mean_y = sum(y for _, y in samples) / n
-    var_x = sum((x - mean_x) ** 2 for x, _ in samples)
-    if var_x == 0:
-        return 0.0, mean_y / max(mean_x, 1.0)
-    per_token = sum((x - mean_x) * (y - mean_y) for x, y in samples) / var_x
-    base = mean_y - per_token * mean_x
-    if per_token < 0:
-        return max(mean_y, 0.0), 0.0
-    if base < 0:
-        return 0.0, mean_y / max(mean_x, 1.0)
-    return base, per_token
+    """Least-squares ``(base_s, per_token_s)`` over ``(tokens, seconds)`` samples, both kept >= 0: the live model's
+    fit with nothing forgotten."""
+    model = StepTimeModel(forget=0.0)
+    for tokens, seconds in samples:
+        model.observe(tokens, seconds)
+    return model.coefficients()
 
 
 def measure(config: EngineConfig, repeats: int = 3, log=lambda line: None) -> tuple[StepTimeProfile, int]:

@@ -16,6 +16,7 @@ import re
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from rtxcore.engine.outputs import RequestOutput, RequestTimings
@@ -30,6 +31,20 @@ _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{
 _MAX_ANNOTATIONS = 65536
 
 AttributeValue = str | int | float | bool
+
+
+def read_timelines(lines: Iterable[str]) -> list[dict]:
+    """The timelines in a server's log output (each ``rtx.requests`` line, whatever the log format put before its
+    JSON); a line cut short, by the server's exit say, is skipped."""
+    out = []
+    for line in lines:
+        start = line.find('{"event"')
+        if start >= 0:
+            try:
+                out.append(json.loads(line[start:]))
+            except ValueError:
+                pass
+    return out
 
 
 def kept_tracestate(tracestate: str | None) -> str | None:

@@ -13,7 +13,6 @@ HTTP side's work before the submission, which on 2 cores waits for the engine's 
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
@@ -25,6 +24,7 @@ from rtxcore.capacity.profile import from_server
 from rtxcore.capacity.simulation import arrivals_of, simulate
 from rtxcore.contracts.scheduler import SchedulerConfig
 from rtxcore.engine.config import EngineConfig
+from rtxcore.metrics.timeline import read_timelines
 from rtxcore.server.serve_config import load_serve_config
 from tests.helpers.server import start_server
 from tests.helpers.w5 import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, SERVER_ARGS, W5_CONFIG, W5_LANES
@@ -38,15 +38,8 @@ BLOCK_SIZE = 16
 def server_ttfts(stderr: str, since: float) -> list[float]:
     """Time to first token of every request submitted after ``since`` (Unix time) that finished, from the server's
     request timelines."""
-    out = []
-    for line in stderr.splitlines():
-        start = line.find('{"event"')
-        if start < 0:
-            continue
-        record = json.loads(line[start:])
-        if record.get("event") == "request_finished" and record["enqueue"] >= since and record.get("ttft_s"):
-            out.append(record["ttft_s"])
-    return out
+    return [t["ttft_s"] for t in read_timelines(stderr.splitlines())
+            if t.get("event") == "request_finished" and t["enqueue"] >= since and t.get("ttft_s")]
 
 
 def test_the_model_predicts_the_median_time_to_first_token_at_half_capacity():

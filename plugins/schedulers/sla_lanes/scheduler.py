@@ -103,7 +103,7 @@ class SLALanesScheduler(Scheduler):
         self._ttft_ratio = [0.0] * len(self.lanes)
         # Per lane: recent requests' prompt tokens to compute (exponentially weighted), and the time to first token
         # predicted for one such request arriving at the last brownout evaluation (what dashboards set beside the
-        # measured one).
+        # measured one; replaced whole at each evaluation, never changed in place, so status() hands it out as is).
         self._mean_prompt = [0.0] * len(self.lanes)
         self._predicted_ttft: dict[str, float] = {}
         # When each live request arrived (scheduler clock): the start of its aging.
@@ -144,7 +144,7 @@ class SLALanesScheduler(Scheduler):
                                brownout_level=self.brownout.level, brownout_steps=self.brownout.steps,
                                pressure=self.brownout.pressure,
                                step_time=self.step_time.coefficients() if self.step_time.ready else None,
-                               predicted_ttft_s=dict(self._predicted_ttft) if self.step_time.ready else None)
+                               predicted_ttft_s=self._predicted_ttft if self.step_time.ready else None)
 
     # -- admission ------------------------------------------------------------------------------------------------
 

@@ -26,6 +26,9 @@ from tests.helpers.server import ServerProcess, metric, start_server
 
 MODEL_ARGS = ("--model", "dummy:tiny", "--no-grpc")
 MAX_TOKENS = 200
+# A request that must still be running when a prompt SIGTERM arrives: near dummy:tiny's 2,048 positions. With 500
+# tokens a fast CI machine finished it between the client's third event and the signal (here about 130 were made).
+LONG_TOKENS = 2000
 NUM_STREAMS = 4
 NUM_FULL = 2
 
@@ -284,7 +287,7 @@ def test_sigkill_under_load_every_accepted_request_completes_exactly_once(state_
 def test_sigterm_past_the_grace_period_leaves_running_requests_to_the_next_start(state_dir):
     server = start_durable(state_dir, "--shutdown-grace", "0")
     try:
-        client = StreamClient(100, native=True, read_at_most=3, max_tokens=500)
+        client = StreamClient(100, native=True, read_at_most=3, max_tokens=LONG_TOKENS)
         client.start(server.base_url)
         client.thread.join(30)
         assert client.req_id is not None and len(client.events) == 3
@@ -301,6 +304,6 @@ def test_sigterm_past_the_grace_period_leaves_running_requests_to_the_next_start
         client.resume(server.base_url)
         ids = [event_id for event_id, _ in client.events]
         assert ids == list(range(1, len(ids) + 1)) and client.events[-1][1]["finished"]
-        assert client.token_ids() == uninterrupted_greedy(server, client.index, 500)
+        assert client.token_ids() == uninterrupted_greedy(server, client.index, LONG_TOKENS)
     finally:
         assert server.stop() == 0, server.output()

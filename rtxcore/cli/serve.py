@@ -70,8 +70,47 @@ def add_parser(sub) -> None:
     durable.add_argument("--journal-compact-bytes", type=byte_size, default=d.journal_compact_min_bytes,
                          metavar="SIZE", help="compact the journal once it is this large and mostly requests past "
                                               f"retention (default: {d.journal_compact_min_bytes >> 20}M)")
+    fleet = p.add_argument_group("fleet view: the dashboard's replicas and autoscaling panel (docs/serving.md)")
+    fleet.add_argument("--fleet-peers", default=None, metavar="HOSTS",
+                       help="comma-separated host[:port] whose /metrics the panel reads (this server's port when "
+                            "none is given); a name may resolve to many pods, as the Helm chart's headless Service")
+    fleet.add_argument("--fleet-interval", type=finite_float, default=10.0, metavar="SECONDS",
+                       help="how often the peers are read (default: 10)")
+    fleet.add_argument("--autoscale-queue-depth", type=finite_float, default=None, metavar="N",
+                       help="the autoscaler's target of requests waiting per pod (the chart's targetQueueDepth)")
+    fleet.add_argument("--autoscale-ttft-p95", type=finite_float, default=None, metavar="SECONDS",
+                       help="the autoscaler's target p95 time to first token per pod (targetTTFTP95Seconds)")
+    fleet.add_argument("--autoscale-replicas", default=None, metavar="MIN:MAX",
+                       help="the autoscaler's replica bounds (minReplicas:maxReplicas; default 1:no limit)")
+    fleet.add_argument("--autoscale-mode", default=None, choices=["hpa", "keda"],
+                       help="the chart's autoscaling.mode: hpa averages the pods' p95s, keda takes one p95 over all "
+                            "pods (default: hpa)")
+    fleet.add_argument("--autoscale-lane", default=None, metavar="LANE",
+                       help="the p95 of this lane's requests only (the chart's latencyLane; default: all lanes)")
     add_engine_options(p)
     p.set_defaults(run=run)
+
+
+def fleet_settings(args: argparse.Namespace):
+    """The --fleet-*/--autoscale-* flags as FleetSettings; None without --fleet-peers.
+    :raises ConfigError: a malformed value, or autoscaling targets without peers to read."""
+    from rtxcore.errors import ConfigError
+    from rtxcore.server.fleet import FleetSettings, parse_autoscale_replicas
+
+    given = [flag for flag, value in (("--autoscale-queue-depth", args.autoscale_queue_depth),
+                                      ("--autoscale-ttft-p95", args.autoscale_ttft_p95),
+                                      ("--autoscale-replicas", args.autoscale_replicas),
+                                      ("--autoscale-lane", args.autoscale_lane),
+                                      ("--autoscale-mode", args.autoscale_mode)) if value is not None]
+    if not args.fleet_peers:
+        if given:
+            raise ConfigError(f"{given[0]} needs --fleet-peers (the pods whose signals it is compared with)")
+        return None
+    low, high = parse_autoscale_replicas(args.autoscale_replicas) if args.autoscale_replicas else (1, None)
+    return FleetSettings(peers=tuple(p.strip() for p in args.fleet_peers.split(",") if p.strip()),
+                         target_queue_depth=args.autoscale_queue_depth, target_ttft_p95_s=args.autoscale_ttft_p95,
+                         min_replicas=low, max_replicas=high, latency_lane=args.autoscale_lane,
+                         interval_s=args.fleet_interval, mode=args.autoscale_mode or "hpa")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -104,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         require_signed_models=args.require_signed_models, state_dir=args.state_dir,
         journal_retention_s=args.journal_retention, journal_compact_min_bytes=args.journal_compact_bytes,
         allowed_origins=tuple(o.strip() for item in args.allowed_origins or () for o in item.split(",") if o.strip()),
-        tls=tls)
+        tls=tls, fleet=fleet_settings(args))
     config_file = load_serve_config(args.config)
     tenants = TenantRegistry.from_config(config_file.tenants, api_keys=args.api_key or ())
     auth = Authentication.from_config(config_file.auth, tenants)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Iterator, TextIO
 import uvicorn
 
 from rtxcore.errors import RtxError
+from rtxcore.server.fleet import FleetWatcher
 from rtxcore.server.http import build_app
 from rtxcore.server.http.tls import uvicorn_tls_options
 from rtxcore.server.serving.recovery import recover
@@ -65,7 +66,8 @@ class Launcher:
     async def _serve(self, sock: socket.socket) -> int:
         loop = asyncio.get_running_loop()
         self._stop_requested = asyncio.Event()
-        config = uvicorn.Config(build_app(self.runtime), log_level="warning", access_log=False, lifespan="off",
+        fleet = self._fleet_watcher()
+        config = uvicorn.Config(build_app(self.runtime, fleet), log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=max(1, math.ceil(self.settings.shutdown_grace_s)),
                                 **uvicorn_tls_options(self.settings.tls))
         self._server = server = _UvicornServer(config)
@@ -74,8 +76,11 @@ class Launcher:
         grpc = await self._start_grpc()
         serving = asyncio.ensure_future(server.serve(sockets=[sock]))
         address = self._address(sock.getsockname()[1], grpc)
+        fleet_task: asyncio.Future | None = None
         try:
             await self._until_started(server, serving)
+            if fleet is not None:
+                fleet_task = asyncio.ensure_future(fleet.run(sock.getsockname()[1]))
             self._say(f"listening on {address}; loading model {self.runtime.model_name}...")
             self.runtime.start_loading()
             if await _first(self._wait_loaded(), self._stop_requested.wait(), serving) == 0:
@@ -87,8 +92,10 @@ class Launcher:
             if not serving.done():
                 await self._drain(server)
         finally:
+            if fleet_task is not None:
+                fleet_task.cancel()
             server.should_exit = True
-            await asyncio.gather(serving, return_exceptions=True)
+            await asyncio.gather(serving, *([fleet_task] if fleet_task else []), return_exceptions=True)
             if self.runtime.durable is not None:
                 # Past the grace period: what still runs stays unfinished in the journal, for the next start. Before
                 # the gRPC server stops, so that its calls following such requests end saying to resume them.
@@ -102,6 +109,12 @@ class Launcher:
             raise RtxError(f"the HTTP server failed: {serving.exception()}")
         self._say("stopped")
         return 0
+
+    def _fleet_watcher(self) -> FleetWatcher | None:
+        fleet, tls = self.settings.fleet, self.settings.tls
+        if fleet is None:
+            return None
+        return FleetWatcher(fleet, (tls.certfile, tls.keyfile) if tls is not None else None)
 
     @staticmethod
     async def _until_started(server: uvicorn.Server, serving: asyncio.Future) -> None:

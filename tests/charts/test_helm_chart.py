@@ -24,6 +24,7 @@ from yamllint import linter
 from yamllint.config import YamlLintConfig
 
 from rtxcore.cli.main import build_parser
+from rtxcore.cli.serve import fleet_settings
 from rtxcore.server.serve_config import load_serve_config
 from tests.helpers import REPO
 
@@ -271,6 +272,25 @@ def test_hpa_can_follow_one_lanes_latency(helm):
     p95 = next(r for r in rules if r["name"]["as"] == "rtx_ttft_p95_seconds")
     assert p95["seriesQuery"].startswith("rtx_lane_time_to_first_token_seconds_bucket{")
     assert 'lane="realtime"' in p95["metricsQuery"]
+
+
+@pytest.mark.parametrize(("variant", "mode"), [("default", "hpa"), ("keda", "keda"), ("bluegreen", "hpa")])
+def test_every_pods_dashboard_reads_the_peers_the_autoscaler_counts(helm, variant, mode):
+    docs = render(helm, variant)
+    peers = one(docs, "Service", "rtx-rtx-serve-peers")
+    assert peers["spec"]["clusterIP"] == "None"
+    # The pods the autoscaler scales: for blue/green, the active colour's only.
+    target = one(docs, "Deployment") if variant != "bluegreen" else one(docs, "Deployment", "rtx-rtx-serve-blue")
+    assert labels_match(peers["spec"]["selector"], target["spec"]["template"]["metadata"]["labels"])
+    for workload in workloads(docs):
+        args = build_parser().parse_args(container(workload)["args"])
+        settings = fleet_settings(args)  # the server's own reading of the flags: a bad one raises
+        assert settings.peers == ("rtx-rtx-serve-peers",) and settings.mode == mode
+        assert (settings.min_replicas, settings.max_replicas) == (2, 8)
+        assert settings.target_queue_depth == 4 and settings.target_ttft_p95_s == 2
+    docs = render(helm, "default", "autoscaling.enabled=false")
+    assert not [d for d in by_kind(docs, "Service") if d["metadata"]["name"].endswith("-peers")]
+    assert "--fleet-peers" not in " ".join(container(one(docs, "Deployment"))["args"])
 
 
 def test_keda_scaled_object(helm):

@@ -170,6 +170,17 @@ spec:
         - --ssl-cert-reqs=required
         {{- end }}
         {{- end }}
+        {{- if $v.autoscaling.enabled }}
+        {{- /* The dashboard's replicas panel: the peers the autoscaler counts, read as it reads them. */}}
+        - --fleet-peers={{ include "rtx-serve.fullname" $root }}-peers
+        - --autoscale-mode={{ $v.autoscaling.mode }}
+        - --autoscale-queue-depth={{ $v.autoscaling.targetQueueDepth }}
+        - --autoscale-ttft-p95={{ $v.autoscaling.targetTTFTP95Seconds }}
+        - --autoscale-replicas={{ $v.autoscaling.minReplicas }}:{{ $v.autoscaling.maxReplicas }}
+        {{- with $v.autoscaling.latencyLane }}
+        - --autoscale-lane={{ . }}
+        {{- end }}
+        {{- end }}
         {{- range $v.server.extraArgs }}
         - {{ . | quote }}
         {{- end }}

@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from rtxcore.errors import RequestError, RtxError
+from rtxcore.server.fleet import FleetWatcher
 from rtxcore.server.http.auth import AuthMiddleware
 from rtxcore.server.http.common import ClientGone
 from rtxcore.server.http.dashboard_routes import DashboardRoutes
@@ -32,7 +33,8 @@ EXPOSED_HEADERS = ["x-rtx-request-id", "retry-after", "x-request-id"]
 CLIENT_CLOSED_REQUEST = 499
 
 
-def build_app(runtime: ServingRuntime) -> Starlette:
+def build_app(runtime: ServingRuntime, fleet: FleetWatcher | None = None) -> Starlette:
+    """``fleet``: the peers' autoscaling view the dashboard shows (``/dashboard/fleet.json``); None: no such panel."""
     middleware = [Middleware(RequestContextMiddleware, max_body_bytes=runtime.settings.max_body_bytes),
                   Middleware(AuthMiddleware, runtime=runtime)]
     origins = runtime.settings.allowed_origins
@@ -42,7 +44,7 @@ def build_app(runtime: ServingRuntime) -> Starlette:
         middleware.insert(0, Middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["*"],
                                         allow_headers=["*"], expose_headers=EXPOSED_HEADERS))
     routes = [*OpenAIRoutes(runtime).routes(), *NativeRoutes(runtime).routes(), *StreamRoutes(runtime).routes(),
-              *UtilityRoutes(runtime).routes(), *DocsRoutes().routes(), *DashboardRoutes().routes()]
+              *UtilityRoutes(runtime).routes(), *DocsRoutes().routes(), *DashboardRoutes(fleet).routes()]
     return Starlette(
         routes=routes,
         middleware=middleware,

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rtxcore.errors import ConfigError
+
+if TYPE_CHECKING:
+    from rtxcore.server.fleet import FleetSettings
 
 # --ssl-cert-reqs: whether clients must present a certificate the CA (--ssl-ca-certs) signed. There is no "optional":
 # gRPC's Python server can only not ask for one or require it, and both servers take the same setting.
@@ -72,6 +76,8 @@ class ServeSettings:
     allowed_origins: tuple[str, ...] = ()
     # TLS (and mutual TLS) for both servers; None serves plain text.
     tls: TlsSettings | None = None
+    # The peers whose /metrics the dashboard's autoscaling panel reads (rtxcore.server.fleet); None: no panel.
+    fleet: FleetSettings | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "request_timeout_s", "max_active_requests"):

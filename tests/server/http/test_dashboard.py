@@ -1,38 +1,27 @@
-"""``/dashboard`` in headless Chromium (Debian's ``chromium``): the page loads from the server alone, polls
-``/metrics``, and every figure it shows equals the one computed here from the same ``/metrics``; a screenshot is kept
-under ``test-artifacts/`` for a person to look at. Without Chromium the test is skipped, except in CI (``CI`` set),
-where scripts/setup.sh installs it and its absence fails."""
+"""``/dashboard`` in headless Chromium (Debian's ``chromium``, tests/helpers/browser.py): the page loads from the
+server alone, polls ``/metrics``, and every figure it shows equals the one computed here from the same ``/metrics``;
+a screenshot is kept under ``test-artifacts/`` for a person to look at."""
 
 from __future__ import annotations
 
 import math
-import os
 import re
-import shutil
-import subprocess
 import threading
-from html.parser import HTMLParser
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import REPO
+from tests.helpers.browser import ARTIFACTS, browse, find_chromium, histogram_quantile, shown_figures
 from tests.helpers.server import start_server
 
 KEY = "sk-dashboard"
 LANES = ("realtime", "standard", "bulk")
-ARTIFACTS = REPO / "test-artifacts"
 
 
 @pytest.fixture(scope="module")
 def chromium():
-    path = shutil.which("chromium") or shutil.which("chromium-browser")
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail("chromium is not installed: scripts/setup.sh installs Debian's chromium package for this test")
-        pytest.skip("chromium is not installed (Debian's chromium package; scripts/setup.sh installs it)")
-    return path
+    return find_chromium()
 
 
 @pytest.fixture(scope="module")
@@ -57,28 +46,6 @@ def _traffic(server) -> None:
         t.join()
 
 
-def _browse(chromium: str, url: str, tmp_path, *args: str) -> str:
-    proc = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                           "--disable-component-update", "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}",
-                           "--virtual-time-budget=5000", *args, url],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc.stdout
-
-
-class _Figures(HTMLParser):
-    """data-key -> data-value of every element that has both."""
-
-    def __init__(self):
-        super().__init__()
-        self.values: dict[str, str] = {}
-
-    def handle_starttag(self, tag, attrs):
-        a = dict(attrs)
-        if "data-key" in a and "data-value" in a:
-            self.values[a["data-key"]] = a["data-value"]
-
-
 def _samples(text: str) -> list:
     return [s for family in text_string_to_metric_families(text) for s in family.samples]
 
@@ -94,15 +61,7 @@ def _quantile(q: float, samples, name: str, **labels) -> float | None:
         if s.name == name + "_bucket" and all(s.labels.get(k) == v for k, v in labels.items()):
             le = math.inf if s.labels["le"] == "+Inf" else float(s.labels["le"])
             counts[le] = counts.get(le, 0.0) + s.value
-    buckets = sorted(counts.items())
-    if not buckets or buckets[-1][1] <= 0:
-        return None
-    rank, lower, below = q * buckets[-1][1], 0.0, 0.0
-    for le, cum in buckets:
-        if cum >= rank:
-            return lower if le == math.inf else lower + (le - lower) * (rank - below) / max(cum - below, 1e-12)
-        lower, below = le, cum
-    return lower
+    return histogram_quantile(q, counts)
 
 
 def test_the_dashboard_shows_the_servers_metrics(server, chromium, tmp_path):
@@ -115,11 +74,9 @@ def test_the_dashboard_shows_the_servers_metrics(server, chromium, tmp_path):
     assert httpx.get(server.base_url + "/v1/models").status_code == 401
 
     _traffic(server)
-    dom = _browse(chromium, server.base_url + "/dashboard?interval_ms=1000", tmp_path, "--dump-dom")
+    dom = browse(chromium, server.base_url + "/dashboard?interval_ms=1000", tmp_path, "--dump-dom")
     samples = _samples(httpx.get(server.base_url + "/metrics").text)
-    parser = _Figures()
-    parser.feed(dom)
-    shown = parser.values
+    shown = shown_figures(dom)
     assert shown.get("status") == "live", dom[:2000]
 
     expected: dict[str, float | None] = {
@@ -160,6 +117,8 @@ def test_the_dashboard_shows_the_servers_metrics(server, chromium, tmp_path):
     assert shown["window"].startswith("since start"), shown["window"]
     assert float(shown["batch-mean"]) == pytest.approx(
         _total(samples, "rtx_batch_size_sum") / _total(samples, "rtx_batch_size_count"), rel=1e-9)
+    # Not started with --fleet-peers: the replicas panel says how to have it, and shows no figures.
+    assert shown["fleet-note"].startswith("not configured") and shown["fleet-replicas"] == ""
     # No GPU here: the panel says so instead of showing zeros.
     assert "not measured" in shown["gpu-note"]
     # The one refusal is the key-less /v1/models above: the page itself asks for nothing outside its open paths.
@@ -167,6 +126,6 @@ def test_the_dashboard_shows_the_servers_metrics(server, chromium, tmp_path):
 
     ARTIFACTS.mkdir(exist_ok=True)
     shot = ARTIFACTS / "dashboard.png"
-    _browse(chromium, server.base_url + "/dashboard", tmp_path, f"--screenshot={shot}", "--window-size=1400,1000",
+    browse(chromium, server.base_url + "/dashboard", tmp_path, f"--screenshot={shot}", "--window-size=1400,1000",
             "--hide-scrollbars")
     assert shot.stat().st_size > 10_000

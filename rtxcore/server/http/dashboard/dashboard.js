@@ -1,4 +1,5 @@
-// The rtx-serve dashboard: polls /metrics (Prometheus text) and fills the page. No build step, no library, nothing
+// The rtx-serve dashboard: polls /metrics (Prometheus text) and /dashboard/fleet.json (the peers' autoscaling
+// signals, rtxcore/server/fleet.py) and fills the page. No build step, no library, nothing
 // fetched from elsewhere, so that it works on an air-gapped cluster. Every shown figure is also in a data-value
 // attribute (the raw number), which the browser test compares with /metrics.
 "use strict";
@@ -192,6 +193,42 @@ function render(now) {
   });
 }
 
+// The replicas panel: what the server's fleet watcher read from its peers (their own /metrics), as it gave it.
+function renderFleet(view) {
+  const configured = Boolean(view && view.configured);
+  setKey("fleet-note", !configured ? "not configured: rtx serve --fleet-peers (the Helm chart sets it)"
+    : view.updated_at === null ? "reading the peers..."
+    : `read ${new Date(view.updated_at * 1000).toLocaleTimeString()}, every ${view.interval_s} s; TTFT p95 over ` +
+      `${view.window_s} s${view.latency_lane ? " of lane " + view.latency_lane : ""}; the count is the ` +
+      "autoscaler's rule before its stabilization windows", String);
+  const ok = configured && view.updated_at !== null;
+  setKey("fleet-replicas", ok ? view.replicas : null, fmt.count);
+  setKey("fleet-unreachable", ok ? view.unreachable : null, fmt.count);
+  setKey("fleet-desired", ok ? view.desired_replicas : null, fmt.count);
+  setKey("fleet-bounds", ok ? `${view.min_replicas}..${view.max_replicas ?? "no limit"}` : null, (v) => v ?? "—");
+  const signals = ok ? view.signals : [];
+  const pods = ok ? view.pods : [];
+  fillRows("signal-rows", signals.map((sig) => sig.name), (tr, name) => {
+    const sig = signals.find((x) => x.name === name);
+    const format = name === "queue depth" ? fmt.num : fmt.seconds;
+    cell(tr, `fleet-average:${name}`, sig.average, format, sig.ratio !== null && sig.ratio > 1);
+    cell(tr, `fleet-target:${name}`, sig.target, format);
+    cell(tr, `fleet-ratio:${name}`, sig.ratio, fmt.num);
+    cell(tr, `fleet-proposal:${name}`, sig.proposal, fmt.count);
+  });
+  fillRows("pod-rows", pods.map((pod) => pod.address), (tr, address) => {
+    const pod = pods.find((x) => x.address === address);
+    cell(tr, `pod-up:${address}`, pod.up ? 1 : 0, (v) => (v ? "yes" : "no: " + pod.error), !pod.up);
+    cell(tr, `pod-waiting:${address}`, pod.queue_depth, fmt.count);
+    cell(tr, `pod-ttft-p95:${address}`, pod.ttft_p95_s, fmt.seconds);
+  });
+}
+
+async function pollFleet() {
+  const response = await fetch("/dashboard/fleet.json", { cache: "no-store" });
+  renderFleet(response.ok ? await response.json() : null);
+}
+
 async function poll() {
   const status = document.querySelector('[data-key="status"]');
   try {
@@ -200,6 +237,7 @@ async function poll() {
     const now = { t: Date.now(), series: parseMetrics(await response.text()) };
     snapshots.push(now);
     render(now);
+    await pollFleet();
     status.textContent = "live, updated " + new Date(now.t).toLocaleTimeString();
     status.dataset.value = "live";
     status.classList.remove("down");

@@ -88,7 +88,7 @@ def main() -> int:
             started = time.time()
             report = run_loadgen_sync(config, log)
             live = from_server(url, 16)[0]
-            phases.append((load, config, report, live, started))
+            phases.append((load, config, report, live, (started, time.time())))
             log(f"learnt by the server at {load}x: {live.base_s * 1000:.1f} ms + {live.per_token_s * 1000:.2f} "
                 f"ms/token, spread {[round(r, 2) for r in live.spread]}")
             time.sleep(10)
@@ -105,7 +105,7 @@ def main() -> int:
           f"capacity {capacity:.3f} requests/s (closed loop, 16 clients)")
     print(f"{'load':>5} {'rate':>6} {'lane':<9} {'figure':<9} {'client':>7} {'engine':>7} {'in-proc':>8} "
           f"{'learnt':>7} {'trace':>7}   ratios to the engine's figure (TTFT) or the client's (ITL)")
-    for load, config, report, live, started in phases:
+    for load, config, report, live, (started, ended) in phases:
         predictions = {
             "in_process": planner.predict(report.offered_rate),
             "learnt": Planner(served, live, MIX, requests=planner.requests, seed=1).predict(report.offered_rate),
@@ -115,8 +115,9 @@ def main() -> int:
         print(f"# at {load}x the server had learnt {live.base_s * 1000:.1f} ms + "
               f"{live.per_token_s * 1000:.2f} ms/token, spread {[round(r, 2) for r in live.spread]}")
         for lane in report.lanes:
-            engine_ttfts = [t["ttft_s"] for t in timelines if t.get("lane") == lane.name and t["enqueue"] >= started
-                            and t.get("ttft_s") is not None]
+            # The phase's own requests: submitted after it started and before it ended (its last ones finished).
+            engine_ttfts = [t["ttft_s"] for t in timelines if t.get("lane") == lane.name
+                            and started <= t["enqueue"] <= ended and t.get("ttft_s") is not None]
             for figure, key, quantile in (("TTFT p50", "ttft_s", 50), ("TTFT p95", "ttft_s", 95),
                                           ("ITL p50", "itl_s", 50), ("ITL p95", "itl_s", 95)):
                 client = getattr(lane, key)[quantile]

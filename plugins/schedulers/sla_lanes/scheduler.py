@@ -16,13 +16,12 @@ lane's target.
 
 from __future__ import annotations
 
-import math
 import time
-from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from rtx_plugins.schedulers.sla_lanes.brownout import STEPS, BrownoutConfig, BrownoutController
+from rtx_plugins.schedulers.sla_lanes.prediction import LaneQueue, LaneShares, predict_ttft
 from rtxcore.capacity.step_time import StepTimeModel
 from rtxcore.contracts import Scheduler, SchedulerConfig, SchedulerOutput
 from rtxcore.contracts.scheduler import KVCacheAllocator, SchedulerStatus
@@ -38,8 +37,6 @@ _PROMPT_WEIGHT = 0.1
 _MEASURED_FADE = 0.95
 # Weight of the newest evaluation in the smoothed pressure (evaluations come every brownout interval).
 _PRESSURE_WEIGHT = 0.3
-# A lane is never predicted to get less than this share of the engine (its wait then reads as 20x its work).
-_MIN_SHARE_LEFT = 0.05
 # Share of the tightest waiting deadline's slack a merge window may use.
 _MERGE_SLACK_SHARE = 0.1
 # A brownout-shed request is told to come back no sooner than this.
@@ -66,15 +63,6 @@ class _Budget:
             self.prefill -= num_tokens
 
 
-@dataclass(slots=True)
-class _Lane:
-    spec: LaneSpec
-    waiting: deque[Request] = field(default_factory=deque)
-    running: list[Request] = field(default_factory=list)
-    # Tokens still to prefill over the waiting requests (what admission predicts from).
-    queued_tokens: int = 0
-
-
 class SLALanesScheduler(Scheduler):
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheAllocator,
                  clock: Callable[[], float] = time.monotonic):
@@ -91,14 +79,10 @@ class SLALanesScheduler(Scheduler):
         if self.merge_window_s < 0:
             raise ConfigError(f"merge_window_s must be >= 0, got {self.merge_window_s}")
         self.clock = clock
-        self.lanes = [_Lane(config.lanes[name]) for name in LANE_NAMES]
+        self.lanes = [LaneQueue(config.lanes[name]) for name in LANE_NAMES]
         self._by_name = {lane.spec.name: lane for lane in self.lanes}
         self.step_time = StepTimeModel()
-        # Per lane (by priority): the tokens computed for lanes more urgent than it and all tokens computed, decayed
-        # like the step-time model's samples, over the steps in which it had work of its own. A step in which a lane
-        # had nothing queued or running says nothing about the share it would get: counting it, a lane whose every
-        # request was refused would read as starved by the others, and be refused for as long as they kept coming.
-        self._contended = [[0.0, 0.0] for _ in self.lanes]
+        self._shares = LaneShares(len(self.lanes))
         # Recent time to first token over the target, per lane (exponentially weighted over requests).
         self._ttft_ratio = [0.0] * len(self.lanes)
         # Per lane: recent requests' prompt tokens to compute (exponentially weighted), and the time to first token
@@ -175,41 +159,10 @@ class SLALanesScheduler(Scheduler):
 
     def predict_ttft(self, spec: LaneSpec, num_tokens: int) -> float:
         """Seconds until a new request of ``spec``'s lane with ``num_tokens`` prompt tokens would get its first
-        token; 0 until the step-time model has seen enough steps to be trusted."""
-        if not self.step_time.ready:
-            return 0.0
-        budget = self.config.max_num_batched_tokens
-        running = [r for lane in self.lanes for r in lane.running]
-        num_decodes = sum(1 for r in running if r.num_computed_tokens >= r.num_prompt_tokens)
-        prefill_per_step = max(1, min(budget - num_decodes, self._prefill_cap()))
-        ahead = num_tokens + sum(r.num_tokens - r.num_computed_tokens for r in running
-                                                if r.num_computed_tokens < r.num_prompt_tokens)
-        num_ahead = 1
-        for lane in self.lanes[:spec.priority + 1]:
-            ahead += lane.queued_tokens
-            num_ahead += len(lane.waiting)
-        base_s, per_token_s = self.step_time.coefficients()
-        decode_step_s = base_s + per_token_s * num_decodes
-        # Every step carries the running decodes; the prefill work ahead is spread over as many steps as it needs.
-        prefill_s = math.ceil(ahead / prefill_per_step) * decode_step_s + per_token_s * ahead
-        # More urgent lanes keep arriving and go first: while this request waits, it gets only the share of the
-        # engine they leave (what they took over the recent steps).
-        stretch = 1.0 / max(1.0 - self._share_above(spec.priority), _MIN_SHARE_LEFT)
-        # Slots: requests ahead beyond the free ones wait for running ones (that this lane cannot preempt) to end.
-        holders = [r for r in running if r.lane not in spec.preempts]
-        short = num_ahead - (self.config.max_num_seqs - len(holders))
-        if short <= 0 or not holders:
-            return prefill_s * stretch
-        remaining = sorted(r.params.max_tokens - r.num_output_tokens for r in holders)
-        rounds, index = divmod(short - 1, len(remaining))
-        slot_s = (rounds * remaining[-1] + remaining[index]) * decode_step_s
-        return stretch * max(prefill_s, slot_s + math.ceil(num_tokens / prefill_per_step) * decode_step_s
-                         + per_token_s * num_tokens)
-
-    def _share_above(self, priority: int) -> float:
-        """Share of recently computed tokens that went to lanes more urgent than ``priority``."""
-        above, total = self._contended[priority]
-        return above / total if total > 0 else 0.0
+        token (see :func:`predict_ttft`)."""
+        return predict_ttft(self.lanes, spec, num_tokens, self.step_time, max_num_seqs=self.config.max_num_seqs,
+                            max_num_batched_tokens=self.config.max_num_batched_tokens,
+                            prefill_cap=self._prefill_cap(), share_above=self._shares.above(spec.priority))
 
     # -- the step -------------------------------------------------------------------------------------------------
 
@@ -242,7 +195,7 @@ class SLALanesScheduler(Scheduler):
         self._copying.clear()
         return out
 
-    def _continue_running(self, lane: _Lane, out: SchedulerOutput, budget: _Budget, decodes: bool) -> None:
+    def _continue_running(self, lane: LaneQueue, out: SchedulerOutput, budget: _Budget, decodes: bool) -> None:
         for req in list(lane.running):
             if budget.tokens <= 0:
                 return
@@ -273,7 +226,7 @@ class SLALanesScheduler(Scheduler):
                 return False
         return True
 
-    def _admit_head(self, lane: _Lane, now: float, out: SchedulerOutput, budget: _Budget) -> bool:
+    def _admit_head(self, lane: LaneQueue, now: float, out: SchedulerOutput, budget: _Budget) -> bool:
         """Start the head of ``lane``'s queue; False (and nothing held) when it cannot run this step, in which case
         nobody behind it may jump the queue. A head whose prefix is still being copied back from a lower tier steps
         aside for this step, keeping its hold and its place (True: those behind it may go meanwhile)."""
@@ -304,7 +257,7 @@ class SLALanesScheduler(Scheduler):
         budget.scheduled.add(req)
         return True
 
-    def _make_room(self, lane: _Lane, req: Request, num_new: int, out: SchedulerOutput, now: float) -> bool:
+    def _make_room(self, lane: LaneQueue, req: Request, num_new: int, out: SchedulerOutput, now: float) -> bool:
         """A slot and KV space for ``req``, preempting running requests of lanes it may preempt if need be.
 
         Requests that waited past their aging bound are never victims: preempting them again would starve them.
@@ -429,19 +382,14 @@ class SLALanesScheduler(Scheduler):
             if req.num_computed_tokens < req.num_prompt_tokens <= req.num_computed_tokens + n:
                 ratio = (now - self._arrival[req]) / lane.spec.ttft_target_s
                 self._ttft_ratio[lane.spec.priority] += _TTFT_WEIGHT * (ratio - self._ttft_ratio[lane.spec.priority])
-        total, above = sum(tokens), 0
-        for lane, contended in zip(self.lanes, self._contended):
-            if lane.waiting or lane.running:
-                contended[0] = contended[0] * keep + above
-                contended[1] = contended[1] * keep + total
-            above += tokens[lane.spec.priority]
+        self._shares.observe(self.lanes, tokens, keep)
 
     @staticmethod
     def _add_to_step(out: SchedulerOutput, req: Request, num_new: int) -> None:
         out.scheduled.append(req)
         out.num_scheduled_tokens.append(num_new)
 
-    def _push(self, lane: _Lane, req: Request, front: bool) -> None:
+    def _push(self, lane: LaneQueue, req: Request, front: bool) -> None:
         """Queue ``req``; a preempted one (``front``) goes back to its place by arrival, so each lane's queue stays
         oldest first and its head is the one aging promotes."""
         n = req.num_tokens - req.num_computed_tokens
@@ -454,7 +402,7 @@ class SLALanesScheduler(Scheduler):
         index = next((i for i, other in enumerate(lane.waiting) if self._arrival[other] > arrival), len(lane.waiting))
         lane.waiting.insert(index, req)
 
-    def _pop(self, lane: _Lane) -> Request:
+    def _pop(self, lane: LaneQueue) -> Request:
         req = lane.waiting.popleft()
         lane.queued_tokens -= self._queued_tokens.pop(req)
         return req

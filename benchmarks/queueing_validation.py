@@ -83,14 +83,18 @@ def main() -> int:
                                                   duration_s=1, load=0.1), log).capacity
         assert capacity is not None
         for i, load in enumerate(loads):
+            # Logprobs name each chunk's tokens: the first token is timed when it comes, not when text first does
+            # (the detokenizer holds back a token that ends inside a character).
             config = LoadgenConfig(url=url, duration_s=args.duration, load=load, capacity=capacity, lanes=MIX,
-                                   seed=10 + i, request_timeout_s=600)
+                                   seed=10 + i, request_timeout_s=600, logprobs=True)
             started = time.time()
             report = run_loadgen_sync(config, log)
             live = from_server(url, 16)[0]
             phases.append((load, config, report, live, (started, time.time())))
             log(f"learnt by the server at {load}x: {live.base_s * 1000:.1f} ms + {live.per_token_s * 1000:.2f} "
-                f"ms/token, spread {[round(r, 2) for r in live.spread]}")
+                f"ms/token + {live.per_row_s * 1000:.2f} ms/request, spread {[round(r, 2) for r in live.spread]}, "
+                f"serving path (ms) ingress "
+                f"{[round(x * 1000, 1) for x in live.ingress]} delivery {[round(x * 1000, 1) for x in live.delivery]}")
             time.sleep(10)
     finally:
         server.terminate()

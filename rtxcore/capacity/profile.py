@@ -1,6 +1,9 @@
-"""A step-time profile: how long one engine step takes as a function of the tokens it computes,
-``seconds = base_s + per_token_s * tokens`` (rtxcore.capacity.step_time), and optionally how far real steps stray
-from that line: the quantiles of their ratio to it, from which the simulation draws each step's time.
+"""A step-time profile: how long one engine step takes as a function of the tokens it computes (and, learnt live, of
+the requests it computes them for), ``seconds = base_s + per_token_s * tokens + per_row_s * requests``
+(rtxcore.capacity.step_time), and optionally how far real steps stray
+from that line: the quantiles of their ratio to it, from which the simulation draws each step's time; and how long
+requests spend on the serving side before and after the engine (rtxcore.capacity.serving_path), which the
+simulation adds to each request's time to first token.
 
 ``measure`` times real steps of the model on this machine: decode steps of every batch size up to the engine's
 ``max_num_seqs`` (in powers of two) and prefill chunks up to its token budget, a least-squares fit over all of them
@@ -16,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rtxcore.capacity.step_time import SPREAD_QUANTILES, StepTimeModel, draw_ratio
+from rtxcore.capacity.step_time import SPREAD_QUANTILES, StepTimeModel, draw_quantile, draw_ratio
 from rtxcore.engine.config import EngineConfig
 from rtxcore.errors import ConfigError
 from rtxcore.sampling_params import SamplingParams
@@ -30,13 +33,23 @@ class StepTimeProfile:
     source: str = "given"
     # Quantiles, at step_time.SPREAD_QUANTILES, of real steps' time over the line's; empty: every step on the line.
     spread: tuple[float, ...] = ()
+    # Quantiles (the same) of requests' seconds outside the engine before their first token (capacity.serving_path):
+    # from arrival at the server to submission, and from the first token to the event loop; empty: none.
+    ingress: tuple[float, ...] = ()
+    delivery: tuple[float, ...] = ()
+    # Seconds per request the step computes for, beyond its tokens (0: tokens alone; see step_time.RowCostFit).
+    per_row_s: float = 0.0
 
-    def seconds(self, num_tokens: int) -> float:
-        return self.base_s + self.per_token_s * num_tokens
+    def seconds(self, num_tokens: int, num_rows: int = 0) -> float:
+        return self.base_s + self.per_token_s * num_tokens + self.per_row_s * num_rows
 
-    def draw(self, num_tokens: int, u: float) -> float:
+    def draw(self, num_tokens: int, u: float, num_rows: int = 0) -> float:
         """One step's time, ``u`` uniform in [0, 1): the line's, times a ratio drawn from the spread."""
-        return self.seconds(num_tokens) * draw_ratio(self.spread, u)
+        return self.seconds(num_tokens, num_rows) * draw_ratio(self.spread, u)
+
+    def draw_serving_path(self, u_ingress: float, u_delivery: float) -> tuple[float, float]:
+        """One request's (ingress, delivery) seconds, each ``u`` uniform in [0, 1); zeros without them."""
+        return draw_quantile(self.ingress, u_ingress, 0.0), draw_quantile(self.delivery, u_delivery, 0.0)
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
@@ -46,12 +59,17 @@ class StepTimeProfile:
         try:
             data = json.loads(Path(path).read_text())
             profile = cls(float(data["base_s"]), float(data["per_token_s"]), str(data.get("source", str(path))),
-                          tuple(float(x) for x in data.get("spread", ())))
+                          tuple(float(x) for x in data.get("spread", ())),
+                          tuple(float(x) for x in data.get("ingress", ())),
+                          tuple(float(x) for x in data.get("delivery", ())), float(data.get("per_row_s", 0.0)))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"cannot read a step-time profile from {path}: {exc}") from None
-        if profile.base_s < 0 or profile.per_token_s < 0 or profile.base_s + profile.per_token_s == 0:
-            raise ConfigError(f"a step-time profile's base_s and per_token_s must be >= 0, not both 0 ({path})")
+        if min(profile.base_s, profile.per_token_s, profile.per_row_s) < 0 \
+                or profile.base_s + profile.per_token_s + profile.per_row_s == 0:
+            raise ConfigError(f"a step-time profile's base_s, per_row_s and per_token_s must be >= 0, not all 0 "
+                              f"({path})")
         check_spread(profile.spread, str(path))
+        check_serving_path(profile, str(path))
         return profile
 
 
@@ -60,6 +78,15 @@ def check_spread(spread: tuple[float, ...], where: str) -> None:
                    or any(b < a for a, b in zip(spread, spread[1:]))):
         raise ConfigError(f"a step-time profile's spread must be {len(SPREAD_QUANTILES)} positive, non-decreasing "
                           f"ratios at the quantiles {', '.join(map(str, SPREAD_QUANTILES))} ({where})")
+
+
+def check_serving_path(profile: StepTimeProfile, where: str) -> None:
+    for name, values in (("ingress", profile.ingress), ("delivery", profile.delivery)):
+        if values and (len(values) != len(SPREAD_QUANTILES) or values[0] < 0
+                       or any(b < a for a, b in zip(values, values[1:]))):
+            raise ConfigError(f"a step-time profile's {name} must be {len(SPREAD_QUANTILES)} non-negative, "
+                              f"non-decreasing seconds at the quantiles {', '.join(map(str, SPREAD_QUANTILES))} "
+                              f"({where})")
 
 
 def fit(samples: list[tuple[int, float]]) -> tuple[float, float]:
@@ -154,9 +181,18 @@ def from_server(url: str, block_size: int, timeout_s: float = 10.0) -> tuple[Ste
     ratios = [one("rtx_step_time_spread_ratio", quantile=str(q)) for q in SPREAD_QUANTILES]
     spread = tuple(r for r in ratios if r is not None)
     check_spread(spread, f"{url}/metrics")
+    # Absent until some requests came through the servers (and from servers before it was exported): none then.
+    paths = {part: tuple(v for q in SPREAD_QUANTILES
+                         if (v := one("rtx_serving_path_seconds", part=part, quantile=str(q))) is not None)
+             for part in ("ingress", "delivery")}
     capacity = one("rtx_kv_tier_capacity_bytes", tier="device")
     per_token_bytes = one("rtx_kv_bytes_per_token")
     if not capacity or not per_token_bytes:
         raise ConfigError(f"{url} exports no KV cache size (rtx_kv_tier_capacity_bytes)")
     blocks = round(capacity / (per_token_bytes * block_size)) + 1  # the usable blocks, and the null block
-    return StepTimeProfile(base, per_token, f"learnt by the server at {url}", spread), blocks
+    # Servers before the per-row part exported none: tokens alone then.
+    per_row = one("rtx_step_time_profile_seconds", part="per_row") or 0.0
+    profile = StepTimeProfile(base, per_token, f"learnt by the server at {url}", spread, paths["ingress"],
+                              paths["delivery"], per_row)
+    check_serving_path(profile, f"{url}/metrics")
+    return profile, blocks

@@ -8,7 +8,9 @@ The scheduler reads that virtual clock, so its admission, aging and brownout dec
 would make at those times. A request arriving during a step joins at its end, as the server's inbox does; an empty
 step that holds for a merge window waits that long or until the next arrival. With a profile that has a spread (one
 a live server learnt), each step's time is the profile's line times a ratio drawn from it, so the tails that real
-steps' variation makes (a step slowed by the serving threads, a collector pause) are in the prediction too.
+steps' variation makes (a step slowed by the serving threads, a collector pause) are in the prediction too. With a
+profile that knows the serving path (rtxcore.capacity.serving_path), each request reaches the engine an ingress after
+its arrival and its first token counts a delivery later, both drawn from what the live server measured.
 
 Each simulated second costs a few milliseconds of host time per step (the stand-in model's forward pass and the
 engine's own work), so an hour of traffic at a few steps a second simulates in well under a minute.
@@ -88,14 +90,14 @@ class SimulationResult:
 
 
 def count_scheduled_tokens(engine) -> list[int]:
-    """A one-item list that holds, after each ``engine.step()``, the tokens that step's schedule computed: the
-    engine's scheduler is wrapped to read them (what a step's time depends on)."""
-    scheduled = [0]
+    """A two-item list that holds, after each ``engine.step()``, the tokens that step's schedule computed and the
+    requests it computed them for: the engine's scheduler is wrapped to read them (what a step's time depends on)."""
+    scheduled = [0, 0]
     schedule = engine.core.scheduler.schedule
 
     def counting_schedule():
         out = schedule()
-        scheduled[0] = out.total_num_scheduled_tokens
+        scheduled[0], scheduled[1] = out.total_num_scheduled_tokens, len(out.scheduled)
         return out
     engine.core.scheduler.schedule = counting_schedule
     return scheduled
@@ -123,28 +125,37 @@ def simulate(served: EngineConfig, profile: StepTimeProfile, arrivals: Iterable[
     level = brownout_log.level
     brownout_log.setLevel(logging.ERROR)
     try:
-        return _run(LLM(engine_config_for(served)), profile, arrivals, random.Random(seed))
+        return _run(LLM(engine_config_for(served)), profile, arrivals, random.Random(seed),
+                    random.Random(f"serving path {seed}"))
     finally:
         brownout_log.setLevel(level)
 
 
-def _run(engine, profile: StepTimeProfile, arrivals: Iterable[Arrival], rng: random.Random) -> SimulationResult:
+def _run(engine, profile: StepTimeProfile, arrivals: Iterable[Arrival], rng: random.Random,
+         path_rng: random.Random) -> SimulationResult:
     core = engine.core
     now = 0.0
     if hasattr(core.scheduler, "clock"):
         core.scheduler.clock = lambda: now
     scheduled = count_scheduled_tokens(engine)
 
-    queue = sorted(arrivals, key=lambda a: a.time_s)
+    # Each request reaches the engine after its ingress, and its first token reaches the serving side a delivery
+    # later (both drawn from the profile's serving path; none without one): the clock of its TTFT is its arrival's.
+    queue: list[tuple[float, Arrival, float]] = []
+    for a in arrivals:
+        ingress, delivery = profile.draw_serving_path(path_rng.random(), path_rng.random()) \
+            if profile.ingress or profile.delivery else (0.0, 0.0)
+        queue.append((a.time_s + ingress, a, delivery))
+    queue.sort(key=lambda entry: entry[0])
     lanes: dict[str, LaneOutcome] = {}
-    live: dict[str, tuple[str, float, float | None]] = {}  # req id -> (lane, arrival, last token time)
-    steps, busy, waiting_area, running_area, start = 0, 0.0, 0.0, 0.0, queue[0].time_s if queue else 0.0
+    live: dict[str, tuple[str, float, float | None, float]] = {}  # req id -> (lane, arrival, last token, delivery)
+    steps, busy, waiting_area, running_area, start = 0, 0.0, 0.0, 0.0, queue[0][0] if queue else 0.0
     index = stalled = 0
     while index < len(queue) or engine.has_unfinished_requests():
-        if not engine.has_unfinished_requests() and queue[index].time_s > now:
-            now = queue[index].time_s  # idle until the next arrival
-        while index < len(queue) and queue[index].time_s <= now:
-            a = queue[index]
+        if not engine.has_unfinished_requests() and queue[index][0] > now:
+            now = queue[index][0]  # idle until the next arrival
+        while index < len(queue) and queue[index][0] <= now:
+            _, a, delivery = queue[index]
             index += 1
             outcome = lanes.setdefault(a.lane, LaneOutcome())
             params = SamplingParams(max_tokens=a.output_tokens, temperature=0.0, ignore_eos=True)
@@ -157,12 +168,12 @@ def _run(engine, profile: StepTimeProfile, arrivals: Iterable[Arrival], rng: ran
             except InvalidRequestError as exc:  # e.g. longer than the stand-in model's context
                 raise ConfigError(f"the simulation cannot take a {a.lane} request of {a.prompt_tokens} prompt and "
                                   f"{a.output_tokens} output tokens: {exc}") from None
-            live[req_id] = (a.lane, a.time_s, None)
+            live[req_id] = (a.lane, a.time_s, None, delivery)
         outputs = engine.step()
         if not scheduled[0]:
             # Nothing ran: a merge-window hold (until it ends or the next arrival), or an empty step (the loop
             # around it costs about a step's fixed part).
-            gap = max((queue[index].time_s if index < len(queue) else math.inf) - now, 0.0)
+            gap = max((queue[index][0] if index < len(queue) else math.inf) - now, 0.0)
             seconds = min(core.hold_s, gap) if core.hold_s > 0 else min(gap, max(profile.base_s, 1e-4))
             stalled += 1
             if stalled > _MAX_STALLED_STEPS:
@@ -170,7 +181,7 @@ def _run(engine, profile: StepTimeProfile, arrivals: Iterable[Arrival], rng: ran
                                   f"({engine.core.kv_cache.pool.num_usable_blocks} blocks) or the step budget is "
                                   "too small for them")
         else:
-            seconds = profile.draw(scheduled[0], rng.random())
+            seconds = profile.draw(scheduled[0], rng.random(), scheduled[1])
             stalled = 0
             steps += 1
             busy += seconds
@@ -180,14 +191,14 @@ def _run(engine, profile: StepTimeProfile, arrivals: Iterable[Arrival], rng: ran
         for out in outputs:
             if out.req_id not in live:
                 continue
-            lane, arrived, last = live[out.req_id]
+            lane, arrived, last, delivery = live[out.req_id]
             outcome = lanes[lane]
             if out.new_token_ids:
                 if last is None:
-                    outcome.ttft_s.append(now - arrived)
+                    outcome.ttft_s.append(now + delivery - arrived)
                 else:
                     outcome.itl_s.append(now - last)
-                live[out.req_id] = (lane, arrived, now)
+                live[out.req_id] = (lane, arrived, now, delivery)
             if out.finished:
                 outcome.finished += 1
                 del live[out.req_id]

@@ -76,28 +76,93 @@ RATIOS_KEPT = 2000
 SPREAD_QUANTILES = (0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)
 
 
+class RowCostFit:
+    """``seconds = base + per_row * rows + per_token * tokens`` by least squares with exponential forgetting: a step's
+    requests each cost output work (sampling, detokenizing, the outputs' trip to the servers, which on a small host
+    compete with the engine's thread) that its token count alone does not show, since a decode row is one token and
+    a prefill chunk many. Solved every ``SOLVE_EVERY`` samples (a 3x3 system), so a step pays a few additions."""
+
+    SOLVE_EVERY = 16
+
+    def __init__(self, forget: float):
+        self.forget = forget
+        self.num_samples = 0
+        # Weighted sums of x x^T (upper triangle) and x y for x = (1, rows, tokens).
+        self._xx = [0.0] * 6
+        self._xy = [0.0] * 3
+        self._solved: tuple[float, float, float] | None = None
+
+    def observe(self, rows: int, tokens: int, seconds: float) -> None:
+        keep = 1.0 - self.forget
+        x = (1.0, float(rows), float(tokens))
+        k = 0
+        for i in range(3):
+            self._xy[i] = keep * self._xy[i] + x[i] * seconds
+            for j in range(i, 3):
+                self._xx[k] = keep * self._xx[k] + x[i] * x[j]
+                k += 1
+        self.num_samples += 1
+        if self.num_samples % self.SOLVE_EVERY == 0:
+            self._solved = self._solve()
+
+    def coefficients(self) -> tuple[float, float, float] | None:
+        """``(base_s, per_row_s, per_token_s)``, all >= 0, or None when the samples do not separate rows from
+        tokens (every step the same shape) or the fit is not all non-negative."""
+        return self._solved
+
+    def _solve(self) -> tuple[float, float, float] | None:
+        import numpy as np
+
+        a, b, c, d, e, f = self._xx
+        matrix = np.array([[a, b, c], [b, d, e], [c, e, f]])
+        if np.linalg.cond(matrix) > 1e12:
+            return None
+        base, per_row, per_token = (float(v) for v in np.linalg.solve(matrix, np.array(self._xy)))
+        if min(base, per_row, per_token) < 0:
+            return None
+        return base, per_row, per_token
+
+
 @dataclass(slots=True)
 class StepTimeRecorder:
     """An engine's own step-time profile under whatever load it serves, for capacity planning: a slowly forgetting
-    :class:`StepTimeModel`, and how far steps strayed from it (each step's time over the model's prediction made
-    before it), whatever the scheduler. The engine calls :meth:`observe` at every ``schedule()``."""
+    fit of each step's time on its requests and tokens (:class:`RowCostFit`; where it cannot separate them, a
+    :class:`StepTimeModel` on tokens alone), and how far steps strayed from it (each step's time over the prediction
+    made before it), whatever the scheduler. The engine calls :meth:`observe` at every ``schedule()``."""
 
     model: StepTimeModel = field(default_factory=lambda: StepTimeModel(RECORDER_FORGET, RECORDER_MIN_SAMPLES))
+    rows_fit: RowCostFit = field(default_factory=lambda: RowCostFit(RECORDER_FORGET))
     ratios: deque[float] = field(default_factory=lambda: deque(maxlen=RATIOS_KEPT))
     _last_s: float | None = None
     _last_tokens: int = 0
+    _last_rows: int = 0
 
-    def observe(self, now_s: float, num_tokens: int) -> None:
-        """A schedule at ``now_s`` that computes ``num_tokens``; the gap since the last one is that step's time
-        when the last one computed tokens too (after an empty one the gap includes waiting for work)."""
+    def observe(self, now_s: float, num_tokens: int, num_rows: int = 0) -> None:
+        """A schedule at ``now_s`` that computes ``num_tokens`` for ``num_rows`` requests; the gap since the last
+        one is that step's time when the last one computed tokens too (after an empty one the gap includes waiting
+        for work)."""
         if self._last_s is not None and self._last_tokens:
             seconds = now_s - self._last_s
             if self.model.ready:
-                predicted = self.model.predict(self._last_tokens)
+                predicted = self.predict(self._last_tokens, self._last_rows)
                 if predicted > 0:
                     self.ratios.append(seconds / predicted)
             self.model.observe(self._last_tokens, seconds)
-        self._last_s, self._last_tokens = now_s, num_tokens
+            self.rows_fit.observe(self._last_rows, self._last_tokens, seconds)
+        self._last_s, self._last_tokens, self._last_rows = now_s, num_tokens, num_rows
+
+    def coefficients(self) -> tuple[float, float, float]:
+        """``(base_s, per_row_s, per_token_s)``: the row-aware fit where it holds, else tokens alone (no per-row
+        part)."""
+        fitted = self.rows_fit.coefficients()
+        if fitted is not None:
+            return fitted
+        base, per_token = self.model.coefficients()
+        return base, 0.0, per_token
+
+    def predict(self, num_tokens: int, num_rows: int) -> float:
+        base, per_row, per_token = self.coefficients()
+        return base + per_row * num_rows + per_token * num_tokens
 
     @property
     def ready(self) -> bool:
@@ -114,12 +179,18 @@ class StepTimeRecorder:
 def draw_ratio(spread: tuple[float, ...], u: float) -> float:
     """A step-time ratio for ``u`` uniform in [0, 1) from quantiles at :data:`SPREAD_QUANTILES`: linear between
     them, held at the outer ones beyond (1.0 without a spread)."""
-    if not spread:
-        return 1.0
+    return draw_quantile(spread, u, 1.0)
+
+
+def draw_quantile(quantiles: tuple[float, ...], u: float, default: float) -> float:
+    """A value for ``u`` uniform in [0, 1) from its quantiles at :data:`SPREAD_QUANTILES`: linear between them, held
+    at the outer ones beyond; ``default`` without any."""
+    if not quantiles:
+        return default
     i = bisect.bisect_left(SPREAD_QUANTILES, u)
     if i == 0:
-        return spread[0]
+        return quantiles[0]
     if i == len(SPREAD_QUANTILES):
-        return spread[-1]
+        return quantiles[-1]
     lo, hi = SPREAD_QUANTILES[i - 1], SPREAD_QUANTILES[i]
-    return spread[i - 1] + (spread[i] - spread[i - 1]) * (u - lo) / (hi - lo)
+    return quantiles[i - 1] + (quantiles[i] - quantiles[i - 1]) * (u - lo) / (hi - lo)

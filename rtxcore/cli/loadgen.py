@@ -50,8 +50,8 @@ def add_parser(sub) -> None:
                    help="prompt token ids are drawn from [LOW, HIGH) (default: 100:500, valid for every built-in "
                         "model)")
     g.add_argument("--logprobs", action="store_true",
-                   help="ask for logprobs so chunks carry tokens: needed to time models without a tokenizer "
-                        "(dummy:*)")
+                   help="ask for logprobs so chunks carry tokens: TTFT is then the first token's, not the first "
+                        "text's (which may come a token later); needed to time models without a tokenizer (dummy:*)")
     g.add_argument("--model", default=None, help="model id to send (default: none, the served model)")
     g.add_argument("--timeout", type=finite_float, default=60.0,
                    help="seconds a request may take from send to end of stream before it counts as lost "

@@ -11,6 +11,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from rtxcore.capacity.step_time import SPREAD_QUANTILES
 from rtxcore.cli.common import add_engine_options, engine_config, finite_float, output_file
 from rtxcore.cli.loadgen import add_lane_mix_options, lane_profiles
 from rtxcore.errors import ConfigError
@@ -33,9 +34,11 @@ def add_parser(sub) -> None:
     g.add_argument("--profile-url", default=None, metavar="URL",
                    help="read it from a running rtx serve after minutes of load: the step time its engine learnt "
                         "from its own steps and their spread (rtx_step_time_profile_seconds, "
-                        "rtx_step_time_spread_ratio), and its KV block count")
+                        "rtx_step_time_spread_ratio), the serving path's seconds (rtx_serving_path_seconds) and "
+                        "its KV block count")
     g.add_argument("--profile-file", type=Path, default=None,
-                   help="a JSON profile {base_s, per_token_s[, spread]} (e.g. the one --profile-out wrote)")
+                   help="a JSON profile {base_s, per_token_s[, spread, ingress, delivery]} (e.g. the one "
+                        "--profile-out wrote)")
     g.add_argument("--step-time", nargs=2, type=finite_float, default=None, metavar=("BASE_MS", "PER_TOKEN_MS"),
                    help="a step takes BASE_MS + PER_TOKEN_MS x tokens")
     g.add_argument("--profile-out", type=output_file, default=None, help="write the profile used as JSON")
@@ -147,11 +150,19 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.0f}"
 
 
+def _median_ms(quantiles: list[float]) -> str:
+    return f"{quantiles[SPREAD_QUANTILES.index(0.5)] * 1000:.1f}" if quantiles else "-"
+
+
 def _render(report: dict) -> str:
     p = report["profile"]
-    lines = [f"step time {p['base_s'] * 1000:.2f} ms + {p['per_token_s'] * 1000:.3f} ms/token ({p['source']}); "
+    per_row = f" + {p['per_row_s'] * 1000:.3f} ms/request" if p.get("per_row_s") else ""
+    lines = [f"step time {p['base_s'] * 1000:.2f} ms + {p['per_token_s'] * 1000:.3f} ms/token{per_row} "
+             f"({p['source']}); "
              f"{report['num_kv_blocks']} KV blocks, {report['max_num_seqs']} sequences, "
              f"{report['max_num_batched_tokens']} tokens a step",
+             *([f"serving path (median, ms): ingress {_median_ms(p['ingress'])}, delivery "
+                f"{_median_ms(p['delivery'])}, added to each TTFT"] if p.get("ingress") else []),
              "capacity (requests/s at which the lane's p95 TTFT first exceeds its target): "
              + ", ".join(f"{k} {v:.3g}" for k, v in report["capacity_per_lane"].items()),
              "",

@@ -141,7 +141,7 @@ class EngineCore:
     def schedule(self) -> SchedulerOutput:
         """The scheduler's next step, its time to the last one recorded."""
         sched = self.scheduler.schedule()
-        self.step_times.observe(time.perf_counter(), sched.total_num_scheduled_tokens)
+        self.step_times.observe(time.perf_counter(), sched.total_num_scheduled_tokens, len(sched.scheduled))
         return sched
 
     @torch.inference_mode()

@@ -22,6 +22,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from rtxcore.capacity.serving_path import PARTS, ServingPathRecorder
 from rtxcore.capacity.step_time import SPREAD_QUANTILES
 from rtxcore.engine.async_engine import StepObserver
 from rtxcore.engine.core import EngineCore
@@ -75,6 +76,9 @@ class EngineMetrics:
         self._speculation = SpeculationMetrics(self._families, model_name)
         # Requests in the engine, by req_id (engine thread only).
         self._live: dict[str, _LiveRequest] = {}
+        # The serving side's part of time to first token (rtxcore.capacity.serving_path; event loop only).
+        self.serving_path = ServingPathRecorder()
+        self._next_path_export = 0.0
         # KV-cache counters at the previous step, to turn the manager's totals into counter increments.
         self._kv_for: object = None
         self._kv_totals = (0, 0, 0)
@@ -148,6 +152,18 @@ class EngineMetrics:
         """Attach a W3C trace context and attributes (e.g. ``request_id="..."``) to a request's timeline; call it
         before submitting the request. See :meth:`RequestTimeline.annotate`."""
         self.timeline.annotate(req_id, traceparent, tracestate, **attributes)
+
+    def record_serving_path(self, ingress_s: float, delivery_s: float) -> None:
+        """One request's time outside the engine before its first token (the servers' event loop)."""
+        path = self.serving_path
+        path.observe(ingress_s, delivery_s)
+        now = time.monotonic()
+        if path.ready and now >= self._next_path_export:
+            # Sorted at most once a second, as the step-time spread is.
+            self._next_path_export = now + PROFILE_EXPORT_INTERVAL_S
+            for part in PARTS:
+                for q, seconds in zip(SPREAD_QUANTILES, path.quantiles(part)):
+                    self._families.serving_path.labels(self.model_name, part, str(q)).set(seconds)
 
     def forget(self, req_id: str) -> None:
         """Drop an annotation whose request was refused before reaching the engine."""
@@ -262,9 +278,10 @@ class EngineMetrics:
             # Sorting the recent ratios for the spread costs about as much as a small GPU step's host work: once
             # a second is enough for a figure a planner reads after minutes of load.
             self._next_profile_export = now + PROFILE_EXPORT_INTERVAL_S
-            base, per_token = recorder.model.coefficients()
+            base, per_row, per_token = recorder.coefficients()
             f = self._families
             f.step_time_profile.labels(self.model_name, "base").set(base)
+            f.step_time_profile.labels(self.model_name, "per_row").set(per_row)
             f.step_time_profile.labels(self.model_name, "per_token").set(per_token)
             for q, ratio in zip(SPREAD_QUANTILES, recorder.spread()):
                 f.step_time_spread.labels(self.model_name, str(q)).set(ratio)

@@ -165,11 +165,15 @@ class Families:
             "tokens: part=\"base\" and part=\"per_token\" (absent until it has seen enough steps).", ("part",))
         self.step_time_profile = gauge(
             "rtx_step_time_profile_seconds", "The engine's step time under its live load, for capacity planning "
-            "(forgetting over about 500 steps), seconds = base + per_token x tokens: part=\"base\", "
-            "part=\"per_token\".", ("part",))
+            "(forgetting over about 500 steps), seconds = base + per_row x requests + per_token x tokens: "
+            "part=\"base\", part=\"per_row\", part=\"per_token\".", ("part",))
         self.step_time_spread = gauge(
             "rtx_step_time_spread_ratio", "Quantiles of recent steps' time over the step-time profile's prediction.",
             ("quantile",))
+        self.serving_path = gauge(
+            "rtx_serving_path_seconds", "Quantiles of recent requests' time outside the engine before their first "
+            "token: part=\"ingress\" (arrival at the server to submission), part=\"delivery\" (first token sampled to "
+            "held for sending).", ("part", "quantile"))
         self.brownout_level = gauge(
             "rtx_brownout_level", "Degradation steps in force (0: none; lane-aware schedulers with brownout).")
         self.brownout_pressure = gauge(

@@ -1,15 +1,16 @@
 """The queueing model against live load (issue 32's check in CI): `rtx serve` with the sla-lanes scheduler and
 W5's CPU lanes takes half its measured capacity from `rtx loadgen`; the model, given the step-time profile the
-server's engine learnt meanwhile and the very requests the load phase sent (their send times, lanes and lengths),
-predicts the median time to first token the client measured.
+server's engine learnt meanwhile (the serving path's seconds included) and the very requests the load phase sent
+(their send times, lanes and lengths), predicts the median time to first token the client measured.
 
-Within a wide bound (0.6-1.4x), not the issue's 10%: on this machine runs gave 0.95x and 0.97x, and 0.74x in a CI
-dry run on a slower moment of the machine (the engine's own figure was 0.87x there), so 10% would fail CI by
-chance. The bound still catches a model or a profile gone wrong (the in-process profile alone predicts 0.4-0.7x).
+Within 0.8-1.25x, not the issue's 10%: runs here gave 0.93x and 0.90x since the client times its first token by the
+chunk's tokens (logprobs) rather than by its first text, which a detokenizer holding back a token delayed by one
+inter-token gap (0.86x and, in a CI dry run, 0.74x before that); run-to-run noise on this shared 2-core machine is
+about that size, so 10% would fail CI by chance. The bound still catches a model or a profile gone wrong (the
+in-process profile alone predicts 0.4-0.7x).
 
 The client's figure runs from the send to the first streamed token, as the model's clock does from the arrival. The
-engine's own figure (the `rtx.requests` timelines: submission to first token) is shown beside it: it leaves out the
-HTTP side's work before the submission, which on 2 cores waits for the engine's thread (about 30 ms a request)."""
+engine's own figure (the `rtx.requests` timelines: submission to first token) is shown beside it."""
 
 from __future__ import annotations
 
@@ -49,8 +50,10 @@ def test_the_model_predicts_the_median_time_to_first_token_at_half_capacity():
         capacity = run_loadgen_sync(LoadgenConfig(url=server.base_url, lanes=W5_LANES, capacity_clients=16,
                                                   capacity_duration_s=30, duration_s=1, load=0.1)).capacity
         assert capacity is not None and capacity > 0
+        # Logprobs name each chunk's tokens: the client's first token is then the first one the engine sampled,
+        # not the first that carried text (the detokenizer holds back a token that ends inside a character).
         config = LoadgenConfig(url=server.base_url, lanes=W5_LANES, capacity=capacity, duration_s=200, load=0.5,
-                               seed=32, request_timeout_s=300)
+                               seed=32, request_timeout_s=300, logprobs=True)
         started = time.time()
         report = run_loadgen_sync(config)
         profile, blocks = from_server(server.base_url, BLOCK_SIZE)
@@ -73,7 +76,8 @@ def test_the_model_predicts_the_median_time_to_first_token_at_half_capacity():
     ratio = predicted / client_p50
     figures = (f"predicted p50 TTFT {predicted:.3f}s against {client_p50:.3f}s measured by the client ({ratio:.2f}x; "
                f"the engine measured {engine_p50:.3f}s) at {report.offered_rate:.2f} requests/s, {len(measured)} "
-               f"requests, profile {profile.base_s * 1000:.1f} ms + {profile.per_token_s * 1000:.2f} ms/token, "
+               f"requests, profile {profile.base_s * 1000:.1f} ms + {profile.per_token_s * 1000:.2f} ms/token + "
+               f"{profile.per_row_s * 1000:.2f} ms/request, "
                f"spread {[round(r, 2) for r in profile.spread]}")
     print(figures)  # shown with -rP: how close a passing run came
-    assert 0.6 <= ratio <= 1.4, figures
+    assert 0.8 <= ratio <= 1.25, figures

@@ -14,6 +14,7 @@ import pytest
 from rtxcore.bench.loadgen import LaneProfile, LengthRange
 from rtxcore.capacity.planner import Planner
 from rtxcore.capacity.profile import StepTimeProfile, fit
+from rtxcore.capacity.serving_path import PATH_MIN_SAMPLES
 from rtxcore.capacity.simulation import poisson_arrivals, simulate
 from rtxcore.capacity.step_time import SPREAD_QUANTILES
 from rtxcore.contracts.scheduler import SchedulerConfig
@@ -109,8 +110,8 @@ def test_rtx_plan_bad_input_is_one_line(args, message):
 
 def test_rtx_plan_takes_the_step_time_a_live_server_learnt(tmp_path):
     """``--profile-url``: the step-time profile the engine learnt from its own steps (whatever the scheduler: fcfs
-    here), its spread, and the server's KV block count, read from its /metrics; a server that has not run enough
-    steps yet says so in one line."""
+    here), its spread, the serving path's seconds and the server's KV block count, read from its /metrics; a server
+    that has not run enough steps yet says so in one line."""
     server = start_server("--no-grpc", "--model", "dummy:tiny", "--num-kv-blocks", "100")
     try:
         assert_one_line_error(rtx("plan", "--model", "dummy:tiny", "--profile-url", server.base_url),
@@ -123,7 +124,11 @@ def test_rtx_plan_takes_the_step_time_a_live_server_learnt(tmp_path):
             t.start()
         for t in threads:
             t.join()
-        time.sleep(PROFILE_EXPORT_INTERVAL_S)  # the export is refreshed at most this often
+        # Requests for the serving path's figures (20 at least), and the export is refreshed at most once a second.
+        for i in range(PATH_MIN_SAMPLES):
+            httpx.post(server.base_url + "/v1/completions", json={"prompt": [5] * 8 + [i], "max_tokens": 2},
+                       timeout=60)
+        time.sleep(PROFILE_EXPORT_INTERVAL_S)
         httpx.post(server.base_url + "/v1/completions", json={"prompt": [5] * 8, "max_tokens": 2}, timeout=60)
         out = tmp_path / "plan.json"
         proc = rtx("plan", "--model", "dummy:tiny", "--scheduler", "sla-lanes", "--profile-url", server.base_url,
@@ -138,6 +143,11 @@ def test_rtx_plan_takes_the_step_time_a_live_server_learnt(tmp_path):
         spread = profile["spread"]
         assert len(spread) == len(SPREAD_QUANTILES) and spread == sorted(spread) and spread[0] > 0
         assert spread[0] <= 1.0 <= spread[-1]  # steps on both sides of the line
+        # The serving side's seconds before and after the engine, as the server measured them.
+        for part in ("ingress", "delivery"):
+            values = profile[part]
+            assert len(values) == len(SPREAD_QUANTILES) and values == sorted(values) and values[0] >= 0, part
+        assert profile["ingress"][-1] > 0
     finally:
         assert server.stop() == 0, server.output()
 

@@ -11,12 +11,12 @@ import pytest
 from rtxcore.capacity.step_time import RECORDER_MIN_SAMPLES, SPREAD_QUANTILES, StepTimeRecorder, draw_ratio
 
 
-def record(recorder: StepTimeRecorder, steps: list[tuple[int, float]], idle_every: int = 0) -> None:
-    """Feed schedules as an engine would: each (tokens, seconds) step back to back, and with ``idle_every`` an
-    empty schedule followed by a long wait for work every so many steps."""
+def record(recorder: StepTimeRecorder, steps: list[tuple], idle_every: int = 0) -> None:
+    """Feed schedules as an engine would: each (tokens, seconds[, rows]) step back to back, and with ``idle_every``
+    an empty schedule followed by a long wait for work every so many steps."""
     now = 0.0
-    for i, (tokens, seconds) in enumerate(steps):
-        recorder.observe(now, tokens)
+    for i, (tokens, seconds, *rows) in enumerate(steps):
+        recorder.observe(now, tokens, *rows)
         now += seconds
         if idle_every and i % idle_every == idle_every - 1:
             recorder.observe(now, 0)
@@ -40,6 +40,27 @@ def test_the_recorder_learns_the_line_and_its_spread_and_skips_idle_gaps():
     # Three equally likely ratios: the outer quantiles are theirs, the median the middle one.
     assert spread[0] == pytest.approx(0.8, abs=0.05) and spread[-1] == pytest.approx(1.2, abs=0.05)
     assert spread[SPREAD_QUANTILES.index(0.5)] == pytest.approx(1.0, abs=0.05)
+
+
+def test_the_recorder_learns_what_each_request_of_a_step_costs_beyond_its_tokens():
+    """Decode steps (a token per request) and prefill chunks (many tokens, few requests), as an engine mixes them:
+    the row-aware fit separates the two costs, where a fit on tokens alone would charge decode rows as tokens."""
+    rng = random.Random(5)
+    steps = []
+    for _ in range(3000):
+        rows = rng.randint(1, 16)
+        tokens = rows if rng.random() < 0.6 else rows - 1 + rng.randint(16, 128)
+        steps.append((tokens, (0.05 + 0.004 * rows + 0.001 * tokens) * rng.choice((0.9, 1.0, 1.1)), rows))
+    recorder = StepTimeRecorder()
+    record(recorder, steps)
+    base, per_row, per_token = recorder.coefficients()
+    assert base == pytest.approx(0.05, rel=0.1) and per_row == pytest.approx(0.004, rel=0.1)
+    assert per_token == pytest.approx(0.001, rel=0.1)
+    assert recorder.predict(1, 1) == pytest.approx(0.055, rel=0.05)
+    # Without rows (or with every step the same shape) it cannot separate them: tokens alone, no per-row part.
+    plain = StepTimeRecorder()
+    record(plain, [(tokens, seconds) for tokens, seconds, _ in steps])
+    assert plain.coefficients()[1] == 0.0 and plain.coefficients()[2] > 0
 
 
 def test_the_recorder_is_not_ready_before_it_has_seen_enough_steps():

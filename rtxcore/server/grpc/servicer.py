@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 
 import grpc
 
@@ -54,6 +55,7 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
         self.runtime = runtime
 
     async def Generate(self, request: rtx_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        received_at = time.monotonic()
         runtime = self.runtime
         async with statuses_for(context):
             engine = runtime.engine()
@@ -69,7 +71,8 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
             # tenant find out or block another's ids.
             client_id = request.request_id
             gen = await Generation.start(runtime, client_id or f"grpc-{secrets.token_hex(12)}", prompts, params,
-                                         trace, where, protocol="grpc", speculation=speculation_from(request))
+                                         trace, where, protocol="grpc", speculation=speculation_from(request),
+                                         received_at=received_at)
             spec = ResponseSpec("grpc", True, {"id": gen.req_id, "model": runtime.model_name},
                                 logprobs=params.logprobs is not None)
             entry = await begin(runtime, Started(gen, spec, prompts, params))

@@ -66,6 +66,11 @@ def request_id(request: Request) -> str:
     return request.state.request_id
 
 
+def received_at(request: Request) -> float | None:
+    """When the server got the request (time.monotonic()), as the request middleware noted it."""
+    return getattr(request.state, "received_at", None)
+
+
 def trace_headers(request: Request) -> TraceHeaders:
     """This server's ``traceparent`` (the one sent back) and the caller's ``tracestate``, under which engine
     requests are traced."""

@@ -87,7 +87,8 @@ class RequestContextMiddleware:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         request_id = sanitize_request_id(headers.get(REQUEST_ID_HEADER))
         trace = TraceContext.from_headers(headers.get("traceparent"), headers.get("tracestate"))
-        scope["state"] = {**scope.get("state", {}), "request_id": request_id, "trace": trace}
+        # received_at: where a request's time on the serving side starts (rtxcore.capacity.serving_path).
+        scope["state"] = {**scope.get("state", {}), "request_id": request_id, "trace": trace, "received_at": start}
         extra = [(REQUEST_ID_HEADER.encode(), request_id.encode()), (b"traceparent", trace.traceparent.encode())]
         if trace.tracestate is not None:
             extra.append((b"tracestate", trace.tracestate.encode("latin-1")))

@@ -11,6 +11,7 @@ from starlette.routing import Route
 from rtxcore.errors import RequestError
 from rtxcore.server.http.common import (
     read_json,
+    received_at,
     request_id,
     request_route,
     tenant_of,
@@ -54,7 +55,7 @@ class NativeRoutes:
         params = make_sampling_params(req.params)
         speculation = Speculation(req.speculation.draft_token_ids, req.speculation.speculative)
         gen = await Generation.start(self.runtime, request_id(request), prompts, params, trace_headers(request), where,
-                                     speculation=speculation)
+                                     speculation=speculation, received_at=received_at(request))
         spec = ResponseSpec("native", req.stream, {"id": gen.req_id, "model": self.runtime.model_name},
                             logprobs=params.logprobs is not None)
         return Started(gen, spec, prompts, params)

@@ -19,6 +19,7 @@ from rtxcore.engine.input_processor import InputProcessor, Prompt
 from rtxcore.errors import InvalidRequestError
 from rtxcore.server.http.common import (
     read_json,
+    received_at,
     request_id,
     request_route,
     tenant_of,
@@ -75,7 +76,8 @@ class OpenAIRoutes:
         speculation = await _speculation(inputs, req.speculation)
         with _named_as_sent(body):
             gen = await Generation.start(self.runtime, request_id(request), prompts, params, trace_headers(request),
-                                         where, speculation=speculation, n=req.best_of)
+                                         where, speculation=speculation, n=req.best_of,
+                                         received_at=received_at(request))
         try:
             echo = await self._echo(req.prompts, prompts, params.logprobs if logprobs else None) if req.echo else None
         except BaseException:
@@ -133,7 +135,8 @@ class OpenAIRoutes:
         speculation = await _speculation(inputs, req.speculation)
         with _named_as_sent(body):
             gen = await Generation.start(self.runtime, request_id(request), prompts, sampling,
-                                         trace_headers(request), where, speculation=speculation, n=req.n)
+                                         trace_headers(request), where, speculation=speculation, n=req.n,
+                                         received_at=received_at(request))
         header = {"id": f"chatcmpl-{gen.req_id}", "object": "chat.completion.chunk" if req.stream else
                   "chat.completion", "created": int(time.time()), "model": self.runtime.model_name}
         spec = ResponseSpec("chat", req.stream, header, req.include_usage, sampling.logprobs is not None,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -105,14 +106,16 @@ class Generation:
     def __init__(self, runtime: ServingRuntime, req_id: str, prompts: list[list[int]], params: SamplingParams,
                  trace: TraceHeaders, route: Route, lease: Lease, resumed: list[Choice] | None = None,
                  resumed_token_ids: list[list[int]] | None = None, protocol: str = "http",
-                 speculation: Speculation = NO_SPECULATION, n: int = 1):
+                 speculation: Speculation = NO_SPECULATION, n: int = 1, received_at: float | None = None):
         """:param prompts: one per prompt; each gives ``n`` choices, those of prompt ``i`` numbered ``i * n`` to
             ``i * n + n - 1`` (OpenAI's order).
         :param resumed: the choices as a journal left them (a request resumed after a restart); finished ones
             are not run again, the others go on after ``resumed_token_ids``, their tokens so far.
         :param protocol: "http" or "grpc", for the requests' traces.
         :param speculation: applies to every prompt.
-        :param n: choices per prompt (see :func:`choice_params` for how they differ)."""
+        :param n: choices per prompt (see :func:`choice_params` for how they differ).
+        :param received_at: when the server got the request (time.monotonic()); each choice's time outside the engine
+            before its first token is then recorded (rtxcore.capacity.serving_path)."""
         assert runtime.async_engine is not None
         self.runtime = runtime
         self.req_id = req_id
@@ -140,11 +143,16 @@ class Generation:
         self._num_running = len(running)
         self._num_finished = len(self.choices) - len(running)
         self._closed = False
+        self._received_at = received_at
+        # Per choice: when it was submitted to the engine and when its first token reached the event loop.
+        self._submitted_at: dict[int, float] = {}
+        self._first_token_at: dict[int, float] = {}
 
     @classmethod
     async def start(cls, runtime: ServingRuntime, req_id: str, prompts: list[list[int]], params: SamplingParams,
                     trace: TraceHeaders, route: Route, protocol: str = "http",
-                    speculation: Speculation = NO_SPECULATION, n: int = 1) -> Generation:
+                    speculation: Speculation = NO_SPECULATION, n: int = 1,
+                    received_at: float | None = None) -> Generation:
         """Admit and submit; returns once the engine has accepted every prompt (so errors are still 4xx).
 
         :raises RequestError: RESOURCE_EXHAUSTED when the server, the tenant's limits or the lane are full,
@@ -164,7 +172,7 @@ class Generation:
             metrics.record_rejection("overloaded", lane=route.lane, tenant=route.tenant_name)
             raise overloaded(runtime.settings.max_active_requests)
         gen = cls(runtime, req_id, prompts, params, trace, route, lease, protocol=protocol, speculation=speculation,
-                  n=n)
+                  n=n, received_at=received_at)
         try:
             await gen._wait_accepted()
         except AdmissionRefused as exc:
@@ -262,15 +270,26 @@ class Generation:
 
     # -- internals ----------------------------------------------------------------------------------------------
 
+    def _record_serving_path(self, index: int, first_token_time: float | None) -> None:
+        submitted, delivered = self._submitted_at.get(index), self._first_token_at.get(index)
+        if self._received_at is None or submitted is None or delivered is None or first_token_time is None:
+            return  # resumed after a restart, or no token came
+        self.runtime.metrics.record_serving_path(submitted - self._received_at, delivered - first_token_time)
+
     async def _pump(self, index: int, prompt: list[int], params: SamplingParams, token_ids: list[int]) -> None:
         req_id = self._req_ids[index]
         try:
             route, speculation = self.route, self.speculation
+            self._submitted_at[index] = time.monotonic()
             async for out in self._engine.generate(prompt, params, req_id=req_id, cache_salt=route.cache_salt,
                                                    lane=route.lane, tenant=route.tenant_name,
                                                    output_token_ids=token_ids,
                                                    draft_token_ids=speculation.draft_token_ids,
                                                    speculative=speculation.enabled):
+                if out.new_token_ids and index not in self._first_token_at:
+                    self._first_token_at[index] = time.monotonic()
+                if out.timings is not None:
+                    self._record_serving_path(index, out.timings.first_token_time)
                 self._queue.put_nowait((index, out))
         except asyncio.CancelledError:
             raise  # generate() aborts what it submitted, also when cancelled before the engine took it

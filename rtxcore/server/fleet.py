@@ -4,10 +4,12 @@ The chart scales on two per-pod metrics, each averaged over the pods against a t
 depth (``rtx_num_requests_waiting``) and the p95 time to first token over the last two minutes (prometheus-adapter's
 ``histogram_quantile(0.95, rate(...[2m]))``). A pod alone cannot ask the HPA what it decided, but it can read its peers'
 ``/metrics`` (the chart's headless Service resolves to every ready pod) and apply the HPA's own rule: each metric
-proposes ``ceil(replicas * average / target)`` unless the ratio is within the 10% tolerance, the largest proposal
-wins, clamped to the replica bounds. The view is that recommendation before the HPA's stabilization windows. In
-the chart's KEDA mode the latency trigger is one p95 over the whole service (the pods' buckets summed) compared as a
-``Value``, which is what ``mode="keda"`` computes instead of the average of the pods' p95s.
+proposes ``ceil(replicas * average / target)`` unless the ratio is within the 10% tolerance (pods without the metric
+counted as Kubernetes' replica calculator counts them), the largest proposal wins, no scale-in while a metric is
+unavailable, clamped to the replica bounds. The view is that recommendation before the HPA's stabilization windows
+and scaling policies. In the chart's KEDA mode the latency trigger is one p95 over the whole service (the pods'
+buckets summed) compared as a ``Value``, which is what ``mode="keda"`` computes instead of the average of the pods'
+p95s.
 
 Scrapes run on the server's event loop with an async HTTP client, never on the engine's thread.
 """
@@ -20,6 +22,7 @@ import math
 import socket
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,12 +120,33 @@ def histogram_quantile(q: float, buckets: Buckets) -> float | None:
     return lower
 
 
-def hpa_proposal(replicas: int, average: float, target: float) -> int:
-    """The replica count the HPA's rule asks for on one ``AverageValue`` metric."""
-    ratio = average / target
-    if abs(ratio - 1.0) <= HPA_TOLERANCE:
-        return replicas
-    return math.ceil(ratio * replicas)
+def hpa_proposal(current: int, values: Sequence[float], num_missing: int, target: float) -> int | None:
+    """The replica count the HPA asks for on one per-pod ``AverageValue`` metric, as Kubernetes' replica calculator
+    works it out: ``current`` replicas, ``values`` of the pods that have the metric and ``num_missing`` that do not.
+    Missing pods count as 0 when the others ask to scale up and as the target when they ask to scale down; a
+    direction that this reverses, or a ratio within the tolerance, keeps ``current``. None when no pod has it (the
+    metric is unavailable)."""
+    if not values:
+        return None
+    ratio = sum(values) / len(values) / target
+    if not num_missing:
+        return current if abs(ratio - 1.0) <= HPA_TOLERANCE else math.ceil(ratio * len(values))
+    filled = 0.0 if ratio > 1.0 else target
+    new_ratio = (sum(values) + filled * num_missing) / (len(values) + num_missing) / target
+    if abs(new_ratio - 1.0) <= HPA_TOLERANCE or (ratio < 1.0 < new_ratio) or (new_ratio < 1.0 < ratio):
+        return current
+    proposal = math.ceil(new_ratio * (len(values) + num_missing))
+    if (new_ratio < 1.0 and proposal > current) or (new_ratio > 1.0 and proposal < current):
+        return current
+    return proposal
+
+
+def value_proposal(current: int, value: float | None, target: float) -> int | None:
+    """The same for a ``Value`` metric (one figure for the whole service: the chart's KEDA latency trigger)."""
+    if value is None:
+        return None
+    ratio = value / target
+    return current if abs(ratio - 1.0) <= HPA_TOLERANCE else math.ceil(ratio * current)
 
 
 @dataclass(slots=True)
@@ -147,6 +171,10 @@ def read_sample(text: str, lane: str | None) -> PodSample:
     return PodSample(queue, buckets)
 
 
+def _went_down(before: Buckets, after: Buckets) -> bool:
+    return any(after.get(le, 0.0) < count for le, count in before.items())
+
+
 class FleetWatcher:
     """Scrapes the peers every ``interval_s`` and keeps the latest :meth:`view`."""
 
@@ -166,8 +194,12 @@ class FleetWatcher:
         logging.getLogger("httpx").setLevel(logging.WARNING)
         # Pods are addressed by IP, which their serving certificate does not name: the scrape does not verify it
         # (/metrics holds no secret); under mutual TLS it presents this server's own certificate.
-        async with httpx.AsyncClient(timeout=min(5.0, self.settings.interval_s), verify=False,
-                                     cert=self._cert) as client:
+        try:
+            client = httpx.AsyncClient(timeout=min(5.0, self.settings.interval_s), verify=False, cert=self._cert)
+        except Exception:  # e.g. an unreadable certificate: said now, not when the server stops
+            log.exception("the fleet view cannot start")
+            raise
+        async with client:
             while True:
                 try:
                     await self.scrape_once(client, own_port)
@@ -186,10 +218,11 @@ class FleetWatcher:
                                    "queue_depth": None, "ttft_p95_s": None}
             if sample is not None:
                 history = self._history.setdefault(address, deque())
+                if history and _went_down(history[-1][1], sample.ttft_buckets):
+                    history.clear()  # the pod restarted (its counters began again): nothing before it counts
                 history.append((now, sample.ttft_buckets))
-                # Like rate() over the window: the increase since the latest scrape at least the window old (or the
-                # first), two scrapes at least.
-                while len(history) > 2 and now - history[1][0] >= self.settings.window_s:
+                # Like rate() over the window: the increase over the scrapes within it, two at least.
+                while len(history) > 2 and now - history[0][0] > self.settings.window_s:
                     history.popleft()
                 increase = self._increase(history)
                 fleet_increase.append(increase)
@@ -214,30 +247,43 @@ class FleetWatcher:
     def _summarise(self, pods: list[dict[str, Any]], fleet_p95: float | None) -> dict[str, Any]:
         s = self.settings
         up = [p for p in pods if p["up"]]
-        replicas = len(up)
+        # The HPA's current replicas are the pods it scales, answering or not (their metrics are then missing).
+        current = len(pods)
         signals = []
         for name, metric, key, target in (
                 ("queue depth", QUEUE_METRIC, "queue_depth", s.target_queue_depth),
                 ("TTFT p95", LANE_TTFT_METRIC if s.latency_lane else TTFT_METRIC, "ttft_p95_s", s.target_ttft_p95_s)):
-            # Pods with no value (no first token in the window) are left out of the average.
+            # A pod with no value (no first token in the window, or not answering) has the metric missing.
             values = [p[key] for p in up if p[key] is not None]
             average = sum(values) / len(values) if values else None
-            if key == "ttft_p95_s" and s.mode == "keda":
+            proposal = None
+            if s.mode == "keda" and key == "ttft_p95_s":
                 average = fleet_p95
-            proposal = (hpa_proposal(replicas, average, target)
-                        if average is not None and target is not None and replicas else None)
+                if target is not None and current:
+                    proposal = value_proposal(current, average, target)
+            elif s.mode == "keda":
+                # KEDA's query sums the pods' queues (a pod without one adds nothing) and the HPA divides by the
+                # target: an external AverageValue metric.
+                if target is not None and current and values:
+                    proposal = value_proposal(current, sum(values) / current, target)
+            elif target is not None and current:
+                proposal = hpa_proposal(current, values, current - len(values), target)
             signals.append({"name": name, "metric": metric, "average": average, "target": target,
                             "ratio": average / target if average is not None and target else None,
                             "proposal": proposal})
         proposals = [sig["proposal"] for sig in signals if sig["proposal"] is not None]
-        desired = max(proposals) if proposals else replicas
+        desired = max(proposals) if proposals else current
+        # The HPA does not scale in while a metric it was given cannot be computed.
+        if any(sig["target"] is not None and sig["proposal"] is None for sig in signals):
+            desired = max(desired, current)
         desired = max(desired, s.min_replicas)
         if s.max_replicas is not None:
             desired = min(desired, s.max_replicas)
         return {"configured": True, "updated_at": time.time(), "interval_s": s.interval_s, "window_s": s.window_s,
                 "peers": list(s.peers), "mode": s.mode, "latency_lane": s.latency_lane, "pods": pods,
-                "replicas": replicas, "unreachable": len(pods) - replicas, "signals": signals,
-                "min_replicas": s.min_replicas, "max_replicas": s.max_replicas, "desired_replicas": desired}
+                "current_replicas": current, "replicas": len(up), "unreachable": current - len(up),
+                "signals": signals, "min_replicas": s.min_replicas, "max_replicas": s.max_replicas,
+                "desired_replicas": desired}
 
     async def _resolve(self, own_port: int) -> list[str]:
         loop = asyncio.get_running_loop()
@@ -249,7 +295,9 @@ class FleetWatcher:
             except OSError as exc:
                 log.warning("fleet peer %s does not resolve: %s", host, exc)
                 continue
-            for info in infos:
+            # A dual-stack name gives each pod twice (IPv4 and IPv6): one family, IPv4 where there is one.
+            v4 = [info for info in infos if info[0] == socket.AF_INET]
+            for info in v4 or infos:
                 ip = str(info[4][0])
                 address = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
                 if address not in addresses:

@@ -172,7 +172,7 @@ spec:
         {{- end }}
         {{- if $v.autoscaling.enabled }}
         {{- /* The dashboard's replicas panel: the peers the autoscaler counts, read as it reads them. */}}
-        - --fleet-peers={{ include "rtx-serve.fullname" $root }}-peers
+        - --fleet-peers={{ include "rtx-serve.fullname" $root | trunc 57 | trimSuffix "-" }}-peers
         - --autoscale-mode={{ $v.autoscaling.mode }}
         - --autoscale-queue-depth={{ $v.autoscaling.targetQueueDepth }}
         - --autoscale-ttft-p95={{ $v.autoscaling.targetTTFTP95Seconds }}

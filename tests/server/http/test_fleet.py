@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_late
 from prometheus_client.parser import text_string_to_metric_families
 
 from rtxcore.errors import ConfigError
-from rtxcore.server.fleet import FleetSettings, FleetWatcher, hpa_proposal, parse_peer
+from rtxcore.server.fleet import FleetSettings, FleetWatcher, hpa_proposal, parse_peer, value_proposal
 from rtxcore.server.fleet import histogram_quantile as server_quantile
 from tests.helpers.browser import ARTIFACTS, browse, find_chromium, histogram_quantile, shown_figures
 from tests.helpers.cli import assert_one_line_error, rtx
@@ -32,11 +32,51 @@ def test_the_quantile_is_prometheus_histogram_quantile():
     assert server_quantile(0.95, {0.1: 0, math.inf: 0}) is None and server_quantile(0.5, {}) is None
 
 
-def test_the_hpa_rule_has_its_tolerance_and_rounds_up():
-    assert hpa_proposal(2, 4.3, 4.0) == 2      # within 10% of the target: no change
-    assert hpa_proposal(2, 4.5, 4.0) == 3      # 2 x 1.125 = 2.25, rounded up
-    assert hpa_proposal(4, 1.0, 4.0) == 1
-    assert hpa_proposal(3, 0.0, 4.0) == 0      # the bounds clamp it, not the rule
+def test_the_hpa_rule_has_its_tolerance_rounds_up_and_counts_missing_pods_as_kubernetes_does():
+    assert hpa_proposal(2, [4.3, 4.3], 0, 4.0) == 2      # within 10% of the target: no change
+    assert hpa_proposal(2, [4.5, 4.5], 0, 4.0) == 3      # 2 x 1.125 = 2.25, rounded up
+    assert hpa_proposal(4, [1.0] * 4, 0, 4.0) == 1
+    assert hpa_proposal(3, [0.0] * 3, 0, 4.0) == 0       # the bounds clamp it, not the rule
+    assert hpa_proposal(3, [], 3, 4.0) is None           # nobody has it: unavailable
+    # Scaling up, a pod without the metric counts as 0: one of four at twice the target, three with none,
+    # averages half the target, a reversal: stay.
+    assert hpa_proposal(4, [8.0], 3, 4.0) == 4
+    # Two of four far above: 2 x 16 / 4 pods = 8 per pod, twice the target: 8 replicas.
+    assert hpa_proposal(4, [16.0, 16.0], 2, 4.0) == 8
+    # Scaling down, a pod without it counts as at the target: (0 + 0 + 4 + 4) / 4 = half: 2.
+    assert hpa_proposal(4, [0.0, 0.0], 2, 4.0) == 2
+    assert value_proposal(3, 2.0, 1.0) == 6 and value_proposal(3, 1.05, 1.0) == 3 and value_proposal(3, None, 1) is None
+
+
+def test_a_restarted_peer_starts_its_window_again_and_old_scrapes_leave_it():
+    """Counters that went down (a restarted container at the same address) begin a new window, as rate() treats a
+    reset; scrapes older than the window leave it."""
+    registry = CollectorRegistry()
+    histogram = Histogram("rtx_time_to_first_token_seconds", "", registry=registry)
+
+    def metrics(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=generate_latest(registry))
+
+    watcher = FleetWatcher(FleetSettings(("127.0.0.1:1001",), window_s=1000.0))
+
+    async def scrape() -> float | None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(metrics)) as client:
+            await watcher.scrape_once(client, 8000)
+        return watcher.view()["pods"][0]["ttft_p95_s"]
+
+    assert asyncio.run(scrape()) is None  # one scrape: no increase yet
+    for _ in range(20):
+        histogram.observe(4.0)
+    assert 2.5 < asyncio.run(scrape()) <= 5.0
+    # The restart: a fresh histogram with fewer, faster requests. Without the reset the increase would be negative.
+    registry.unregister(histogram)
+    histogram = Histogram("rtx_time_to_first_token_seconds", "", registry=registry)
+    for _ in range(5):
+        histogram.observe(0.02)
+    assert asyncio.run(scrape()) is None  # a new window of one scrape
+    for _ in range(5):
+        histogram.observe(0.02)
+    assert asyncio.run(scrape()) <= 0.025
 
 
 def test_peers_parse_and_bad_ones_are_named():

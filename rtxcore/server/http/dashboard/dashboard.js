@@ -224,9 +224,16 @@ function renderFleet(view) {
   });
 }
 
+// Its own failure says so in its panel: the rest of the page still comes from /metrics.
 async function pollFleet() {
-  const response = await fetch("/dashboard/fleet.json", { cache: "no-store" });
-  renderFleet(response.ok ? await response.json() : null);
+  try {
+    const response = await fetch("/dashboard/fleet.json", { cache: "no-store" });
+    if (!response.ok) throw new Error(`/dashboard/fleet.json answered ${response.status}`);
+    renderFleet(await response.json());
+  } catch (err) {
+    renderFleet(null);
+    setKey("fleet-note", "no fleet view: " + err.message, String);
+  }
 }
 
 async function poll() {

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from rtxcore.capacity.step_time import SPREAD_QUANTILES
+from rtxcore.capacity.step_time import sample_quantiles
 
 PATH_KEPT = 1000
 PATH_MIN_SAMPLES = 20
@@ -40,7 +40,4 @@ class ServingPathRecorder:
         return len(self.ingress) >= PATH_MIN_SAMPLES
 
     def quantiles(self, part: str) -> tuple[float, ...]:
-        ordered = sorted(self.ingress if part == "ingress" else self.delivery)
-        if not ordered:
-            return ()
-        return tuple(ordered[min(int(q * len(ordered)), len(ordered) - 1)] for q in SPREAD_QUANTILES)
+        return sample_quantiles(self.ingress if part == "ingress" else self.delivery)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -170,10 +171,15 @@ class StepTimeRecorder:
 
     def spread(self) -> tuple[float, ...]:
         """The ratios' quantiles at :data:`SPREAD_QUANTILES`."""
-        ordered = sorted(self.ratios)
-        if not ordered:
-            return ()
-        return tuple(ordered[min(int(q * len(ordered)), len(ordered) - 1)] for q in SPREAD_QUANTILES)
+        return sample_quantiles(self.ratios)
+
+
+def sample_quantiles(values: Iterable[float]) -> tuple[float, ...]:
+    """The values' quantiles at :data:`SPREAD_QUANTILES` (nearest rank below); empty without values."""
+    ordered = sorted(values)
+    if not ordered:
+        return ()
+    return tuple(ordered[min(int(q * len(ordered)), len(ordered) - 1)] for q in SPREAD_QUANTILES)
 
 
 def draw_ratio(spread: tuple[float, ...], u: float) -> float:

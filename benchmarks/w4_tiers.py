@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import json
 import math
@@ -34,6 +35,7 @@ from rtxcore.bench.engine import Engine, build_engine, generate, serving_engine
 from rtxcore.bench.loadgen.stats import percentile
 from rtxcore.cli.bench import machine_description
 from rtxcore.contracts.scheduler import SchedulerConfig
+from rtxcore.kv.tiers.offload import OffloadStats
 from rtxcore.sampling_params import SamplingParams
 
 # roomy: a device cache with room for every conversation; offload: a small device cache over a host tier;
@@ -78,11 +80,23 @@ def conversations(args, engine: Engine, seed: int, rounds: int) -> tuple[list[li
     return requests, cached_tokens / max(prompt_tokens, 1), time.perf_counter() - start
 
 
+def copy_counts(after: OffloadStats | None, before: OffloadStats | None) -> dict[str, float]:
+    """The tiers' copies in a load phase: steps that waited for a reload and how long, blocks copied down at
+    eviction (spilled), evictions that found their block below already (spill hits), blocks written back ahead."""
+    if after is None or before is None:
+        return {"copy_wait_steps": 0, "copy_wait_ms": 0}
+    return {"copy_wait_steps": after.num_copy_wait_steps - before.num_copy_wait_steps,
+            "copy_wait_ms": round(1000 * (after.copy_wait_seconds - before.copy_wait_seconds), 1),
+            "spilled_blocks": after.num_spilled - before.num_spilled,
+            "spill_hits": after.num_spill_hits - before.num_spill_hits,
+            "written_back_blocks": after.num_written_back - before.num_written_back}
+
+
 async def under_load(args, engine: Engine, requests: list[list[int]], rate: float, seed: int) -> dict[str, float]:
     """Open-loop Poisson arrivals of ``requests`` in order; per-request latencies."""
     before = engine.core.kv_cache.stats
     tiers = engine.core.kv_tiers
-    waits_before = (tiers.offload.stats.num_copy_wait_steps, tiers.offload.stats.copy_wait_seconds) if tiers else (0, 0)
+    copies_before = dataclasses.replace(tiers.offload.stats) if tiers else None
     served = serving_engine(engine)
     served.start()
     params = SamplingParams(max_tokens=args.reply_tokens, temperature=0.0, ignore_eos=True)
@@ -118,8 +132,7 @@ async def under_load(args, engine: Engine, requests: list[list[int]], rate: floa
     hit = stats.num_prefix_hit_tokens - before.num_prefix_hit_tokens
     return {"requests": len(tasks), "seconds": round(elapsed, 2), "hit_rate": round(hit / max(queried, 1), 4),
             "reloaded_tokens": stats.num_reloaded_tokens - before.num_reloaded_tokens, "preemptions": preemptions,
-            "copy_wait_steps": copies.num_copy_wait_steps - waits_before[0] if copies else 0,
-            "copy_wait_ms": round(1000 * (copies.copy_wait_seconds - waits_before[1]), 1) if copies else 0,
+            **copy_counts(copies, copies_before),
             **{f"{name}_{q}_ms": round(1000 * percentile(values, p), 1)
                for name, values in (("ttft", ttft), ("itl", itl), ("e2e", e2e))
                for q, p in (("p50", 50), ("p99", 99))}}
@@ -163,6 +176,8 @@ def profiled(args, config: str, engine: Engine, load) -> dict[str, float]:
     if args.json:
         with open(f"{args.json.removesuffix('.json')}_profile_{config}.txt", "w") as fh:
             fh.write(text)
+        # The raw statistics too, for callers and callees (pstats.Stats(path).print_callees(...)).
+        stats.dump_stats(f"{args.json.removesuffix('.json')}_profile_{config}.pstats")
     return result
 
 

@@ -30,6 +30,7 @@ from rtxcore.kv.block_table import BlockTable
 from rtxcore.kv.hashing import BlockHash, hash_blocks
 from rtxcore.kv.tiers.offload import KVOffload, Reload
 from rtxcore.kv.tiers.prefetch import Prefetch
+from rtxcore.kv.tiers.write_back import WriteBack
 from rtxcore.request import Request
 
 
@@ -89,6 +90,7 @@ class KVCacheManager:
         eviction_policy: EvictionPolicy,
         enable_prefix_caching: bool = True,
         offload: KVOffload | None = None,
+        write_back: bool | None = None,
     ):
         if block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {block_size}")
@@ -103,7 +105,11 @@ class KVCacheManager:
         if offload is not None:
             if not enable_prefix_caching:
                 raise ConfigError("KV offload keeps prefix-cache blocks: it needs prefix caching on")
-            self.pool.on_evict = offload.spill
+            self.pool.on_evict = self._spill
+        # Computed blocks copied down ahead of their eviction: by default where the device copies asynchronously.
+        if write_back is None:
+            write_back = offload is not None and offload.device.type == "cuda"
+        self.write_back = WriteBack(offload, self.pool) if offload is not None and write_back else None
         # Device blocks whose bytes a reload still has on the way, and that reload.
         self._pending: dict[int, Reload] = {}
 
@@ -266,6 +272,8 @@ class KVCacheManager:
         staging memory."""
         if self.offload is not None:
             self._prepare_reloads(self.offload, reqs)
+            if self.write_back is not None:
+                self.write_back.before_launch()
             self.offload.end_step()
 
     def _prepare_reloads(self, offload: KVOffload, reqs: Sequence[Request]) -> None:
@@ -328,8 +336,11 @@ class KVCacheManager:
             num_full_blocks = min(num_tokens, len(req.all_token_ids)) // block_size
             if num_full_blocks > state.num_cached_blocks:
                 self._extend_hashes(req, state, num_full_blocks * block_size)
+                write_back = self.write_back
                 for i in range(state.num_cached_blocks, num_full_blocks):
-                    self.pool.cache_block(state.block_ids[i], state.block_hashes[i])
+                    block_id, key = state.block_ids[i], state.block_hashes[i]
+                    if self.pool.cache_block(block_id, key) == block_id and write_back is not None:
+                        write_back.cached(block_id, key)
                 state.num_cached_blocks = num_full_blocks
         return True
 
@@ -344,6 +355,8 @@ class KVCacheManager:
             num_valid = max(req.num_computed_tokens, state.num_hit_tokens) // self._block_size
             for block_id in state.block_ids[num_valid:state.num_cached_blocks]:
                 self.pool.uncache_unshared(block_id)
+                if self.write_back is not None:
+                    self.write_back.forget(block_id)
             # Tail first: under LRU a chain's tail is then evicted before its head, which later requests need most.
             self.pool.free_blocks(reversed(state.block_ids))
 
@@ -372,6 +385,8 @@ class KVCacheManager:
             self.offload.forget_reads()
             for tier in self.offload.tiers:
                 tier.clear()
+            if self.write_back is not None:
+                self.write_back.clear()
         return self.pool.reset_prefix_cache()
 
     def check_invariants(self) -> None:
@@ -429,6 +444,14 @@ class KVCacheManager:
         self.pool.free_blocks(block_ids[num_loaded:])
         state.block_ids.extend(block_ids[:num_loaded])
         self._stats.num_reloaded_tokens += num_loaded * self._block_size
+
+    def _spill(self, victims: list[tuple[int, BlockHash]]) -> None:
+        """The pool is reusing these cached blocks (BlockPool.on_evict)."""
+        assert self.offload is not None
+        if self.write_back is not None:
+            for block_id, _ in victims:
+                self.write_back.forget(block_id)
+        self.offload.spill(victims)
 
     def cached_blocks(self) -> list[tuple[int, BlockHash]]:
         """The (block id, hash) of every block in the device's prefix cache."""

@@ -335,6 +335,7 @@ class EngineMetrics:
         offload = engine.kv_tiers.offload
         self._add_total(f.kv_copy_wait_steps, None, offload.stats.num_copy_wait_steps)
         self._add_total(f.kv_copy_wait_seconds, None, offload.stats.copy_wait_seconds)
+        self._add_total(f.kv_written_back_blocks, None, offload.stats.num_written_back)
         self._add_total(f.kv_prefetched_blocks, None, offload.stats.num_prefetched)
         self._add_total(f.kv_prefetch_promoted_blocks, None, offload.stats.num_prefetches_promoted)
         latency = f.kv_reload_latency.labels(model)

@@ -214,6 +214,9 @@ class Families:
             "GPU: the step reached them before their copy ended; on a CPU: every step with a reload).")
         self.kv_copy_wait_seconds = counter(
             "rtx_kv_copy_wait_seconds", "Seconds those steps waited, in all.")
+        self.kv_written_back_blocks = counter(
+            "rtx_kv_written_back_blocks", "KV blocks copied from the device to the first lower tier ahead of their "
+            "eviction, in batches (their eviction then copies nothing).")
         self.kv_prefetched_blocks = counter(
             "rtx_kv_prefetched_blocks", "KV blocks read from disk on worker threads, ahead of their reload.")
         self.kv_prefetch_promoted_blocks = counter(

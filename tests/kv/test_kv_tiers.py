@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 import torch
@@ -158,6 +157,8 @@ class TieredWorkloadMachine(WorkloadMachine):
     The test plays the backend's KV copies too, encoding each block's recorded tokens and salt as its bytes."""
 
     num_blocks = 8
+    # Copy computed blocks down ahead of their eviction (tests/kv/test_write_back.py runs this machine with it).
+    write_back = False
 
     def __init__(self):
         super().__init__()
@@ -171,7 +172,7 @@ class TieredWorkloadMachine(WorkloadMachine):
         host = HostTier(3, nbytes, POLICIES[self.policy_name](3))
         self.offload = KVOffload([host, disk], self._read_blocks, self._write_blocks)
         kv = KVCacheManager(self.num_blocks, self.block_size, POLICIES[self.policy_name](self.num_blocks),
-                            offload=self.offload)
+                            offload=self.offload, write_back=self.write_back)
         self.kv = kv
         self.spilled: set[bytes] = set()
         spill = self.offload.spill
@@ -326,128 +327,3 @@ def test_a_spill_to_disk_never_waits_for_the_file(tmp_path, monkeypatch):
     assert disk.pin(key(2)) and torch.equal(disk.load(key(2)), payload(2))
     disk.unpin(key(2))
     host.check_invariants(), disk.check_invariants()
-
-
-def gpu_offload(num_caches: int) -> tuple[list[torch.Tensor], list[torch.Tensor], KVOffload]:
-    """Random bf16 caches on the GPU (block dimension 1, 8 blocks), copies of them, and a KVOffload over a pinned
-    host tier of 8 blocks."""
-    from rtxcore.kv.block_io import read_blocks, write_blocks
-
-    caches = [torch.randn(2, 8, 4, 16, dtype=torch.bfloat16, device="cuda") for _ in range(num_caches)]
-    block_bytes = sum(c[:, 0].numel() for c in caches) * 2
-    host = HostTier(8, block_bytes, POLICIES["lru"](8), pin_memory=True)
-    offload = KVOffload([host], lambda ids: read_blocks(caches, 1, ids),
-                        lambda ids, data: write_blocks(caches, 1, ids, data), device="cuda")
-    return caches, [c.clone() for c in caches], offload
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the check is that nothing waits for it")
-def test_spill_and_reload_on_a_gpu_never_wait_for_it():
-    """Offload runs on the engine's thread between steps: a copy that waits for the device (a blocking copy from
-    pageable memory, an index list turned into a device tensor) stalls the step in flight. CUDA's sync debug mode
-    raises on any such wait; the bytes must still arrive intact."""
-    caches, expected, offload = gpu_offload(4)
-    keys = [key(n) for n in range(3)]
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        offload.spill(list(zip([1, 3, 5], keys)))
-        for c in caches:
-            c[:, 1:6:2] = 0  # the device reuses the blocks
-        tiers = offload.pin_run(keys)
-        reload = offload.reload(keys, tiers, [6, 7, 2])
-        assert reload.num_loaded == 3
-        offload.complete(reload)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    for c, e in zip(caches, expected):
-        assert torch.equal(c[:, [6, 7, 2]], e[:, [1, 3, 5]])
-
-
-# About half a second of GPU time: long enough that a host that waited for it shows.
-_GPU_SLEEP_CYCLES = 10**9
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the check is that nothing waits for it")
-def test_reload_from_disk_on_a_gpu_never_waits_for_it(tmp_path):
-    """Blocks read back from disk are in pageable memory, and an asynchronous copy from pageable memory still waits
-    for the stream (which sync debug mode does not report): they are staged in pinned memory first. With a long
-    kernel queued, the stream must still be busy when reload returns. The blocks also go to the host tier above."""
-    from rtxcore.kv.block_io import read_blocks, write_blocks
-
-    caches = [torch.randn(2, 8, 4, 16, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
-    expected = [c.clone() for c in caches]
-    block_bytes = sum(c[:, 0].numel() for c in caches) * 2
-    disk = DiskTier(tmp_path, 8, block_bytes, POLICIES["lru"](8), FINGERPRINT)
-    host = HostTier(4, block_bytes, POLICIES["lru"](4), below=disk, pin_memory=True)
-    offload = KVOffload([host, disk], lambda ids: read_blocks(caches, 1, ids),
-                        lambda ids, data: write_blocks(caches, 1, ids, data), device="cuda")
-    keys = [key(n) for n in range(3)]
-    disk.store(keys, read_blocks(caches, 1, [1, 3, 5]))  # on disk only
-    for c in caches:
-        c[:, 1:6:2] = 0
-    torch.cuda.synchronize()
-    tiers = offload.pin_run(keys)
-    assert tiers == [disk, disk, disk]
-    torch.cuda._sleep(_GPU_SLEEP_CYCLES)
-    reload = offload.reload(keys, tiers, [6, 7, 2])
-    assert reload.num_loaded == 3
-    offload.complete(reload)
-    assert not torch.cuda.current_stream().query(), "reload waited for the GPU"
-    torch.cuda.synchronize()
-    for c, e in zip(caches, expected):
-        assert torch.equal(c[:, [6, 7, 2]], e[:, [1, 3, 5]])
-    assert all(k in host for k in keys)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the check is a copy beside a kernel")
-def test_a_reload_copies_beside_the_step_in_flight():
-    """The bytes of a reload travel while a step (a long kernel here) runs: they arrive before it ends, and go into
-    their blocks after it, intact. A block spilled behind that step and reloaded at once waits for its own copy
-    out, and for nothing else."""
-    caches, expected, offload = gpu_offload(2)
-    keys = [key(n) for n in range(3)]
-    offload.spill(list(zip([1, 3, 5], keys)))
-    torch.cuda.synchronize()
-    for c in caches:
-        c[:, 1:6:2] = 0
-    torch.cuda._sleep(_GPU_SLEEP_CYCLES)  # the step in flight
-    reload = offload.reload(keys, offload.pin_run(keys), [6, 7, 2])
-    deadline = time.monotonic() + 5
-    while not offload.arrived(reload) and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert offload.arrived(reload) and not torch.cuda.current_stream().query(), "the copy waited for the step"
-    offload.complete(reload)
-    torch.cuda.synchronize()
-    for c, e in zip(caches, expected):
-        assert torch.equal(c[:, [6, 7, 2]], e[:, [1, 3, 5]])
-    offload.end_step()
-    assert offload.stats.num_copy_wait_steps == 0
-
-    # Spilled behind a step and reloaded at once: the copy back waits for the copy out, and its bytes are right.
-    torch.cuda._sleep(_GPU_SLEEP_CYCLES)
-    offload.spill([(4, key(9))])
-    reload = offload.reload([key(9)], offload.pin_run([key(9)]), [0])
-    assert not offload.arrived(reload), "the copy back overtook the copy out"
-    offload.complete(reload)
-    torch.cuda.synchronize()
-    for c in caches:
-        assert torch.equal(c[:, 0], c[:, 4])
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="needs a CUDA device: copies to the host tier are asynchronous")
-def test_a_block_evicted_by_its_own_store_reaches_disk_intact(tmp_path):
-    """One store larger than the host tier evicts slots it wrote earlier in the same call: their copies from the
-    device must have landed before they are read for the disk tier."""
-    block_bytes = 1 << 16
-    disk = DiskTier(tmp_path, 8, block_bytes, POLICIES["lru"](8), FINGERPRINT)
-    host = HostTier(2, block_bytes, POLICIES["lru"](2), below=disk, pin_memory=True)
-    data = torch.stack([payload(n).repeat(block_bytes // BLOCK_BYTES) for n in range(1, 5)]).cuda()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(_GPU_SLEEP_CYCLES)  # the copies into the host buffer queue behind it
-    host.store([key(n) for n in range(1, 5)], data)
-    torch.cuda.synchronize()
-    for n in (1, 2):
-        assert torch.equal(disk.load(key(n)), data[n - 1].cpu()), f"block {n} reached disk before its bytes"

@@ -80,6 +80,10 @@ class KVTier(ABC):
         return len(self._slot_of) / self.num_slots
 
     @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    @property
     def capacity_bytes(self) -> int:
         return self.num_slots * self.block_bytes
 

@@ -49,6 +49,8 @@ class OffloadStats:
     # Device blocks spilled to the first lower tier (copied), and those it already held (no copy).
     num_spilled: int = 0
     num_spill_hits: int = 0
+    # Device blocks copied to the first lower tier ahead of their eviction (rtxcore.kv.tiers.write_back).
+    num_written_back: int = 0
     # Blocks brought back to the device, and the requests' tokens they covered.
     num_reloaded: int = 0
     # Steps that waited for a reload's bytes, and for how long in all: on a GPU, those whose stream reached a
@@ -102,6 +104,8 @@ class KVOffload:
         # Seconds from each reload's start to its bytes being in their blocks; read by the metrics.
         self.reload_seconds: deque[float] = deque(maxlen=_LATENCIES_KEPT)
         self._copy_stream: torch.cuda.Stream | None = None
+        # Where copies from the device to the lower tiers run (GPU).
+        self._spill_stream: torch.cuda.Stream | None = None
         # This step's point on the device's stream before it first waited for a copy, and the copies it waited for;
         # then the same for earlier steps whose events have not all completed (read by poll()).
         self._step_wait: tuple[torch.cuda.Event, list[torch.cuda.Event]] | None = None
@@ -118,18 +122,49 @@ class KVOffload:
     def spill(self, victims: list[tuple[int, BlockHash]]) -> None:
         """The device is reusing these cached blocks: keep their bytes in the first lower tier."""
         todo = []
+        top = self.top
         for block_id, key in victims:
-            if key in self.top:
-                self.top.touch(key)
+            if key in top:
+                top.touch(key)
                 self.stats.num_spill_hits += 1
             else:
                 todo.append((block_id, key))
+        self._copy_down(todo)
+        self.stats.num_spilled += len(todo)
+
+    def write_back(self, blocks: list[tuple[int, BlockHash]]) -> None:
+        """Copy cached blocks the device keeps to the first lower tier ahead of their eviction (see
+        :mod:`rtxcore.kv.tiers.write_back`); those it holds already are left as they are (this is not a use)."""
+        todo = [(block_id, key) for block_id, key in blocks if key not in self.top]
+        self._copy_down(todo)
+        self.stats.num_written_back += len(todo)
+
+    def _copy_down(self, blocks: list[tuple[int, BlockHash]]) -> None:
+        """Gather the blocks on the device's stream (after the steps that wrote them) and store them in the first
+        lower tier. On a GPU the stores' copies to the host run on a stream of their own: on the steps' stream a
+        large spill's transfer over PCIe would delay the next step by as long."""
+        if not blocks:
+            return
+        stream = None
+        if self.device.type == "cuda":
+            stream = self._spill_stream
+            if stream is None:
+                stream = self._spill_stream = torch.cuda.Stream(self.device)
         # In chunks: a long prompt can evict thousands of blocks at once, and each copy stages its blocks twice on
         # the device.
-        for start in range(0, len(todo), COPY_CHUNK_BLOCKS):
-            chunk = todo[start:start + COPY_CHUNK_BLOCKS]
-            self.top.store([key for _, key in chunk], self._read([block_id for block_id, _ in chunk]))
-            self.stats.num_spilled += len(chunk)
+        for start in range(0, len(blocks), COPY_CHUNK_BLOCKS):
+            chunk = blocks[start:start + COPY_CHUNK_BLOCKS]
+            data = self._read([block_id for block_id, _ in chunk])
+            keys = [key for _, key in chunk]
+            if stream is None:
+                self.top.store(keys, data)
+                continue
+            # After the gather (and all before it on the steps' stream: a reload's copy out of a slot this store
+            # may reuse included).
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            data.record_stream(stream)  # gathered on the steps' stream, read on this one
+            with torch.cuda.stream(stream):
+                self.top.store(keys, data)
 
     def pin_run(self, keys: Sequence[BlockHash]) -> list[KVTier]:
         """Pin the leading run of ``keys`` that some lower tier holds, each in the highest tier holding it; returns

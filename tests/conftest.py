@@ -16,6 +16,11 @@ import pytest  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from rtxcore.hf_transformers import unshadow_hub_kernels  # noqa: E402
+
+# pytest puts the checkout's root on sys.path, where kernels/ would shadow the `kernels` that transformers imports.
+unshadow_hub_kernels()
+
 from rtxcore.engine.config import EngineConfig  # noqa: E402
 from rtxcore.engine.llm import LLM  # noqa: E402
 from rtxcore.models.resolve import default_model_path, resolve_model  # noqa: E402

@@ -61,8 +61,9 @@ def load_reference(source: ModelSource):
     """transformers' own GGUF reader and Llama implementation, in float32."""
     from pathlib import Path
 
-    import transformers
+    from rtxcore.hf_transformers import import_transformers
 
+    transformers = import_transformers()
     path = Path(source.path)
     transformers.utils.logging.disable_progress_bar()
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,

@@ -10,13 +10,15 @@ from rtxcore.bench.offline import ThroughputResult
 from rtxcore.bench.workloads import BenchRequest
 from rtxcore.contracts.quantizer import QuantizedTensor
 from rtxcore.errors import RtxError
+from rtxcore.hf_transformers import import_transformers
 from rtxcore.models.source import ModelSource
 
 
 def load_hf_model(source: ModelSource, device: str, dtype: torch.dtype):
     """Build ``LlamaForCausalLM`` from the source's config and load the very same tensors our backend loads."""
     try:
-        from transformers import LlamaConfig, LlamaForCausalLM
+        transformers = import_transformers()
+        LlamaConfig, LlamaForCausalLM = transformers.LlamaConfig, transformers.LlamaForCausalLM
     except ImportError as exc:
         raise RtxError(f"the HF baseline needs transformers: pip install 'rtx-serve[hf]' ({exc})") from None
     config = LlamaConfig(**source.config.to_hf())

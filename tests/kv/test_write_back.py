@@ -102,12 +102,21 @@ def test_nothing_is_written_back_while_the_device_cache_has_room():
     assert kv.offload.stats.num_written_back == 0 and len(host) == 0 and device.copied == []
 
 
-def test_a_full_tier_takes_no_write_back():
-    kv, host, device = make_kv(num_blocks=9, host_slots=3, batch_blocks=4)
-    for first in (10, 20, 30, 40):
+def test_a_full_tier_takes_only_blocks_no_request_holds():
+    kv, host, device = make_kv(num_blocks=9, host_slots=1, batch_blocks=2)
+    held = make_request(prompt(10))  # keeps running: its blocks stay in use
+    held.num_computed_tokens = kv.lookup_prefix(held)
+    assert kv.allocate(held, held.num_tokens)
+    kv.prepare_step([held])
+    held.num_computed_tokens = held.num_tokens
+    held_blocks = kv.block_ids(held.req_id)[:2]
+    for first in (20, 30, 40):
         run_step(kv, device, make_request(prompt(first)))
-    # Fewer free slots than a batch: blocks are copied only when evicted, as without write-back.
-    assert kv.offload.stats.num_written_back == 0 and kv.offload.stats.num_spilled > 0
+    # The tier has fewer free slots than a batch: each store pushes a block out, so only blocks that the device
+    # could evict next went down, never the running request's.
+    assert kv.offload.stats.num_written_back > 0
+    assert all(b not in held_blocks for call in device.copied for b in call)
+    kv.check_invariants(), host.check_invariants()
 
 
 class WriteBackWorkloadMachine(TieredWorkloadMachine):

@@ -3,9 +3,11 @@
 Without it, each allocation that evicts cached blocks copies them down on the spot (:meth:`KVOffload.spill`): one
 gather, one store and their launches per allocation, on the engine's thread, between a step's scheduling and its
 launch. On an H200 at 1.5x load (W4, 48 conversations) that was 7,854 copies of a few blocks each in a 35 s load
-phase, about 0.7 ms of the engine's thread apiece: the difference between the offload configuration's p99 and a
-cache with room for everything. Written back in batches of ``COPY_CHUNK_BLOCKS`` while the tier has free slots,
-nearly every eviction finds its block's bytes below already and costs a lookup (a spill hit).
+phase, each holding the engine's thread for most of a millisecond (profiled: the launches release the GIL, and the
+serving thread takes it meanwhile). Written back in batches of ``COPY_CHUNK_BLOCKS``, most evictions find their
+block's bytes below already and cost a lookup (a spill hit). While the tier has free slots any computed block goes
+down; once it is full a store pushes one of its blocks out, as a spill would, so then only blocks no request holds
+(the device's eviction candidates) go down ahead of time.
 
 Only on a GPU: there the cost is per copy (launches, events, Python), not per byte, and the bytes travel on a copy
 stream of their own. On a CPU each block's bytes are a synchronous memcpy on the engine's thread, so copying blocks
@@ -54,23 +56,38 @@ class WriteBack:
     def before_launch(self) -> None:
         """A step's scheduling is done and it is about to be launched: copy down a batch of blocks earlier steps
         computed when due, then count this step's new blocks as computed."""
-        if len(self._computed) >= self.batch_blocks and self._due():
-            room = self._offload.top.num_free_slots
-            limit = min(room, MAX_CHUNKS_PER_STEP * self.batch_blocks)
-            blocks: list[tuple[int, BlockHash]] = []
-            for block_id, key in self._computed.items():
-                if len(blocks) >= limit:
-                    break
-                blocks.append((block_id, key))
-            for block_id, _ in blocks:
-                del self._computed[block_id]
-            pool_blocks = self._pool.blocks
-            self._offload.write_back([(b, k) for b, k in blocks if pool_blocks[b].block_hash == k])
+        pool = self._pool
+        if (len(self._computed) >= self.batch_blocks
+                and pool.num_blocks_holding_data >= WRITE_BACK_FROM_USAGE * pool.num_usable_blocks):
+            blocks = self._take(MAX_CHUNKS_PER_STEP * self.batch_blocks)
+            if blocks:
+                self._offload.write_back(blocks)
         if self._cached_now:
             self._computed.update(self._cached_now)
             self._cached_now.clear()
 
-    def _due(self) -> bool:
-        pool = self._pool
-        return (pool.num_blocks_holding_data >= WRITE_BACK_FROM_USAGE * pool.num_usable_blocks
-                and self._offload.top.num_free_slots >= self.batch_blocks)
+    def _take(self, limit: int) -> list[tuple[int, BlockHash]]:
+        """The oldest computed blocks to copy down now, leaving the tracking. While the tier has free slots, any;
+        once it is full, each store pushes one of its blocks out, so only blocks the device could evict next
+        (no request holds them): a block in use is probably needed on the device for a while yet, and its turn
+        comes again later (it goes to the back, so that a long request's blocks are not scanned every step)."""
+        pool_blocks = self._pool.blocks
+        any_block = self._offload.top.num_free_slots >= self.batch_blocks
+        taken: list[tuple[int, BlockHash]] = []
+        in_use: list[tuple[int, BlockHash]] = []
+        for block_id, key in self._computed.items():
+            if len(taken) >= limit or len(taken) + len(in_use) >= 4 * limit:
+                break
+            if pool_blocks[block_id].block_hash != key:
+                in_use.append((block_id, key))  # stale: dropped below, never re-queued
+            elif any_block or pool_blocks[block_id].ref_cnt == 0:
+                taken.append((block_id, key))
+            else:
+                in_use.append((block_id, key))
+        for block_id, _ in taken:
+            del self._computed[block_id]
+        for block_id, key in in_use:
+            del self._computed[block_id]
+            if pool_blocks[block_id].block_hash == key:
+                self._computed[block_id] = key
+        return taken

@@ -67,13 +67,14 @@ def kill_during_compaction(ctx: DrillContext, result: DrillResult) -> None:
     was, each event once.
 
     Compaction starts once the journal is over ``--journal-compact-bytes`` and at least half of it is past retention,
-    which the journal checks every 0.2 s. Sized in bytes, not time: a first server runs four rounds of requests to
-    their end (with retention 0, all garbage), the journal they leave is G bytes, and the server restarted on it
-    compacts once it is over 1.25 G and while it is under 2 G, i.e. while the running streams have written between a
-    quarter and the whole of G: from about 8% to 33% of their output, a window a check cannot miss however fast the
-    model runs (the first version allowed half of one round's bytes, which a fast dummy:tiny wrote between two
-    checks). The shim holds that compaction's fsync from the start (no earlier one can happen), and the drill kills
-    the server there."""
+    which the journal checks every 0.2 s, after its fsync. Sized in bytes, not time: a first server runs eight rounds
+    of requests to their end (with retention 0, all garbage), the journal they leave is G bytes, and the server
+    restarted on it compacts once it is over 1.25 G and while it is under 2 G, i.e. while the running streams have
+    written between a quarter and the whole of G: from about 17% to 67% of their output, a window a check cannot miss
+    however fast the model runs (the first version allowed half of one round's bytes, which a fast dummy:tiny wrote
+    between two checks; four rounds, 8% to 33%, were once missed on a loaded CI machine whose fsyncs spaced the
+    checks further apart). The shim holds that compaction's fsync from the start (no earlier one can happen), and
+    the drill kills the server there."""
     control = ctx.workdir / "control"
     control.mkdir()
     env = {"LD_PRELOAD": str(fsync_shim(ctx)), "RTX_CHAOS_CONTROL_DIR": str(control)}
@@ -81,7 +82,7 @@ def kill_during_compaction(ctx: DrillContext, result: DrillResult) -> None:
     journal = state / "journal" / "journal.log"
     base = ("--state-dir", str(state), "--journal-retention", "0")
     with running_server(*base, "--journal-compact-bytes", "1g") as server:
-        for round_ in range(4):
+        for round_ in range(8):
             finished = new_streams(ctx, ctx.num_streams, first=100 + round_ * ctx.num_streams)
             join_all(finished, start_all(finished, Target(server.base_url)))
         server.stop()  # SIGTERM: the journal flushed, its garbage kept (compaction never reached 1 GiB)

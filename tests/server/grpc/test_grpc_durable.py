@@ -203,7 +203,9 @@ def test_the_client_goes_on_by_itself_across_a_kill_and_restart(tmp_path):
     and state dir, with no help from the caller: one stream of gapless events equal to an uninterrupted run."""
     port = free_port()
     args = (*MODEL_ARGS, "--state-dir", str(tmp_path / "state"), "--grpc-port", str(port))
-    params = {"max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
+    # Long enough to be still running at the kill on any machine (400 tokens once finished first on a loaded one:
+    # the restart then replayed the journal's finished request and resumed none).
+    params = {"max_tokens": 2000, "temperature": 0.0, "ignore_eos": True}
     server = start_server(*args)
     try:
         with GrpcClient(f"127.0.0.1:{port}") as client:  # the default retry policy

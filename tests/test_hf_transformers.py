@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -38,11 +39,18 @@ def test_our_kernels_folder_loaded_as_kernels_is_replaced_by_theirs(monkeypatch)
     assert Path(theirs.__file__).parent != ROOT / "kernels" and hasattr(theirs, "LayerRepository")
 
 
-def test_transformers_imports_with_the_checkout_on_the_path(monkeypatch):
+@pytest.mark.skipif(not hub_kernels_installed(), reason="Hugging Face's kernels package is not installed")
+def test_transformers_imports_in_a_fresh_process_with_the_checkout_first_on_the_path():
+    """As pytest or `python -m` from the root leave it, and nothing imported before (this test session has imported
+    theirs already, so the check runs in new interpreters): a plain import of transformers' model code fails, the
+    helper's succeeds."""
     pytest.importorskip("transformers")
-    monkeypatch.syspath_prepend(str(ROOT))
-    from rtxcore.hf_transformers import import_transformers
-
-    transformers = import_transformers()
-    # The model classes import transformers' kernel integration, which imports `kernels` when installed.
-    assert transformers.LlamaForCausalLM.__name__ == "LlamaForCausalLM"
+    first = f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
+    plain = first + "import transformers; print(transformers.LlamaForCausalLM.__name__)"
+    helped = first + ("from rtxcore.hf_transformers import import_transformers; "
+                      "print(import_transformers().LlamaForCausalLM.__name__)")
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+            for code in (plain, helped)]
+    assert runs[0].returncode != 0 and "kernels" in runs[0].stderr
+    assert runs[1].returncode == 0, runs[1].stderr[-2000:]
+    assert runs[1].stdout.strip() == "LlamaForCausalLM"

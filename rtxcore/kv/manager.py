@@ -28,6 +28,7 @@ from rtxcore.errors import ConfigError
 from rtxcore.kv.block_pool import BlockPool, BlockPoolError
 from rtxcore.kv.block_table import BlockTable
 from rtxcore.kv.hashing import BlockHash, hash_blocks
+from rtxcore.kv.tiers.base import HostTier
 from rtxcore.kv.tiers.offload import KVOffload, Reload
 from rtxcore.kv.tiers.prefetch import Prefetch
 from rtxcore.kv.tiers.write_back import WriteBack
@@ -106,9 +107,9 @@ class KVCacheManager:
             if not enable_prefix_caching:
                 raise ConfigError("KV offload keeps prefix-cache blocks: it needs prefix caching on")
             self.pool.on_evict = self._spill
-        # Computed blocks copied down ahead of their eviction: by default where the device copies asynchronously.
+        # Computed blocks copied down ahead of their eviction: by default on a GPU over a host tier.
         if write_back is None:
-            write_back = offload is not None and offload.device.type == "cuda"
+            write_back = offload is not None and offload.device.type == "cuda" and isinstance(offload.top, HostTier)
         self.write_back = WriteBack(offload, self.pool) if offload is not None and write_back else None
         # Device blocks whose bytes a reload still has on the way, and that reload.
         self._pending: dict[int, Reload] = {}

@@ -175,7 +175,8 @@ class TieredWorkloadMachine(WorkloadMachine):
                             offload=self.offload, write_back=self.write_back)
         self.kv = kv
         self.spilled: set[bytes] = set()
-        spill = self.offload.spill
+        spill = kv.pool.on_evict  # the manager's, which also tells the write-back
+        assert spill is not None
         kv.pool.on_evict = lambda victims: (self.spilled.update(k for _, k in victims), spill(victims))
 
     def _read_blocks(self, block_ids):

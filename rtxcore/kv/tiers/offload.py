@@ -104,8 +104,6 @@ class KVOffload:
         # Seconds from each reload's start to its bytes being in their blocks; read by the metrics.
         self.reload_seconds: deque[float] = deque(maxlen=_LATENCIES_KEPT)
         self._copy_stream: torch.cuda.Stream | None = None
-        # Where copies from the device to the lower tiers run (GPU).
-        self._spill_stream: torch.cuda.Stream | None = None
         # This step's point on the device's stream before it first waited for a copy, and the copies it waited for;
         # then the same for earlier steps whose events have not all completed (read by poll()).
         self._step_wait: tuple[torch.cuda.Event, list[torch.cuda.Event]] | None = None
@@ -141,30 +139,14 @@ class KVOffload:
 
     def _copy_down(self, blocks: list[tuple[int, BlockHash]]) -> None:
         """Gather the blocks on the device's stream (after the steps that wrote them) and store them in the first
-        lower tier. On a GPU the stores' copies to the host run on a stream of their own: on the steps' stream a
-        large spill's transfer over PCIe would delay the next step by as long."""
-        if not blocks:
-            return
-        stream = None
-        if self.device.type == "cuda":
-            stream = self._spill_stream
-            if stream is None:
-                stream = self._spill_stream = torch.cuda.Stream(self.device)
+        lower tier. The copies to the host stay on that stream: on one of its own, each chunk's staging buffer would
+        stay reserved until that stream got to it (memory growing with a long prompt's evictions), and the host
+        tier's events would cover two streams."""
         # In chunks: a long prompt can evict thousands of blocks at once, and each copy stages its blocks twice on
         # the device.
         for start in range(0, len(blocks), COPY_CHUNK_BLOCKS):
             chunk = blocks[start:start + COPY_CHUNK_BLOCKS]
-            data = self._read([block_id for block_id, _ in chunk])
-            keys = [key for _, key in chunk]
-            if stream is None:
-                self.top.store(keys, data)
-                continue
-            # After the gather (and all before it on the steps' stream: a reload's copy out of a slot this store
-            # may reuse included).
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            data.record_stream(stream)  # gathered on the steps' stream, read on this one
-            with torch.cuda.stream(stream):
-                self.top.store(keys, data)
+            self.top.store([key for _, key in chunk], self._read([block_id for block_id, _ in chunk]))
 
     def pin_run(self, keys: Sequence[BlockHash]) -> list[KVTier]:
         """Pin the leading run of ``keys`` that some lower tier holds, each in the highest tier holding it; returns

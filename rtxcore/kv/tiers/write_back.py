@@ -4,14 +4,14 @@ Without it, each allocation that evicts cached blocks copies them down on the sp
 gather, one store and their launches per allocation, on the engine's thread, between a step's scheduling and its
 launch. On an H200 at 1.5x load (W4, 48 conversations) that was 7,854 copies of a few blocks each in a 35 s load
 phase, each holding the engine's thread for most of a millisecond (profiled: the launches release the GIL, and the
-serving thread takes it meanwhile). Written back in batches of ``COPY_CHUNK_BLOCKS``, most evictions find their
-block's bytes below already and cost a lookup (a spill hit). While the tier has free slots any computed block goes
-down; once it is full a store pushes one of its blocks out, as a spill would, so then only blocks no request holds
-(the device's eviction candidates) go down ahead of time.
+serving thread takes it meanwhile). Written back in batches of ``COPY_CHUNK_BLOCKS`` while the host tier has free
+slots, those evictions find their block's bytes below already and cost a lookup (a spill hit). Not into a full
+tier: there each store would push out a block only the tier holds for a copy of one the device still has.
 
-Only on a GPU: there the cost is per copy (launches, events, Python), not per byte, and the bytes travel on a copy
-stream of their own. On a CPU each block's bytes are a synchronous memcpy on the engine's thread, so copying blocks
-that may never be evicted would only add work.
+Only on a GPU, and only into a host tier: on a GPU the cost is per copy (launches, events, Python), not per byte,
+and a disk tier's store waits for the device (it reads the bytes back to the host at once). On a CPU each block's
+bytes are a synchronous memcpy on the engine's thread, so copying blocks that may never be evicted would only add
+work.
 
 A block registered in the prefix cache while a step is being scheduled is computed by that step, so it is written
 back only from the next one on: the gather is queued on the device's stream after the step that wrote it.
@@ -67,27 +67,19 @@ class WriteBack:
             self._cached_now.clear()
 
     def _take(self, limit: int) -> list[tuple[int, BlockHash]]:
-        """The oldest computed blocks to copy down now, leaving the tracking. While the tier has free slots, any;
-        once it is full, each store pushes one of its blocks out, so only blocks the device could evict next
-        (no request holds them): a block in use is probably needed on the device for a while yet, and its turn
-        comes again later (it goes to the back, so that a long request's blocks are not scanned every step)."""
+        """The oldest computed blocks to copy down now, as many as the tier has free slots for (up to ``limit``),
+        leaving the tracking. Only into free slots: in a full tier each store would push out a block only the tier
+        holds, for a copy of one the device still has (the cache's content shrinking), and a host tier over a disk
+        tier would wait for the step in flight to move that block down."""
+        limit = min(limit, self._offload.top.num_free_slots)
+        if limit < self.batch_blocks:
+            return []
         pool_blocks = self._pool.blocks
-        any_block = self._offload.top.num_free_slots >= self.batch_blocks
         taken: list[tuple[int, BlockHash]] = []
-        in_use: list[tuple[int, BlockHash]] = []
         for block_id, key in self._computed.items():
-            if len(taken) >= limit or len(taken) + len(in_use) >= 4 * limit:
+            if len(taken) >= limit:
                 break
-            if pool_blocks[block_id].block_hash != key:
-                in_use.append((block_id, key))  # stale: dropped below, never re-queued
-            elif any_block or pool_blocks[block_id].ref_cnt == 0:
-                taken.append((block_id, key))
-            else:
-                in_use.append((block_id, key))
+            taken.append((block_id, key))
         for block_id, _ in taken:
             del self._computed[block_id]
-        for block_id, key in in_use:
-            del self._computed[block_id]
-            if pool_blocks[block_id].block_hash == key:
-                self._computed[block_id] = key
-        return taken
+        return [(b, k) for b, k in taken if pool_blocks[b].block_hash == k]

@@ -59,9 +59,13 @@ def test_the_model_predicts_the_median_time_to_first_token_at_half_capacity():
         profile, blocks = from_server(server.base_url, BLOCK_SIZE)
     finally:
         assert server.stop() == 0, server.output()
-    assert report.overall.count(Outcome.COMPLETED) == report.overall.num_sent, "every request completes at 0.5x"
+    # A burst of Poisson arrivals can make the sla-lanes admission refuse a request (429 with Retry-After) even at
+    # half capacity: once in 176 in a CI dry run. The model's engine runs the same admission; nothing else may fail.
+    sent, completed = report.overall.num_sent, report.overall.count(Outcome.COMPLETED)
+    refused = report.overall.count(Outcome.REJECTED_429)
+    assert completed + refused == sent and refused <= max(1, sent // 50), report.overall.num_by_outcome
     measured = server_ttfts(server.stderr, started)
-    assert len(measured) == report.overall.num_sent
+    assert len(measured) == completed
 
     served_config = load_serve_config(str(W5_CONFIG))
     served = EngineConfig(scheduler="sla-lanes", num_kv_blocks=blocks, scheduling=SchedulerConfig(

@@ -19,6 +19,8 @@ back only from the next one on: the gather is queued on the device's stream afte
 
 from __future__ import annotations
 
+from itertools import islice
+
 from rtxcore.kv.block_pool import BlockPool
 from rtxcore.kv.hashing import BlockHash
 from rtxcore.kv.tiers.offload import COPY_CHUNK_BLOCKS, KVOffload
@@ -74,12 +76,8 @@ class WriteBack:
         limit = min(limit, self._offload.top.num_free_slots)
         if limit < self.batch_blocks:
             return []
-        pool_blocks = self._pool.blocks
-        taken: list[tuple[int, BlockHash]] = []
-        for block_id, key in self._computed.items():
-            if len(taken) >= limit:
-                break
-            taken.append((block_id, key))
+        taken = list(islice(self._computed.items(), limit))
         for block_id, _ in taken:
             del self._computed[block_id]
+        pool_blocks = self._pool.blocks
         return [(b, k) for b, k in taken if pool_blocks[b].block_hash == k]

@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 WHEEL_SITE = Path("/tmp/site")
 AB_SITES = Path("/tmp/rtx-ab")
 LLAMA_1B = ["--model", "dummy:llama-1b", "--max-num-batched-tokens", "8192", "--max-model-len", "4096"]
+# W7's prompts of 8,192 tokens and outputs of 128 need more than 4,096 positions.
+LLAMA_1B_LONG = ["--model", "dummy:llama-1b", "--max-num-batched-tokens", "8192", "--max-model-len", "8448"]
 LLAMA_8B = ["--model", "dummy:llama-8b", "--max-num-batched-tokens", "8192", "--max-model-len", "4096"]
 KERNEL_TESTS = ["tests/kernels/test_kernels_attention.py", "tests/kernels/test_kernels_elementwise.py",
                 "tests/kernels/test_kernels_gemv.py"]
@@ -130,6 +132,17 @@ def _spec(tree: Tree, out: Path, suffix: str, hf: bool) -> list[Command]:
     return commands
 
 
+def _real(tree: Tree, out: Path, suffix: str, hf: bool) -> list[Command]:
+    """The default model's real weights: greedy GPU == CPU in float32, then W1 and W3 against HF eager (bf16)."""
+    if not MODEL_FILE:  # main() refuses the step without one
+        return []
+    path = out / "greedy_real.json"
+    commands = [Command(tree.script("gpu_checks.py", str(path), "greedy", MODEL_FILE[0]), "greedy_real.log", path)]
+    for workload in ("W1", "W3"):
+        commands += _bench(f"{workload}_smollm2", workload, ["--model", MODEL_FILE[0]], "hf")(tree, out, suffix, hf)
+    return commands
+
+
 STEPS: dict[str, Step] = {s.name: s for s in (
     Step("install", "nothing more than the install every call starts with (for commands run by hand afterwards)",
          lambda tree, out, suffix, hf: []),
@@ -147,6 +160,10 @@ STEPS: dict[str, Step] = {s.name: s for s in (
          _bench("W3_llama1b", "W3", LLAMA_1B, "hf"), ab=True),
     Step("cb", "W2 on llama-1b, continuous against static batching at 16, 32 and 64 running", _cb, ab=True),
     Step("w8b", "W8B on llama-8b (bf16) against HF eager", _w8b, ab=True),
+    Step("w7", "W7 long context (8,192-token prompts) on llama-1b against HF eager, with TTFT and the prefill "
+               "attention's FLOP/s", _bench("W7_llama1b", "W7", LLAMA_1B_LONG, "hf"), ab=True),
+    Step("real", "the default model's real weights (--model-file): greedy == CPU in float32, W1 and W3 against HF "
+                 "eager", _real),
     Step("quant", "quantized kernel tests, then W3 and W1 on llama-8b for bf16, int4, int8, int8-sq and fp8 "
                   "(quant_speed.py, medians of three)", _quant),
     Step("tiers", "the KV tier tests, then W4 with KV tiers on llama-1b (w4_tiers.py)", _tiers),
@@ -358,6 +375,8 @@ def run_ab(step: Step, trees: dict[str, Tree], out: Path, runs: int, hf: bool) -
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if "real" in args.steps and not args.model_file:
+        raise SystemExit("step real needs --model-file: the default model's GGUF on this machine")
     if args.model_file:
         MODEL_FILE[:] = [args.model_file]
     out = args.out.resolve()

@@ -2,14 +2,15 @@
 
 1. Greedy tokens of the default model's shape with random weights (float32) on the GPU, with CUDA graphs and
    eagerly, equal the CPU path's for the first 32 tokens of each prompt: six prompts decoding together, and one
-   alone (one-row steps, whose projections run through the GEMV kernel).
+   alone (one-row steps, whose projections run through the GEMV kernel). Given a model (the default model's GGUF),
+   the same on its real weights.
 2. Where a decode step's time goes on ``dummy:llama-1b`` (bfloat16): one graph replay timed with CUDA events, against
    the whole engine step timed on the host, at batch 1 and 256; at batch 1 for each RTX_TORCH_GEMV choice.
 3. What continuous batching's steps cost on W2 (``dummy:llama-1b``, 32 running at most), steps run synchronously
    and timed one by one: decode-only steps (decode CUDA graphs) against steps that carry a newcomer's prefill
    (piecewise CUDA graphs around eager attention).
-Usage: python benchmarks/gpu_checks.py OUT.json [mixed|decode|greedy]   (mixed: only the third; decode: the first
-       two, without the RTX_TORCH_GEMV comparison; greedy: the first)
+Usage: python benchmarks/gpu_checks.py OUT.json [mixed|decode|greedy [MODEL]]   (mixed: only the third; decode: the
+       first two, without the RTX_TORCH_GEMV comparison; greedy: the first, on MODEL's weights when given)
 """
 
 from __future__ import annotations
@@ -31,12 +32,12 @@ def engine(model: str, device: str, dtype: str, eager: bool = False, **sched) ->
                         scheduling=SchedulerConfig(**sched))
 
 
-def greedy_equality() -> dict:
+def greedy_equality(model: str = "dummy:smollm2-135m") -> dict:
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     prompts = [[100 + (i * 37 + j * 11) % 40000 for j in range(20 + 7 * i)] for i in range(6)]
     runs = {}
     for label, device, eager in (("cpu", "cpu", True), ("cuda graphs", "cuda", False), ("cuda eager", "cuda", True)):
-        e = engine("dummy:smollm2-135m", device, "float32", eager)
+        e = engine(model, device, "float32", eager)
         runs[label] = [r.token_ids for r in generate(e, prompts, params)]
         runs[label] += [r.token_ids for r in generate(e, prompts[:1], params)]
     out = {}
@@ -136,10 +137,11 @@ def mixed_steps(max_num_seqs: int = 32) -> dict:
     return out
 
 
-def main(out_path: str, only: str | None = None) -> None:
+def main(out_path: str, only: str | None = None, model: str | None = None) -> None:
     if only == "greedy":
         with open(out_path, "w") as fh:
-            json.dump({"greedy_equal_to_cpu_first32": greedy_equality()}, fh, indent=2)
+            json.dump({"model": model or "dummy:smollm2-135m",
+                       "greedy_equal_to_cpu_first32": greedy_equality(*([model] if model else []))}, fh, indent=2)
         return
     if only == "decode":
         # Greedy equality and decode step times only (benchmarks/gpu.py decode).
@@ -161,4 +163,4 @@ def main(out_path: str, only: str | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None, sys.argv[3] if len(sys.argv) > 3 else None)

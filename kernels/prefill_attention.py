@@ -24,9 +24,48 @@ import triton.language as tl
 from rtx_kernels.launch import launch
 
 _LOG2E = 1.4426950408889634
-# Rows (query x head pairs) and keys per tile. Untuned; 64 x 64 suits both head sizes 64 and 128 on Hopper.
+# Rows (query x head pairs) and keys per tile, and the launch's warps and pipeline stages: the fastest of a sweep on
+# the H200 at llama-1b's heads for a long prompt, a chunk after a long context and many short prompts alike
+# (benchmarks/prefill_attention_sweep.py; docs/benchmarks.md).
 _BLOCK_ROWS = 64
 _BLOCK_N = 64
+_NUM_WARPS = 4
+_NUM_STAGES = 2
+
+
+@triton.jit
+def _attend_tile(q, q_pos, m_i, l_i, acc, tile_start, end, table, k_base, v_base, qk_scale,
+                 stride_kb, stride_kt, stride_vb, stride_vt,
+                 HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
+    """One key tile of the online softmax; ``MASKED`` tiles may hold keys past ``end`` or after some rows' queries."""
+    offs_d = tl.arange(0, HEAD_SIZE)
+    pos = tile_start + tl.arange(0, BLOCK_N)
+    slot = pos % BLOCK_SIZE
+    if MASKED:
+        key_mask = pos < end
+        block_ids = tl.load(table + pos // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
+        k = tl.load(k_base + block_ids[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :],
+                    mask=key_mask[:, None], other=0.0)
+    else:
+        block_ids = tl.load(table + pos // BLOCK_SIZE).to(tl.int64)
+        k = tl.load(k_base + block_ids[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :])
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        # Every row sees key 0 (q_pos >= 0), so after the first tile each row's maximum is finite.
+        visible = key_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if MASKED:
+        v = tl.load(v_base + block_ids[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
+                    mask=key_mask[:, None], other=0.0)
+    else:
+        v = tl.load(v_base + block_ids[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :])
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -66,31 +105,21 @@ def _prefill_kernel(
     table = block_tables_ptr + req.to(tl.int64) * stride_bt
     # Causality bounds the keys this block of queries can see.
     end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
-    offs_n = tl.arange(0, BLOCK_N)
+    # Tiles wholly before the block's first query are visible to every row: no mask there. At a long prompt's
+    # last query blocks that is nearly every tile.
+    unmasked_end = (context_len + q_block * BLOCK_Q) // BLOCK_N * BLOCK_N
 
     m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_SIZE], tl.float32)
-    for tile_start in range(0, end, BLOCK_N):
-        pos = tile_start + offs_n
-        key_mask = pos < end
-        block_ids = tl.load(table + pos // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
-        slot = pos % BLOCK_SIZE
-        k = tl.load(k_base + block_ids[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :],
-                    mask=key_mask[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        # Every row sees key 0 (q_pos >= 0), so after the first tile each row's maximum is finite.
-        visible = key_mask[None, :] & (pos[None, :] <= q_pos[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + block_ids[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
-                    mask=key_mask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    for tile_start in range(0, unmasked_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(q, q_pos, m_i, l_i, acc, tile_start, end, table, k_base, v_base, qk_scale,
+                                     stride_kb, stride_kt, stride_vb, stride_vt,
+                                     HEAD_SIZE, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, False)
+    for tile_start in range(unmasked_end, end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(q, q_pos, m_i, l_i, acc, tile_start, end, table, k_base, v_base, qk_scale,
+                                     stride_kb, stride_kt, stride_vb, stride_vt,
+                                     HEAD_SIZE, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, True)
 
     acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     out_offs = (q_start + q_idx)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
@@ -109,8 +138,8 @@ def prefill_attention(
     out: torch.Tensor | None = None,
     block_rows: int = _BLOCK_ROWS,
     block_n: int = _BLOCK_N,
-    num_warps: int = 4,
-    num_stages: int = 3,
+    num_warps: int = _NUM_WARPS,
+    num_stages: int = _NUM_STAGES,
     launch_cache: dict | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's chunk over its whole paged context; returns ``out`` ``[T, H, D]``.

@@ -53,6 +53,7 @@ def run_hf_static(model, requests: list[BenchRequest], pad_token_id: int = 0,
     tokens each request asked for count as output."""
     device = next(model.parameters()).device
     batch_size = batch_size or len(requests)
+    ttfts: list[float] = []
     start = time.perf_counter()
     for i in range(0, len(requests), batch_size):
         chunk = requests[i:i + batch_size]
@@ -63,10 +64,33 @@ def run_hf_static(model, requests: list[BenchRequest], pad_token_id: int = 0,
             ids[row, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
             mask[row, width - len(r.prompt_token_ids):] = 1
         steps = max(r.output_len for r in chunk)
+        first_token = _FirstTokenClock()
         model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=steps,
-                       do_sample=False, pad_token_id=pad_token_id)
+                       do_sample=False, pad_token_id=pad_token_id, streamer=first_token)
+        # The whole batch gets its first token from the same step.
+        ttfts += [(first_token.time if first_token.time is not None else time.perf_counter()) - start] * len(chunk)
     if device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     return ThroughputResult("hf eager (static)", len(requests), sum(r.output_len for r in requests),
-                            sum(len(r.prompt_token_ids) for r in requests), elapsed)
+                            sum(len(r.prompt_token_ids) for r in requests), elapsed, ttfts)
+
+
+class _FirstTokenClock:
+    """A ``generate`` streamer that notes when the first generated tokens reach the host.
+
+    ``generate`` hands a streamer the prompt first, then each step's tokens (copied to the host, so the step has run).
+    Duck-typed rather than derived from transformers' ``BaseStreamer``: this module must import without transformers.
+    """
+
+    def __init__(self) -> None:
+        self._calls = 0
+        self.time: float | None = None
+
+    def put(self, value) -> None:
+        self._calls += 1
+        if self._calls == 2:
+            self.time = time.perf_counter()
+
+    def end(self) -> None:
+        pass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rtxcore.bench.engine import Engine, drain, generate
 from rtxcore.bench.workloads import BenchRequest
@@ -22,15 +22,28 @@ class ThroughputResult:
     output_tokens: int
     prompt_tokens: int
     elapsed_s: float
+    # Seconds from the start of the run to each request's first token (all requests are submitted at the start).
+    ttft_s: list[float] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.elapsed_s
 
+    def ttft_percentile(self, q: float) -> float:
+        return nearest_rank(self.ttft_s, q)
+
     @property
     def ms_per_token_per_request(self) -> float:
         """Mean time per output token of one stream (W3's figure when there is one request)."""
         return 1000 * self.elapsed_s * self.num_requests / self.output_tokens
+
+
+def nearest_rank(values: list[float], q: float) -> float:
+    """The value at rank ``q`` (0-1) of ``values``, nan when there are none."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def _params(r: BenchRequest) -> SamplingParams:
@@ -44,11 +57,12 @@ def run_engine(engine: Engine, requests: list[BenchRequest], label: str = "rtx e
     :param progress: called as ``progress(num_finished, num_requests)``: with 0 at the start, then after each step
         that finished a request.
     """
-    on_step = None
     if progress is not None:
         progress(0, len(requests))
-        on_step = _count_finished(progress, len(requests))
-    start = time.perf_counter()
+    first_token_times: list[float] = []
+    on_step = _watch_finished(first_token_times, progress, len(requests))
+    # Request timings are on the monotonic clock.
+    start, start_monotonic = time.perf_counter(), time.monotonic()
     produced = 0
     if static_batching:
         size = engine.core.config.scheduling.max_num_seqs
@@ -57,25 +71,30 @@ def run_engine(engine: Engine, requests: list[BenchRequest], label: str = "rtx e
     else:
         produced = _drain(engine, requests, on_step)
     elapsed = time.perf_counter() - start
-    return ThroughputResult(label, len(requests), produced, sum(len(r.prompt_token_ids) for r in requests), elapsed)
+    return ThroughputResult(label, len(requests), produced, sum(len(r.prompt_token_ids) for r in requests), elapsed,
+                            [t - start_monotonic for t in first_token_times])
 
 
 def _drain(engine: Engine, requests: list[BenchRequest], on_step: Callable | None = None) -> int:
     return drain(engine, ((r.prompt_token_ids, _params(r)) for r in requests), on_step)
 
 
-def _count_finished(progress: Progress, total: int) -> Callable:
-    """A ``drain`` step hook that reports the requests finished so far, only after a step that finished one (most
-    finish none: the timed loop pays for a look at each step's outputs and little more)."""
+def _watch_finished(first_token_times: list[float], progress: Progress | None, total: int) -> Callable:
+    """A ``drain`` step hook that keeps each finished request's first-token time and reports the requests finished
+    so far, only after a step that finished one (most finish none: the timed loop pays for a look at each step's
+    outputs and little more)."""
     num_finished = 0
 
     def on_step(step: Callable[[], list[RequestOutput]]) -> list[RequestOutput]:
         nonlocal num_finished
         outputs = step()
-        finished = sum(1 for o in outputs if o.finished)
+        finished = [o for o in outputs if o.finished]
         if finished:
-            num_finished += finished
-            progress(num_finished, total)
+            first_token_times.extend(o.timings.first_token_time for o in finished
+                                     if o.timings is not None and o.timings.first_token_time is not None)
+            num_finished += len(finished)
+            if progress is not None:
+                progress(num_finished, total)
         return outputs
     return on_step
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from rtxcore.bench.offline import nearest_rank
 from rtxcore.bench.workloads import BenchRequest
 from rtxcore.errors import RtxError
 
@@ -37,10 +38,7 @@ class ServedResult:
         return self.output_tokens / self.elapsed_s
 
     def ttft_percentile(self, q: float) -> float:
-        values = sorted(self.ttft_s)
-        if not values:
-            return float("nan")
-        return values[min(len(values) - 1, int(q * len(values)))]
+        return nearest_rank(self.ttft_s, q)
 
     @property
     def ms_per_token_per_request(self) -> float:

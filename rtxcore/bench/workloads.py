@@ -18,12 +18,15 @@ class Workload:
     prompt_len: tuple[int, int]
     output_len: tuple[int, int]
     description: str
+    # Also measure the prefill attention's achieved FLOP/s (rtxcore.bench.attention_flops), on a GPU.
+    measures_prefill_attention: bool = False
 
 
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("W1", 256, (128, 128), (256, 256), "offline-fixed: 256 requests, prompt 128, output 256"),
     Workload("W2", 256, (100, 1024), (100, 1024), "offline-mixed: 256 requests, prompt and output in [100, 1024]"),
     Workload("W3", 1, (128, 128), (256, 256), "single-stream: one request, prompt 128, output 256"),
+    Workload("W7", 32, (8192, 8192), (128, 128), "long context: 32 requests, prompt 8192, output 128", True),
     Workload("W8B", 256, (128, 128), (128, 128), "llama-8b peer shape: 256 requests, prompt 128, output 128"),
     # Prompt lengths are the text's; output exactly 256 tokens.
     Workload("W6", 1, (0, 0), (256, 256), "input-grounded: one request to copy out a 774-token report, output 256"),

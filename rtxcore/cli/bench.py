@@ -102,6 +102,11 @@ def run(args: argparse.Namespace) -> int:
                                         stats_since(before, engine.core.speculator.stats[method]))
     # Decoding one stream reads every weight once per token: no step can take less than that read.
     args.weight_bytes = _weight_bytes(engine)
+    args.prefill_attention = None
+    if workload.measures_prefill_attention:
+        from rtxcore.bench.attention_flops import measure_prefill_attention
+
+        args.prefill_attention = measure_prefill_attention(engine, requests)
     if args.serve:
         del engine  # the server process loads its own copy
         release_device_memory()
@@ -159,6 +164,11 @@ def _weight_bytes(engine) -> int:
     return measured() if measured else engine.core.model_config.num_params * engine.core.backend.dtype.itemsize
 
 
+def _number(value: float) -> float | None:
+    """JSON has no nan: a figure that was not measured is null."""
+    return None if value != value else value
+
+
 @dataclass(frozen=True, slots=True)
 class SpeculationResult:
     method: str
@@ -180,11 +190,12 @@ def _report(args: argparse.Namespace, workload: str, results: Sequence[Throughpu
             speculation: SpeculationResult | None = None) -> None:
     ours = results[0]
     base = results[1] if len(results) > 1 else None
-    lines = [f"{'system':32} {'output tok/s':>12} {'ms/token/stream':>16} {'elapsed s':>10} {'vs baseline':>12}"]
+    lines = [f"{'system':32} {'output tok/s':>12} {'ms/token/stream':>16} {'elapsed s':>10} {'vs baseline':>12} "
+             f"{'TTFT p50 s':>11} {'TTFT p99 s':>11}"]
     for r in results:
         ratio = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base and r is ours else ("1.00x" if base else "-")
         lines.append(f"{r.label:32} {r.tokens_per_s:12.1f} {r.ms_per_token_per_request:16.2f} {r.elapsed_s:10.2f} "
-                     f"{ratio:>12}")
+                     f"{ratio:>12} {r.ttft_percentile(0.5):11.3f} {r.ttft_percentile(0.99):11.3f}")
     # Whether started as `rtx` or `python -m rtxcore.cli.main`, the arguments after the program are the same.
     command = "rtx " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "rtx bench"
     meta = {
@@ -202,6 +213,11 @@ def _report(args: argparse.Namespace, workload: str, results: Sequence[Throughpu
         floor_ms = 1000 * args.weight_bytes / H200_COPY_BYTES_PER_S
         lines.append(f"weight-read floor {floor_ms:.3f} ms/token ({args.weight_bytes / 1e9:.2f} GB at 4.24 TB/s): "
                      f"the engine runs at {floor_ms / ours.ms_per_token_per_request:.0%} of it")
+    attention = getattr(args, "prefill_attention", None)
+    if attention is not None:
+        lines.append(attention.line())
+    elif get_workload(workload).measures_prefill_attention:
+        lines.append("prefill attention: not measured (the Triton prefill kernel runs on CUDA only)")
     if speculation is not None:
         lines.append(speculation.line())
     print(f"# {meta['command']}\n# {meta['date']} on {meta['machine']}")
@@ -211,10 +227,11 @@ def _report(args: argparse.Namespace, workload: str, results: Sequence[Throughpu
             {"label": r.label, "tokens_per_s": r.tokens_per_s, "output_tokens": r.output_tokens,
              "prompt_tokens": getattr(r, "prompt_tokens", None), "elapsed_s": r.elapsed_s,
              "ms_per_token_per_request": r.ms_per_token_per_request,
-             **({"ttft_p50_s": r.ttft_percentile(0.5), "ttft_p99_s": r.ttft_percentile(0.99), "errors": r.errors}
-                if isinstance(r, ServedResult) else {})} for r in results],
+             "ttft_p50_s": _number(r.ttft_percentile(0.5)), "ttft_p99_s": _number(r.ttft_percentile(0.99)),
+             **({"errors": r.errors} if isinstance(r, ServedResult) else {})} for r in results],
             "ratio_vs_baseline": ours.tokens_per_s / base.tokens_per_s if base else None,
             "weight_read_floor_ms": floor_ms,
+            "prefill_attention": attention.to_json() if attention is not None else None,
             "speculative": speculation.to_json() if speculation is not None else None}
         with open(args.json_path, "w") as fh:
             json.dump(payload, fh, indent=2)

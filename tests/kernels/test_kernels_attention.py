@@ -112,6 +112,8 @@ else:
         pytest.param(4, 2, 32, 8, [4, 7], [13, 8], id="gqa2-prefix"),
         pytest.param(8, 2, 16, 4, [1, 12, 0, 6, 3], [20, 0, 5, 9, 1], id="gqa4-mixed"),
         pytest.param(8, 2, 16, 4, [70], [3], id="gqa4-several-query-blocks"),
+        # Key tiles wholly before a query block's first query take the unmasked path: several here.
+        pytest.param(4, 2, 16, 4, [90, 2], [150, 260], id="gqa2-unmasked-tiles"),
     ]
 
 

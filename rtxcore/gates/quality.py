@@ -1,13 +1,19 @@
 """The quality gate: each built-in quantizer's perplexity on the default model against the unquantized reference
 (Hugging Face transformers on the same GGUF), held to ``[quality.quantizer_max_ppl_increase]`` of spec/gates.toml
 (the conformance suite's quality gate, run for every built-in at once), and a calibrated method to beating its
-uncalibrated baseline."""
+uncalibrated baseline.
+
+Then each built-in method as a user deploys it within the seed's budget: ``rtx quantize --method M --plan``
+(rtxcore.quant.planner chooses each layer group's format within ``plan_ppl_delta`` on planning text), the written
+checkpoint loaded back and scored on the held-out text against the float model, held to
+``planned_max_ppl_increase``."""
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
 import os
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +28,8 @@ from rtx_conformance.gates.quality import (
 )
 from rtxcore.gates.outcome import Check, skipped
 from rtxcore.models.resolve import resolve_model
-from rtxcore.registry import load_plugins
+from rtxcore.quant.pipeline import QuantizeOptions, quantize_model
+from rtxcore.registry import PluginRegistry, load_plugins
 
 GATE = "quality"
 
@@ -30,6 +37,11 @@ GATE = "quality"
 @dataclass(frozen=True, slots=True)
 class QualitySettings:
     quantizers: list[str]
+    # Methods quantized through the planner, each held to planned_max_ppl_increase on the held-out text.
+    planned: list[str]
+    plan_ppl_delta: float
+    planned_max_ppl_increase: float
+    plan_calibration_tokens: int
 
 
 def run(settings: QualitySettings, gates_file: Path | None, say) -> list[Check]:
@@ -60,7 +72,25 @@ def run(settings: QualitySettings, gates_file: Path | None, say) -> list[Check]:
         if result.baseline_perplexity is not None:
             checks.append(Check(GATE, f"{name}: perplexity / {baseline}'s", result.perplexity /
                                 result.baseline_perplexity, 1.0, "<=", f"{baseline}: {result.baseline_perplexity:.3f}"))
+    del model
+    for name in settings.planned:
+        say(f"quality: {name} planned within +{settings.plan_ppl_delta}...")
+        checks.append(_planned_check(settings, name, gate.num_tokens, registry))
     return checks
+
+
+def _planned_check(settings: QualitySettings, method: str, eval_tokens: int, registry: PluginRegistry) -> Check:
+    with tempfile.TemporaryDirectory(prefix="rtx-gate-plan-") as tmp:
+        options = QuantizeOptions(method, Path(tmp) / "model", calibration_tokens=settings.plan_calibration_tokens,
+                                  eval_tokens=eval_tokens, target_ppl_delta=settings.plan_ppl_delta)
+        with _quiet_tqdm():
+            report = quantize_model(None, options, registry)
+    evaluation, plan = report["evaluation"], report["plan"]
+    formats = ", ".join(f"{m} {n}" for m, n in sorted(plan["layers_by_format"].items()))
+    detail = (f"held-out perplexity {evaluation['ppl_quantized']:.3f} against {evaluation['ppl_original']:.3f}; "
+              f"layers: {formats}; predicted decode speed-up {plan['predicted_decode_speedup_vs_bf16']}x")
+    return Check(GATE, f"{method} planned: perplexity increase", evaluation["ppl_increase"],
+                 settings.planned_max_ppl_increase, "<=", detail)
 
 
 @contextlib.contextmanager

@@ -133,13 +133,17 @@ def _spec(tree: Tree, out: Path, suffix: str, hf: bool) -> list[Command]:
 
 
 def _real(tree: Tree, out: Path, suffix: str, hf: bool) -> list[Command]:
-    """The default model's real weights: greedy GPU == CPU in float32, then W1 and W3 against HF eager (bf16)."""
+    """The default model's real weights: greedy GPU == CPU in float32, W1 and W3 against HF eager (bf16), and fp8's
+    perplexity against bf16's."""
     if not MODEL_FILE:  # main() refuses the step without one
         return []
     path = out / "greedy_real.json"
     commands = [Command(tree.script("gpu_checks.py", str(path), "greedy", MODEL_FILE[0]), "greedy_real.log", path)]
     for workload in ("W1", "W3"):
         commands += _bench(f"{workload}_smollm2", workload, ["--model", MODEL_FILE[0]], "hf")(tree, out, suffix, hf)
+    path = out / "fp8_quality.json"
+    commands.append(Command(tree.script("fp8_quality.py", "--model", MODEL_FILE[0], "--json", str(path)),
+                            "fp8_quality.log", path))
     return commands
 
 
@@ -163,7 +167,7 @@ STEPS: dict[str, Step] = {s.name: s for s in (
     Step("w7", "W7 long context (8,192-token prompts) on llama-1b against HF eager, with TTFT and the prefill "
                "attention's FLOP/s", _bench("W7_llama1b", "W7", LLAMA_1B_LONG, "hf"), ab=True),
     Step("real", "the default model's real weights (--model-file): greedy == CPU in float32, W1 and W3 against HF "
-                 "eager", _real),
+                 "eager, fp8's perplexity against bf16's (fp8_quality.py)", _real),
     Step("quant", "quantized kernel tests, then W3 and W1 on llama-8b for bf16, int4, int8, int8-sq and fp8 "
                   "(quant_speed.py, medians of three)", _quant),
     Step("tiers", "the KV tier tests, then W4 with KV tiers on llama-1b (w4_tiers.py)", _tiers),

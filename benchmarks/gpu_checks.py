@@ -9,8 +9,11 @@
 3. What continuous batching's steps cost on W2 (``dummy:llama-1b``, 32 running at most), steps run synchronously
    and timed one by one: decode-only steps (decode CUDA graphs) against steps that carry a newcomer's prefill
    (piecewise CUDA graphs around eager attention).
-Usage: python benchmarks/gpu_checks.py OUT.json [mixed|decode|greedy [MODEL]]   (mixed: only the third; decode: the
-       first two, without the RTX_TORCH_GEMV comparison; greedy: the first, on MODEL's weights when given)
+4. Where a batch-1 decode graph replay of ``dummy:llama-1b`` spends its time, kernel by kernel, under the torch
+   profiler: W3's step, against the weight-read floor of 0.583 ms.
+Usage: python benchmarks/gpu_checks.py OUT.json [mixed|decode|kernels|greedy [MODEL]]   (mixed: only the third;
+       decode: the first two, without the RTX_TORCH_GEMV comparison; kernels: the fourth; greedy: the first, on
+       MODEL's weights when given)
 """
 
 from __future__ import annotations
@@ -85,6 +88,35 @@ def step_times(batches=(1, 256), label: str = "") -> dict:
     return out
 
 
+def decode_kernels(batch: int = 1, replays: int = 50) -> dict:
+    """Device time per kernel (by name) of one decode graph replay at ``batch``, largest first."""
+    e = engine("dummy:llama-1b", "cuda", "bfloat16", max_num_batched_tokens=8192, max_num_seqs=256)
+    graphs = e.core.backend._graphs
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        e.add_request([1000 + (i * 7 + j) % 5000 for j in range(128)], params)
+    for _ in range(12):
+        e.step()
+    while e.has_unfinished_requests():
+        e.step()
+    graph = graphs._graphs[next(s for s in graphs.sizes if s >= batch)]
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    rows = sorted(((ev.key, ev.device_time_total / replays, ev.count // replays) for ev in prof.key_averages()
+                   if ev.device_time_total > 0), key=lambda r: -r[1])
+    total = sum(us for _, us, _ in rows)
+    print(f"decode graph replay at batch {batch}: {total:.1f} us of kernels a step", flush=True)
+    for name, us, count in rows[:25]:
+        print(f"  {us:8.1f} us  x{count:<3} {name[:110]}", flush=True)
+    return {"batch": batch, "kernel_us_per_step": total,
+            "kernels": [{"name": n, "us_per_step": us, "launches_per_step": c} for n, us, c in rows]}
+
+
 def gemv_choices() -> dict:
     out = {}
     for choice in ("0", "1"):
@@ -149,6 +181,10 @@ def main(out_path: str, only: str | None = None, model: str | None = None) -> No
                    "decode_step": step_times(label=f", RTX_PDL={os.environ.get('RTX_PDL', '1')}")}
         with open(out_path, "w") as fh:
             json.dump(results, fh, indent=2)
+        return
+    if only == "kernels":
+        with open(out_path, "w") as fh:
+            json.dump({"decode_kernels": decode_kernels()}, fh, indent=2)
         return
     if only == "mixed":
         results = {"w2_steps": mixed_steps()}

@@ -12,6 +12,7 @@ Usage: python benchmarks/prefill_attention_sweep.py [--json OUT.json] [--quick]
 from __future__ import annotations
 
 import argparse
+import inspect
 import itertools
 import json
 
@@ -23,6 +24,9 @@ from rtx_kernels.prefill_attention import prefill_attention
 
 H, KVH, D, BS = 32, 8, 64, 16
 SCALE = D ** -0.5
+# The kernel's own launch shape: rows, keys, warps, stages.
+_DEFAULTS = inspect.signature(prefill_attention).parameters
+DEFAULT_SHAPE = tuple(_DEFAULTS[k].default for k in ("block_rows", "block_n", "num_warps", "num_stages"))
 
 
 def _flops(query_lens: list[int], seq_lens: list[int]) -> float:
@@ -66,7 +70,7 @@ def sweep(name: str, query_lens: list[int], seq_lens: list[int], quick: bool) ->
     q, k, v, starts, lens, tables = _case(query_lens, seq_lens)
     flops = _flops(query_lens, seq_lens)
     reference = prefill_attention(q, k, v, starts, lens, tables, SCALE, max(query_lens))
-    shapes = [(64, 64, 4, 3)] if quick else itertools.product((64, 128, 256), (32, 64, 128), (4, 8), (2, 3, 4))
+    shapes = [DEFAULT_SHAPE] if quick else itertools.product((64, 128, 256), (32, 64, 128), (4, 8), (2, 3, 4))
     rows = []
     for block_rows, block_n, warps, stages in shapes:
         def run(block_rows=block_rows, block_n=block_n, warps=warps, stages=stages):
@@ -85,7 +89,7 @@ def sweep(name: str, query_lens: list[int], seq_lens: list[int], quick: bool) ->
     sdpa = _sdpa_ms(query_lens, seq_lens)
     print(f"\n{name}: {len(query_lens)} chunks of {query_lens[0]} tokens, contexts {seq_lens[0]}; "
           f"torch sdpa {sdpa:.3f} ms ({flops / sdpa / 1e9:.1f} TFLOP/s)")
-    for r in rows[:8] + [r for r in rows if (r["block_rows"], r["block_n"], r["warps"], r["stages"]) == (64, 64, 4, 3)]:
+    for r in rows[:8] + [r for r in rows if (r["block_rows"], r["block_n"], r["warps"], r["stages"]) == DEFAULT_SHAPE]:
         if "ms" in r:
             print(f"  rows {r['block_rows']:3} keys {r['block_n']:3} warps {r['warps']} stages {r['stages']}: "
                   f"{r['ms']:.3f} ms, {r['tflops']:.1f} TFLOP/s, max |diff| {r['max_abs_diff_vs_default']:.2e}")

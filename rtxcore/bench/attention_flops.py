@@ -53,9 +53,10 @@ def causal_attention_flops(prompt_len: int, num_layers: int, num_heads: int, hea
 
 def measure_prefill_attention(engine: Engine, requests: list[BenchRequest],
                               max_prompts: int = 4) -> PrefillAttentionResult | None:
-    """Prefill up to ``max_prompts`` of ``requests`` (one token out each) under the profiler; None off CUDA, where
-    the backend runs no Triton prefill kernel to time."""
-    if engine.core.backend.device.type != "cuda":
+    """Prefill up to ``max_prompts`` of ``requests`` (one token out each) under the profiler. None where it cannot
+    be measured: off CUDA, when the backend runs attention without the Triton kernel (``RTX_TORCH_KERNELS=torch``,
+    no Triton), and across several ranks (this process sees only its own share of the heads and layers)."""
+    if engine.core.backend.device.type != "cuda" or engine.core.config.world_size > 1:
         return None
     chosen = requests[:max_prompts]
     engine.core.kv_cache.reset_prefix_cache()  # every prompt token is computed, none reused
@@ -65,7 +66,7 @@ def measure_prefill_attention(engine: Engine, requests: list[BenchRequest],
         torch.cuda.synchronize()
     kernels = [e for e in profiler.key_averages() if PREFILL_KERNEL in e.key]
     if not kernels:
-        raise RuntimeError(f"the profiler saw no {PREFILL_KERNEL} launch while prefilling {len(chosen)} prompts")
+        return None
     config = engine.core.model_config
     flops = sum(causal_attention_flops(len(r.prompt_token_ids), config.num_layers, config.num_heads, config.head_dim)
                 for r in chosen)

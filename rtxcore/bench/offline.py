@@ -22,7 +22,8 @@ class ThroughputResult:
     output_tokens: int
     prompt_tokens: int
     elapsed_s: float
-    # Seconds from the start of the run to each request's first token (all requests are submitted at the start).
+    # Seconds from the start of the run to each request's first token (with static batching, a later batch's
+    # requests are submitted only when the batch before it has finished: their wait counts).
     ttft_s: list[float] = field(default_factory=list)
 
     @property

@@ -217,7 +217,7 @@ def _report(args: argparse.Namespace, workload: str, results: Sequence[Throughpu
     if attention is not None:
         lines.append(attention.line())
     elif get_workload(workload).measures_prefill_attention:
-        lines.append("prefill attention: not measured (the Triton prefill kernel runs on CUDA only)")
+        lines.append("prefill attention: not measured (it times the Triton prefill kernel: one process on CUDA)")
     if speculation is not None:
         lines.append(speculation.line())
     print(f"# {meta['command']}\n# {meta['date']} on {meta['machine']}")

@@ -139,6 +139,27 @@ def test_prefill_attention_matches_reference(num_heads, num_kv_heads, head_size,
     _assert_attention_close(out, ref, dtype)
 
 
+@pytest.mark.parametrize("block_rows, block_n", [(16, 16), (32, 16), (16, 32)])
+def test_prefill_attention_with_small_tiles(block_rows, block_n):
+    """Small tiles give every query block several unmasked key tiles, then several masked ones (its own queries',
+    over a context that ends inside a tile)."""
+    gen = generator(block_rows + block_n)
+    query_lens, prefix_lens = [40, 3, 17], [37, 50, 0]
+    seq_lens = [p + q for q, p in zip(query_lens, prefix_lens)]
+    k_cache, v_cache, block_tables = paged_cache(seq_lens, 2, 4, 16, torch.float32, gen)
+    q = randn(sum(query_lens), 4, 16, gen=gen)
+    query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32,
+                                   device=DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+
+    prefill_attention(q, k_cache, v_cache, query_start_loc, lens, block_tables, 0.25, max(query_lens), out=out,
+                      block_rows=block_rows, block_n=block_n)
+
+    ref = prefill_attention_ref(q, k_cache, v_cache, query_start_loc, lens, block_tables, 0.25)
+    _assert_attention_close(out, ref, torch.float32)
+
+
 def test_prefill_of_one_token_equals_decode():
     gen = generator(11)
     seq_lens = [1, 10, 27]

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import triton
 
 from rtx_kernels.prefill_attention import prefill_attention
+from rtxcore.bench.attention_flops import causal_attention_flops
 
 H, KVH, D, BS = 32, 8, 64, 16
 SCALE = D ** -0.5
@@ -30,9 +31,7 @@ DEFAULT_SHAPE = tuple(_DEFAULTS[k].default for k in ("block_rows", "block_n", "n
 
 
 def _flops(query_lens: list[int], seq_lens: list[int]) -> float:
-    """Q K^T and P V over each query's visible keys (query i of a chunk sees the context and the chunk up to i)."""
-    pairs = sum(q * (s - q) + q * (q + 1) / 2 for q, s in zip(query_lens, seq_lens))
-    return 4.0 * H * D * pairs
+    return sum(causal_attention_flops(q, 1, H, D, context_len=s - q) for q, s in zip(query_lens, seq_lens))
 
 
 def _case(query_lens: list[int], seq_lens: list[int]):

@@ -46,9 +46,13 @@ class PrefillAttentionResult:
                 "fraction_of_h200_bf16_peak": self.flops_per_s / H200_BF16_PEAK_FLOPS}
 
 
-def causal_attention_flops(prompt_len: int, num_layers: int, num_heads: int, head_size: int) -> float:
-    """Two matmuls (Q K^T, then P V), two FLOPs per multiply-add, over each head's visible (query, key) pairs."""
-    return 4.0 * num_layers * num_heads * head_size * prompt_len * (prompt_len + 1) / 2
+def causal_attention_flops(prompt_len: int, num_layers: int, num_heads: int, head_size: int,
+                           context_len: int = 0) -> float:
+    """Two matmuls (Q K^T, then P V), two FLOPs per multiply-add, over each head's visible (query, key) pairs: a
+    chunk of ``prompt_len`` queries after ``context_len`` cached tokens sees the whole context and its own causal
+    triangle."""
+    pairs = prompt_len * context_len + prompt_len * (prompt_len + 1) / 2
+    return 4.0 * num_layers * num_heads * head_size * pairs
 
 
 def measure_prefill_attention(engine: Engine, requests: list[BenchRequest],

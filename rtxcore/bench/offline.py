@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from rtxcore.bench.engine import Engine, drain, generate
 from rtxcore.bench.workloads import BenchRequest
+from rtxcore.capacity.step_time import nearest_rank
 from rtxcore.engine.outputs import RequestOutput
 from rtxcore.sampling_params import SamplingParams
 
@@ -37,14 +38,6 @@ class ThroughputResult:
     def ms_per_token_per_request(self) -> float:
         """Mean time per output token of one stream (W3's figure when there is one request)."""
         return 1000 * self.elapsed_s * self.num_requests / self.output_tokens
-
-
-def nearest_rank(values: list[float], q: float) -> float:
-    """The value at rank ``q`` (0-1) of ``values``, nan when there are none."""
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def _params(r: BenchRequest) -> SamplingParams:

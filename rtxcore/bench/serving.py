@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from rtxcore.bench.offline import nearest_rank
 from rtxcore.bench.workloads import BenchRequest
+from rtxcore.capacity.step_time import nearest_rank
 from rtxcore.errors import RtxError
 
 

@@ -179,7 +179,17 @@ def sample_quantiles(values: Iterable[float]) -> tuple[float, ...]:
     ordered = sorted(values)
     if not ordered:
         return ()
-    return tuple(ordered[min(int(q * len(ordered)), len(ordered) - 1)] for q in SPREAD_QUANTILES)
+    return tuple(_at_rank(ordered, q) for q in SPREAD_QUANTILES)
+
+
+def nearest_rank(values: Iterable[float], q: float) -> float:
+    """The values' quantile ``q`` (0-1), nearest rank below; nan without values."""
+    ordered = sorted(values)
+    return _at_rank(ordered, q) if ordered else float("nan")
+
+
+def _at_rank(ordered: list[float], q: float) -> float:
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
 
 
 def draw_ratio(spread: tuple[float, ...], u: float) -> float:

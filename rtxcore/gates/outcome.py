@@ -51,6 +51,11 @@ def skipped(gate: str, name: str, reason: str) -> Check:
     return Check(gate, name, None, 0.0, "<=", reason, skipped=True)
 
 
+def did_not_run(gate: str, name: str, exc: Exception) -> Check:
+    """A failed check for work that raised instead of giving its figure."""
+    return Check(gate, name, 0.0, 1.0, ">=", f"{type(exc).__name__}: {exc}")
+
+
 @dataclass(slots=True)
 class Report:
     machine: str

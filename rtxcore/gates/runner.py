@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rtxcore.gates import cache, online, quality, restart, security, throughput
-from rtxcore.gates.outcome import Check, Report, current_commit
+from rtxcore.gates.outcome import Check, Report, current_commit, did_not_run
 from rtxcore.gates.thresholds import load_phase_tables, machine_class, settings
 
 
@@ -58,8 +58,7 @@ def run_gates(names: tuple[str, ...], gates_file: Path | None = None, workdir: P
                 # The overload part needs the latency gate's server: asked for alone, only its checks are kept.
                 report.checks += [c for c in step() if c.gate in names]
             except Exception as exc:  # one gate's failure to run fails that gate, not the run
-                report.checks.append(Check(gate, "ran to the end", 0.0, 1.0, ">=",
-                                           f"{type(exc).__name__}: {exc}"))
+                report.checks.append(did_not_run(gate, "ran to the end", exc))
             say(f"{gate}: done in {time.monotonic() - began:.0f} s")
     report.elapsed_s = time.monotonic() - start
     return report

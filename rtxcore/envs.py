@@ -160,9 +160,14 @@ RTX_PDL = _bool_switch(
     "RTX_PDL", True,
     "Programmatic dependent launch for the decode path's Triton kernels on Hopper and later; `0` turns it off, "
     "for A/B measurements. Read once per process.")
+RTX_KV_ROW_COPY = _bool_switch(
+    "RTX_KV_ROW_COPY", True,
+    "KV blocks move between the GPU and the pinned host tier in one Triton launch per reload or spill; `0` makes "
+    "one copy per run of adjacent host slots instead, for A/B measurements. Read once per process.")
 
 SWITCHES: dict[str, Switch[object]] = {
     switch.name: switch
     for switch in (RTX_PLUGINS, RTX_API_KEYS, RTX_FAULT_INJECTION, RTX_TORCH_KERNELS, RTX_TORCH_GEMV, RTX_LAUNCH_CACHE,
-                   RTX_ORT_PROVIDER, RTX_PP_MICRO_BATCH_TOKENS, RTX_GRAPH_CACHE, RTX_CPU_KERNELS, RTX_INT4_MMA, RTX_PDL)
+                   RTX_ORT_PROVIDER, RTX_PP_MICRO_BATCH_TOKENS, RTX_GRAPH_CACHE, RTX_CPU_KERNELS, RTX_INT4_MMA, RTX_PDL,
+                   RTX_KV_ROW_COPY)
 }

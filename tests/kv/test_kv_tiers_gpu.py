@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from rtxcore import envs
 from rtxcore.kv.tiers.base import HostTier
 from rtxcore.kv.tiers.disk import DiskTier
 from rtxcore.kv.tiers.offload import KVOffload
@@ -26,6 +27,24 @@ def gpu_offload(num_caches: int) -> tuple[list[torch.Tensor], list[torch.Tensor]
     offload = KVOffload([host], lambda ids: read_blocks(caches, 1, ids),
                         lambda ids, data: write_blocks(caches, 1, ids, data), device="cuda")
     return caches, [c.clone() for c in caches], offload
+
+
+def disk_offload(tmp_path) -> tuple[list[torch.Tensor], list[torch.Tensor], HostTier, DiskTier, KVOffload]:
+    """Two random bf16 caches on the GPU with copies of them, a pinned host tier of 4 blocks over a disk tier of 8,
+    and blocks 1, 3 and 5 on disk only, under keys 0-2 (zeroed on the device)."""
+    from rtxcore.kv.block_io import read_blocks, write_blocks
+
+    caches = [torch.randn(2, 8, 4, 16, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    block_bytes = sum(c[:, 0].numel() for c in caches) * 2
+    disk = DiskTier(tmp_path, 8, block_bytes, POLICIES["lru"](8), FINGERPRINT)
+    host = HostTier(4, block_bytes, POLICIES["lru"](4), below=disk, pin_memory=True)
+    offload = KVOffload([host, disk], lambda ids: read_blocks(caches, 1, ids),
+                        lambda ids, data: write_blocks(caches, 1, ids, data), device="cuda")
+    disk.store([key(n) for n in range(3)], read_blocks(caches, 1, [1, 3, 5]))
+    for c in caches:
+        c[:, 1:6:2] = 0
+    return caches, expected, host, disk, offload
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the check is that nothing waits for it")
@@ -61,19 +80,8 @@ def test_reload_from_disk_on_a_gpu_never_waits_for_it(tmp_path):
     """Blocks read back from disk are in pageable memory, and an asynchronous copy from pageable memory still waits
     for the stream (which sync debug mode does not report): they are staged in pinned memory first. With a long
     kernel queued, the stream must still be busy when reload returns. The blocks also go to the host tier above."""
-    from rtxcore.kv.block_io import read_blocks, write_blocks
-
-    caches = [torch.randn(2, 8, 4, 16, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
-    expected = [c.clone() for c in caches]
-    block_bytes = sum(c[:, 0].numel() for c in caches) * 2
-    disk = DiskTier(tmp_path, 8, block_bytes, POLICIES["lru"](8), FINGERPRINT)
-    host = HostTier(4, block_bytes, POLICIES["lru"](4), below=disk, pin_memory=True)
-    offload = KVOffload([host, disk], lambda ids: read_blocks(caches, 1, ids),
-                        lambda ids, data: write_blocks(caches, 1, ids, data), device="cuda")
+    caches, expected, host, disk, offload = disk_offload(tmp_path)
     keys = [key(n) for n in range(3)]
-    disk.store(keys, read_blocks(caches, 1, [1, 3, 5]))  # on disk only
-    for c in caches:
-        c[:, 1:6:2] = 0
     torch.cuda.synchronize()
     tiers = offload.pin_run(keys)
     assert tiers == [disk, disk, disk]
@@ -138,3 +146,22 @@ def test_a_block_evicted_by_its_own_store_reaches_disk_intact(tmp_path):
     torch.cuda.synchronize()
     for n in (1, 2):
         assert torch.equal(disk.load(key(n)), data[n - 1].cpu()), f"block {n} reached disk before its bytes"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the copy reads pinned host memory")
+def test_pinned_rows_outlive_the_copy_that_reads_them(tmp_path):
+    """Rows read from disk are staged in pinned memory that only the reload refers to. The copy reads them by
+    address once the step in flight ends, after reload has returned: memory torch's pinned cache handed out again
+    meanwhile, and filled, must not be what arrives."""
+    caches, expected, host, disk, offload = disk_offload(tmp_path)
+    assert offload._row_copier.available or not envs.RTX_KV_ROW_COPY.get(), "Triton and a GPU: one launch"
+    keys = [key(n) for n in range(3)]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(_GPU_SLEEP_CYCLES)
+    reload = offload.reload(keys, offload.pin_run(keys), [6, 7, 2])
+    for _ in range(8):  # whatever pinned blocks of that size are free now get garbage
+        torch.empty((3, host.block_bytes), dtype=torch.uint8, pin_memory=True).fill_(0xAB)
+    offload.complete(reload)
+    torch.cuda.synchronize()
+    for c, e in zip(caches, expected):
+        assert torch.equal(c[:, [6, 7, 2]], e[:, [1, 3, 5]])

@@ -23,6 +23,7 @@ from rtxcore.contracts.eviction import EvictionPolicy
 from rtxcore.errors import ConfigError, RtxError
 from rtxcore.kv.block_pool import PRESSURE_ALPHA
 from rtxcore.kv.hashing import BlockHash
+from rtxcore.kv.tiers.row_copier import RowCopier
 
 log = logging.getLogger("rtx.kv")
 
@@ -309,6 +310,8 @@ class HostTier(KVTier):
         # slots from consecutive rows go in one copy: a copy's launch costs the engine's thread several
         # microseconds, and a block is one copy otherwise.
         self._queued: list[tuple[int, torch.Tensor]] = []
+        # Made at the first copy from a device (which it then knows).
+        self._row_copier: RowCopier | None = None
 
     def store(self, keys: list[BlockHash], data: torch.Tensor) -> None:
         super().store(keys, data)
@@ -318,6 +321,16 @@ class HostTier(KVTier):
 
     def _issue_queued(self) -> None:
         queued, self._queued = self._queued, []
+        if not queued:
+            return
+        if self._row_copier is None:
+            self._row_copier = RowCopier(queued[0][1].device, host_pinned=self._buffer.is_pinned())
+        # One launch that writes every slot where it lies, else one copy per run of consecutive slots.
+        base = self._buffer.data_ptr()
+        if self._row_copier.copy([row.data_ptr() for _, row in queued],
+                                 [base + slot * self.block_bytes for slot, _ in queued], self.block_bytes,
+                                 [self._buffer]):
+            return
         i = 0
         while i < len(queued):
             slot, row = queued[i]

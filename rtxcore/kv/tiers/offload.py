@@ -28,6 +28,7 @@ import torch
 from rtxcore.kv.hashing import BlockHash
 from rtxcore.kv.tiers.base import KVTier, TierReadError
 from rtxcore.kv.tiers.prefetch import BlockReads, Prefetch
+from rtxcore.kv.tiers.row_copier import RowCopier
 from rtxcore.transfer import to_device
 
 log = logging.getLogger("rtx.kv")
@@ -112,6 +113,7 @@ class KVOffload:
         self._host_copy_s = 0.0
         # Blocks of slow tiers (disk) read on worker threads ahead of their reload.
         self.reads = BlockReads(self.top, self.device, self.stats)
+        self._row_copier = RowCopier(self.device)
 
     @property
     def top(self) -> KVTier:
@@ -226,20 +228,12 @@ class KVOffload:
             with torch.cuda.stream(stream):
                 width = rows[0].numel()
                 data = torch.empty((n, width), dtype=torch.uint8, device=self.device)
-                i = 0
-                while i < n:
-                    # Rows next to each other in host memory (consecutive slots) go in one copy: each launch costs
-                    # the engine's thread several microseconds. From pinned memory the copy is asynchronous,
-                    # beside the steps on the compute engines.
-                    # Adjacent addresses alone are not enough: separate pinned allocations (rows read from disk)
-                    # can sit side by side, and a view past one's end is out of its bounds.
-                    j = i + 1
-                    storage = rows[i].untyped_storage().data_ptr()
-                    while (j < n and rows[j].data_ptr() == rows[i].data_ptr() + (j - i) * width
-                           and rows[j].untyped_storage().data_ptr() == storage):
-                        j += 1
-                    data[i:j].copy_(rows[i].as_strided((j - i, width), (width, 1)), non_blocking=True)
-                    i = j
+                # One launch that reads every row where it lies (all pinned now), else one copy per run of
+                # adjacent rows.
+                base = data.data_ptr()
+                if not self._row_copier.copy([r.data_ptr() for r in rows], [base + i * width for i in range(n)],
+                                             width, rows):
+                    _copy_runs(rows, data)
                 reload.copied = torch.cuda.Event(enable_timing=True)
                 reload.copied.record(stream)
         except BaseException:
@@ -340,3 +334,20 @@ class KVOffload:
         for j, i in enumerate(pageable):
             staged[j].copy_(rows[i])
             rows[i] = staged[j]
+
+
+def _copy_runs(rows: list[torch.Tensor], data: torch.Tensor) -> None:
+    """Copy pinned host ``rows`` into the rows of device ``data``, one asynchronous copy per run of rows next to
+    each other in one allocation (consecutive slots): each copy costs the engine's thread a torch call."""
+    n, width = data.shape
+    i = 0
+    while i < n:
+        # Adjacent addresses alone are not enough: separate pinned allocations (rows read from disk) can sit side by
+        # side, and a view past one's end is out of its bounds.
+        j = i + 1
+        storage = rows[i].untyped_storage().data_ptr()
+        while (j < n and rows[j].data_ptr() == rows[i].data_ptr() + (j - i) * width
+               and rows[j].untyped_storage().data_ptr() == storage):
+            j += 1
+        data[i:j].copy_(rows[i].as_strided((j - i, width), (width, 1)), non_blocking=True)
+        i = j

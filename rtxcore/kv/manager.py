@@ -8,8 +8,9 @@ tokens, before the step that computes them runs. That is safe because a request 
 same step or later, and a forward pass writes a layer's KV before any attention of that layer reads it.
 
 Blocks reloaded from a lower tier on a GPU are registered at lookup too, while their bytes are still on the way
-(:mod:`rtxcore.kv.tiers.offload`): a request holding one is not :meth:`~KVCacheManager.ready`, and
-:meth:`~KVCacheManager.prepare_step` puts the bytes in place before any step that reads them.
+(:mod:`rtxcore.kv.tiers.offload`, :mod:`rtxcore.kv.tiers.pending`): a request holding one is not
+:meth:`~KVCacheManager.ready`, and :meth:`~KVCacheManager.prepare_step` puts the bytes in place before any step that
+reads them.
 
 Blocks only the disk holds are not part of the lookup's hit: the lookup starts reading them on worker threads, the
 request is not ready until they are in, and :meth:`~KVCacheManager.ready` then extends its hit with them.
@@ -29,7 +30,8 @@ from rtxcore.kv.block_pool import BlockPool, BlockPoolError
 from rtxcore.kv.block_table import BlockTable
 from rtxcore.kv.hashing import BlockHash, hash_blocks
 from rtxcore.kv.tiers.base import HostTier
-from rtxcore.kv.tiers.offload import KVOffload, Reload
+from rtxcore.kv.tiers.offload import KVOffload
+from rtxcore.kv.tiers.pending import PendingReloads
 from rtxcore.kv.tiers.prefetch import Prefetch
 from rtxcore.kv.tiers.write_back import WriteBack
 from rtxcore.request import Request
@@ -111,8 +113,8 @@ class KVCacheManager:
         if write_back is None:
             write_back = offload is not None and offload.device.type == "cuda" and isinstance(offload.top, HostTier)
         self.write_back = WriteBack(offload, self.pool) if offload is not None and write_back else None
-        # Device blocks whose bytes a reload still has on the way, and that reload.
-        self._pending: dict[int, Reload] = {}
+        # Device blocks whose bytes a reload still has on the way (GPU only).
+        self._pending = PendingReloads(offload, self.pool) if offload is not None else None
 
     @property
     def block_size(self) -> int:
@@ -232,16 +234,7 @@ class KVCacheManager:
             if not state.prefetch.done():
                 return False
             self._extend_hit(req, state, state.prefetch)
-        if not self._pending:
-            return True
-        assert self.offload is not None, "only reloads are pending"
-        for block_id in state.block_ids:
-            reload = self._pending.get(block_id)
-            if reload is not None and not reload.overlaps_a_step:
-                if not self.offload.arrived(reload):
-                    return False
-                self._complete(reload)
-        return True
+        return not self._pending or self._pending.arrived(state.block_ids)
 
     def _extend_hit(self, req: Request, state: _RequestBlocks, fetch: Prefetch) -> None:
         state.prefetch = None
@@ -272,30 +265,12 @@ class KVCacheManager:
         scheduler placed without asking :meth:`ready`); reloads that have arrived for others too, freeing their
         staging memory."""
         if self.offload is not None:
-            self._prepare_reloads(self.offload, reqs)
+            if self._pending:
+                self._pending.complete(block_id for req in reqs
+                                       for block_id in self._requests.get(req.req_id, _NO_BLOCKS).block_ids)
             if self.write_back is not None:
                 self.write_back.before_launch()
             self.offload.end_step()
-
-    def _prepare_reloads(self, offload: KVOffload, reqs: Sequence[Request]) -> None:
-        if not self._pending:
-            return
-        for req in reqs:
-            state = self._requests.get(req.req_id)
-            for block_id in state.block_ids if state is not None else ():
-                reload = self._pending.get(block_id)
-                if reload is not None:
-                    self._complete(reload)
-        for reload in {id(r): r for r in self._pending.values()}.values():
-            if offload.arrived(reload):
-                self._complete(reload)
-
-    def _complete(self, reload: Reload) -> None:
-        assert self.offload is not None
-        keep = {b for b in reload.block_ids if self._pending.get(b) is reload}
-        for block_id in keep:
-            del self._pending[block_id]
-        self.offload.complete(reload, keep)
 
     def allocate(self, req: Request, num_new_tokens: int) -> bool:
         """Make ``req``'s blocks cover ``req.num_computed_tokens + num_new_tokens`` tokens; all or nothing.
@@ -350,7 +325,7 @@ class KVCacheManager:
         if req.req_id in self._requests:
             state = self._drop_state(req.req_id)
             if self._pending:
-                self._give_up_reloads(state.block_ids)
+                self._pending.give_up(state.block_ids)
             # Blocks registered for KV the request never got to compute (taken back in the step that scheduled
             # it) must not stay cached: a later hit, or a copy in a lower tier, would hold garbage.
             num_valid = max(req.num_computed_tokens, state.num_hit_tokens) // self._block_size
@@ -360,19 +335,6 @@ class KVCacheManager:
                     self.write_back.forget(block_id)
             # Tail first: under LRU a chain's tail is then evicted before its head, which later requests need most.
             self.pool.free_blocks(reversed(state.block_ids))
-
-    def _give_up_reloads(self, block_ids: list[int]) -> None:
-        """Blocks a leaving request held whose bytes are still on the way: if nobody else holds one, it leaves the
-        prefix cache (nothing valid is in it) and its reload no longer writes it; a reload left with no block is
-        cancelled."""
-        assert self.offload is not None
-        for block_id in block_ids:
-            reload = self._pending.get(block_id)
-            if reload is not None and self.pool.blocks[block_id].ref_cnt == 1:
-                self.pool.uncache_unshared(block_id)
-                del self._pending[block_id]
-                if not any(self._pending.get(b) is reload for b in reload.block_ids):
-                    self.offload.cancel(reload)
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached hash (e.g. after a weight update), in the lower tiers too; returns the number of device
@@ -400,7 +362,7 @@ class KVCacheManager:
             for block_id in state.block_ids:
                 num_refs[block_id] += 1
         self._table.check_invariants({state.row: state.block_ids for state in self._requests.values()})
-        for block_id in self._pending:
+        for block_id in self._pending or ():
             if num_refs[block_id] == 0:
                 raise BlockPoolError(f"block {block_id} awaits a reload's bytes but nobody holds it")
         for block in self.pool.blocks:
@@ -440,8 +402,8 @@ class KVCacheManager:
         num_loaded = reload.num_loaded
         for block_id, key in zip(block_ids[:num_loaded], keys):
             self.pool.cache_block(block_id, key)
-            if not reload.done:
-                self._pending[block_id] = reload
+        assert self._pending is not None, "made with the offload"
+        self._pending.add(reload)
         self.pool.free_blocks(block_ids[num_loaded:])
         state.block_ids.extend(block_ids[:num_loaded])
         self._stats.num_reloaded_tokens += num_loaded * self._block_size

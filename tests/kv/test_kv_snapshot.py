@@ -50,8 +50,9 @@ def test_offload_keeps_tokens_and_recovers_hits(tmp_path):
     e = engine(kv_host_bytes=64 << 10, kv_disk_dir=str(tmp_path))
     disk_tokens, disk_rate = two_rounds(e, prompts)
     assert plain_tokens == host_tokens == disk_tokens
-    # The device holds about one conversation; the tiers hold them all.
-    assert plain_rate < 0.3 and host_rate > 0.8 and disk_rate > 0.8
+    # The device holds few of the conversations (on a CPU 0.19 of the second round's prompt tokens hit it, on the H200
+    # 0.30, where steps overlap and blocks free in another order); the tiers hold them all.
+    assert plain_rate < 0.4 and host_rate > 0.8 and disk_rate > 0.8
     assert e.core.kv_cache.stats.num_reloaded_tokens > 0 and len(e.core.kv_tiers.disk) > 0
     e.core.kv_cache.check_invariants()
     for tier in e.core.kv_tiers.tiers:

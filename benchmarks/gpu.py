@@ -37,7 +37,7 @@ LLAMA_1B = ["--model", "dummy:llama-1b", "--max-num-batched-tokens", "8192", "--
 LLAMA_1B_LONG = ["--model", "dummy:llama-1b", "--max-num-batched-tokens", "8192", "--max-model-len", "8448"]
 LLAMA_8B = ["--model", "dummy:llama-8b", "--max-num-batched-tokens", "8192", "--max-model-len", "4096"]
 KERNEL_TESTS = ["tests/kernels/test_kernels_attention.py", "tests/kernels/test_kernels_elementwise.py",
-                "tests/kernels/test_kernels_gemv.py"]
+                "tests/kernels/test_kernels_gemv.py", "tests/kernels/test_kernels_row_copy.py"]
 QUANT_TESTS = ["tests/kernels/test_kernels_quant.py", "tests/kernels/test_kernels_quant_rows.py",
                "tests/plugins/quantizers/test_quantizer_int8_sq.py"]
 
@@ -104,7 +104,7 @@ def _quant(tree: Tree, out: Path, suffix: str, hf: bool) -> list[Command]:
 
 def _tiers(tree: Tree, out: Path, suffix: str, hf: bool) -> list[Command]:
     path = out / "w4_tiers_llama1b.json"
-    return [Command(tree.pytest("tests/kv/test_kv_tiers.py"), "kv_tests.log"),
+    return [Command(tree.pytest("tests/kv"), "kv_tests.log"),
             Command(tree.script("w4_tiers.py", "--model", "dummy:llama-1b", "--conversations", "32", "--turns", "8",
                                 "--new-tokens", "64", "--reply-tokens", "128", "--max-num-seqs", "16",
                                 "--max-num-batched-tokens", "2048", "--json", str(path)), "w4_tiers.log", path)]

@@ -28,8 +28,7 @@ def launch(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict[str, Any
     if cache is None:
         kernel[grid](*args, **constexprs, **options)
         return
-    key = (kernel, *constexprs.values(), *options.values(), *(
-        (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args))
+    key = (kernel, *constexprs.values(), *options.values(), *_arg_keys(kernel, args))
     hit = cache.get(key)
     if hit is not None:
         compiled, tail = hit
@@ -40,3 +39,20 @@ def launch(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict[str, Any
     # The interpreter returns no compiled kernel: nothing to keep.
     if compiled is not None and hasattr(compiled, "function"):
         cache[key] = (compiled, tuple(constexprs[name] for name in kernel.arg_names[len(args):]))
+
+
+def _arg_keys(kernel, args: tuple):
+    """What Triton specializes on, per argument: a tensor's dtype and 16-byte alignment (dtype alone where the
+    kernel opts out of alignment), an integer's value (only its range's type where the kernel opts out with
+    do_not_specialize, so that a count that differs every call still finds its compiled kernel)."""
+    params = getattr(kernel, "params", None)  # the interpreter's kernels have none, and nothing is cached for them
+    for i, a in enumerate(args):
+        param = params[i] if params is not None else None
+        if isinstance(a, torch.Tensor):
+            yield (a.dtype,) if param is not None and param.do_not_specialize_on_alignment else (
+                a.dtype, a.data_ptr() % 16 == 0)
+        elif param is not None and param.do_not_specialize and type(a) is int:
+            # Triton still types the argument by its range.
+            yield "i32" if -2**31 <= a < 2**31 else "i64" if -2**63 <= a < 2**63 else "u64"
+        else:
+            yield a

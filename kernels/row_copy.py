@@ -23,14 +23,16 @@ from rtx_kernels.launch import launch
 
 # Bytes each program moves per loop turn (as int64 words): with 4 warps, 16 words a thread in flight.
 _TILE_WORDS = 2048
-# Programs of one launch: 16 of the H200's 132 SMs keep about 256 KiB of reads in flight, enough for the host
-# link's bandwidth-latency product; more would only take SMs from the steps beside it.
+# Programs of one launch: on the H200, 16 moved a reload alone as fast as 32, 64 or 132 did (47 GB/s,
+# benchmarks/row_copy.py), and take the fewest SMs from the steps beside them.
 _MAX_PROGRAMS = 16
 
 
-# Not specialized on the counts: a spill of one row would otherwise compile a kernel of its own, for a second, on
-# the engine's thread.
-@triton.jit(do_not_specialize=["num_rows", "row_words"])
+# Not specialized on the counts, nor on where the address tables lie (one load per tile reads them): a spill of one
+# row, or an odd count that leaves the second table off 16 bytes, would otherwise compile a kernel of its own, for
+# a second, on the engine's thread.
+@triton.jit(do_not_specialize=["num_rows", "row_words"],
+            do_not_specialize_on_alignment=["src_addr_ptr", "dst_addr_ptr"])
 def _copy_rows_kernel(src_addr_ptr, dst_addr_ptr, num_rows, row_words, TILE: tl.constexpr):
     tiles_per_row = tl.cdiv(row_words, TILE)
     num_tiles = num_rows * tiles_per_row
@@ -55,7 +57,7 @@ def copy_rows(src_addrs: torch.Tensor, dst_addrs: torch.Tensor, row_bytes: int, 
     tensors on the device that runs the copy), queued on the current stream. Every address must be one that device
     can reach (its own memory, or pinned host memory) and 8-byte aligned (:func:`can_copy_rows`); the memory must
     stay allocated until the copy has run, which no allocator knows here: the caller holds on to it.
-    ``num_programs`` bounds the grid (for measurements; the default is the one measured best beside steps)."""
+    ``num_programs`` bounds the grid (for measurements; see _MAX_PROGRAMS for the default)."""
     num_rows = src_addrs.numel()
     if num_rows == 0:
         return

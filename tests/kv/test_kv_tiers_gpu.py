@@ -157,8 +157,12 @@ def test_pinned_rows_outlive_the_copy_that_reads_them(tmp_path):
     assert offload._row_copier.available or not envs.RTX_KV_ROW_COPY.get(), "Triton and a GPU: one launch"
     keys = [key(n) for n in range(3)]
     torch.cuda.synchronize()
-    torch.cuda._sleep(_GPU_SLEEP_CYCLES)
+    # The copy stream itself is busy, so the copy surely runs after the garbage below is written.
+    offload._copy_stream = torch.cuda.Stream()
+    with torch.cuda.stream(offload._copy_stream):
+        torch.cuda._sleep(_GPU_SLEEP_CYCLES)
     reload = offload.reload(keys, offload.pin_run(keys), [6, 7, 2])
+    assert not offload.arrived(reload)
     for _ in range(8):  # whatever pinned blocks of that size are free now get garbage
         torch.empty((3, host.block_bytes), dtype=torch.uint8, pin_memory=True).fill_(0xAB)
     offload.complete(reload)

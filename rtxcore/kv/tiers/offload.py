@@ -280,6 +280,7 @@ class KVOffload:
         """A step's reloads are all queued (called before it is launched): count it if it waited for a copy, once
         the device's timings for that are in (a later call reads them; nothing here waits for the device)."""
         self.reads.collect_dropped()
+        self._row_copier.release_copied()
         for tier in self.tiers:
             tier.poll_writes()
         if self._host_copy_s:

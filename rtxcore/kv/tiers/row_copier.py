@@ -9,6 +9,7 @@ no GPU, ``RTX_KV_ROW_COPY=0``, an unaligned row) :meth:`RowCopier.copy` says so 
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Sequence
 from functools import cache
@@ -17,6 +18,8 @@ import torch
 
 from rtxcore import envs
 from rtxcore.transfer import to_device
+
+log = logging.getLogger("rtx.kv")
 
 
 @cache
@@ -41,13 +44,19 @@ class RowCopier:
         """``host_pinned``: whether the host rows the caller will pass are in pinned memory (the GPU cannot
         address pageable memory; the caller knows, where checking each row would cost a call per row)."""
         self.device = device
+        self._launches: dict = {}
+        self._held: deque[tuple[torch.cuda.Event, list[torch.Tensor]]] = deque()
         self._kernel = _kernel() if device.type == "cuda" and host_pinned else None
         if self._kernel is not None:
             # Compiled now, not at the first spill: that would hold the engine's thread for a second mid-serving.
-            probe = torch.zeros(2, 8, dtype=torch.uint8, device=device)
-            self._kernel[0](*to_device([[probe[0].data_ptr()], [probe[1].data_ptr()]], torch.int64, device), 8)
-        self._launches: dict = {}
-        self._held: deque[tuple[torch.cuda.Event, list[torch.Tensor]]] = deque()
+            probe = torch.zeros(4, 8, dtype=torch.uint8, device=device)
+            addrs = to_device([[probe[0].data_ptr(), probe[1].data_ptr()], [probe[2].data_ptr(), probe[3].data_ptr()]],
+                              torch.int64, device)
+            try:
+                self._kernel[0](addrs[0], addrs[1], 8, self._launches)
+            except Exception as exc:  # Triton cannot build for this GPU (a GPU test checks it builds there)
+                log.warning("KV tier copies go through the copy engines, the row-copy kernel failed to build: %s", exc)
+                self._kernel = None
 
     @property
     def available(self) -> bool:
@@ -66,10 +75,12 @@ class RowCopier:
         copy_rows(addrs[0], addrs[1], row_bytes, self._launches)
         event = torch.cuda.Event()
         event.record()
-        self._release_copied()
+        self.release_copied()
         self._held.append((event, list(hold)))
         return True
 
-    def _release_copied(self) -> None:
+    def release_copied(self) -> None:
+        """Let go of the host memory of copies the device has run (called each step: a reload's staging rows can
+        be hundreds of MiB)."""
         while self._held and self._held[0][0].query():
             self._held.popleft()

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.model
 
 def _settings() -> quality.QualitySettings:
     return quality.QualitySettings(quantizers=[], planned=["int4"], plan_ppl_delta=0.5, planned_max_ppl_increase=0.5,
-                                   plan_calibration_tokens=512)
+                                   plan_calibration_tokens=512, plan_eval_tokens=256)
 
 
 def test_a_planner_that_moves_nothing_fails_the_planned_check(monkeypatch):
@@ -43,7 +43,7 @@ def test_a_plan_that_fails_is_one_failed_check_and_the_others_still_run(monkeypa
     monkeypatch.setattr(quality, "_planned_check", failing_for_fp8)
     monkeypatch.setattr(quality, "_every_layer_checks", lambda settings, gate, registry, say: [])
     settings = quality.QualitySettings(quantizers=[], planned=["fp8", "int4"], plan_ppl_delta=0.5,
-                                       planned_max_ppl_increase=0.5, plan_calibration_tokens=512)
+                                       planned_max_ppl_increase=0.5, plan_calibration_tokens=512, plan_eval_tokens=256)
     checks = quality.run(settings, None, lambda line: None)
     assert calls == ["fp8", "int4"]
     assert [(c.name, c.verdict) for c in checks] == [("fp8 planned: ran to the end", FAIL),

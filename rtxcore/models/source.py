@@ -48,3 +48,18 @@ class ModelSource(ABC):
     def quantization_methods(self) -> tuple[str, ...]:
         """The quantizer plugins whose stored forms :meth:`weights` yields (none for a float checkpoint)."""
         return ()
+
+
+class DerivedSource(ModelSource):
+    """A source made from another: the same name, files, config and tokenizer, other weights (a subclass's)."""
+
+    def __init__(self, base: ModelSource):
+        self.base = base
+        self.name, self.path, self.origin = base.name, base.path, base.origin
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.base.config
+
+    def tokenizer(self) -> Tokenizer | None:
+        return self.base.tokenizer()

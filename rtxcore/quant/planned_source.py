@@ -6,22 +6,15 @@ from __future__ import annotations
 import torch
 
 from rtxcore.contracts.quantizer import QuantizedTensor
-from rtxcore.models.source import ModelSource
+from rtxcore.models.source import DerivedSource, ModelSource
 
 
-class PlannedSource(ModelSource):
+class PlannedSource(DerivedSource):
     """A model source whose weights are a plan's, in memory: the original's config and tokenizer."""
 
     def __init__(self, base: ModelSource, tensors: dict[str, torch.Tensor | QuantizedTensor], methods: list[str]):
-        self.base, self.tensors, self.methods = base, tensors, tuple(methods)
-        self.name, self.path, self.origin = base.name, base.path, base.origin
-
-    @property
-    def config(self):
-        return self.base.config
-
-    def tokenizer(self):
-        return self.base.tokenizer()
+        super().__init__(base)
+        self.tensors, self.methods = tensors, tuple(methods)
 
     def num_weights(self) -> int:
         return len(self.tensors)

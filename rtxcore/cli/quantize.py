@@ -28,10 +28,17 @@ def add_parser(sub) -> None:
                         "higher precision (default: the method's own budget)")
     p.add_argument("--plan", action="store_true",
                    help="choose each layer group's format (the method, its fallbacks or float) to keep the model "
-                        "within --target-ppl-delta perplexity of the float model, cheapest in weight bytes first")
+                        "within --target-ppl-delta perplexity of the float model, cheapest first")
     p.add_argument("--target-ppl-delta", type=finite_float, default=None, metavar="X",
                    help="the plan's budget: largest perplexity increase on planning text (implies --plan; "
                         "default with --plan: 0.5, the seed's quality gate)")
+    p.add_argument("--plan-formats", default=None, metavar="LIST",
+                   help="comma-separated quantizers the plan may choose from besides float (default: --method and "
+                        "its fallbacks), e.g. int4,fp8,int8")
+    p.add_argument("--format-costs", default=None, metavar="FILE|measure",
+                   help="the plan's cost of each format: a table of kernel times at this model's shapes "
+                        "(benchmarks/format_costs.py), or 'measure' to time them on --device first (default: "
+                        "weight bytes)")
     p.add_argument("--calibration-tokens", type=int, default=8192)
     p.add_argument("--calibration-file", type=Path, default=None, metavar="FILE",
                    help="UTF-8 text to calibrate (and plan) on instead of the built-in text (pydoc topics)")
@@ -59,10 +66,16 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--calibration-tokens must be positive")
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
         raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+    plan_formats = tuple(f.strip() for f in args.plan_formats.split(",")) if args.plan_formats is not None else ()
+    unknown = [f for f in plan_formats if f not in registry.names("quantizer")]
+    if unknown or (args.plan_formats is not None and not all(plan_formats)):
+        raise ConfigError(f"--plan-formats: unknown quantization method {(unknown or [''])[0]!r}; installed: "
+                          f"{', '.join(sorted(registry.names('quantizer')))}")
     target = args.target_ppl_delta if args.target_ppl_delta is not None else (DEFAULT_PPL_DELTA if args.plan else None)
     options = QuantizeOptions(args.method, args.out, args.max_layer_error, args.calibration_tokens, args.eval_tokens,
                               device=args.device, dtype=args.dtype, target_ppl_delta=target,
-                              calibration_file=args.calibration_file)
+                              calibration_file=args.calibration_file, plan_formats=plan_formats,
+                              format_costs=args.format_costs)
     # SIGTERM (timeout, kill, a pod stopped) would end the process without unwinding: the staged checkpoint beside
     # --out would stay. As an exception it is removed on the way out, as on Ctrl-C.
     on_main_thread = threading.current_thread() is threading.main_thread()
@@ -87,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
             formats = ", ".join(f"{k} {v}" for k, v in sorted(plan["layers_by_format"].items()))
             print(f"plan: {formats} layers; planning perplexity {plan['planning_ppl_float']:.3f} -> "
                   f"{plan['planning_ppl']:.3f} (budget +{plan['ppl_delta_budget']}); predicted decode speed-up "
-                  f"{plan['predicted_decode_speedup_vs_bf16']:.2f}x of bf16 over these layers")
+                  f"{plan['predicted_decode_speedup_vs_bf16']:.2f}x of bf16 over these layers "
+                  f"(costs: {plan['cost_basis']})")
         evaluation = report.get("evaluation")
         if evaluation:
             print(f"perplexity on {evaluation['tokens']} held-out tokens: {evaluation['ppl_original']:.3f} -> "

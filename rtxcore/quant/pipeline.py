@@ -17,9 +17,10 @@ from rtxcore.contracts.quantizer import LayerStats, QuantizedTensor, Quantizer
 from rtxcore.errors import ConfigError, ModelLoadError
 from rtxcore.models.resolve import resolve_model
 from rtxcore.models.source import ModelSource
-from rtxcore.quant import calibration, planner
+from rtxcore.quant import calibration, format_costs, planner
 from rtxcore.quant.checkpoint import check_output_dir, staged_checkpoint, write_checkpoint, write_report
 from rtxcore.quant.evaluation import backend_perplexity, prefill_logits
+from rtxcore.quant.format_costs import FormatCosts
 from rtxcore.quant.layer_errors import Attempt, GroupChoice, choose
 from rtxcore.quant.planned_source import PlannedSource
 from rtxcore.registry import PluginRegistry
@@ -51,6 +52,11 @@ class QuantizeOptions:
     calibration_file: Path | None = None
     # Planning text scored for each step of the plan.
     planning_tokens: int = 1024
+    # The plan's formats besides float; empty: the method and its fallbacks.
+    plan_formats: tuple[str, ...] = ()
+    # The plan's costs: None: weight bytes; "measure": kernels timed on ``device``; else a table file
+    # (rtxcore.quant.format_costs).
+    format_costs: str | None = None
 
 
 def _load_backend(registry: PluginRegistry, source: ModelSource, device: str, max_len: int,
@@ -104,7 +110,12 @@ def quantize_model(model: str | None, options: QuantizeOptions, registry: Plugin
             quantizers[name] = registry.create("quantizer", name)
         return quantizers[name]
 
-    chain = fallback_chain(options.method, quantizer_for)
+    if (options.plan_formats or options.format_costs) and options.target_ppl_delta is None:
+        raise ConfigError("--plan-formats and --format-costs apply to a plan: add --plan")
+    chain = list(dict.fromkeys([options.method, *options.plan_formats])) if options.plan_formats else \
+        fallback_chain(options.method, quantizer_for)
+    costs = FormatCosts.from_file(Path(options.format_costs)) \
+        if options.format_costs not in (None, "measure") else None
     source = resolve_model(model)
     if source.quantization_methods():
         raise ConfigError(f"{source.name} is already quantized ({', '.join(source.quantization_methods())})")
@@ -120,7 +131,11 @@ def quantize_model(model: str | None, options: QuantizeOptions, registry: Plugin
             raise ConfigError(f"{source.name} is already quantized ({name})")
         weights[name] = weight
     if options.target_ppl_delta is not None:
-        plan = _plan(registry, source, options, calib, weights, chain, quantizer_for, log, progress)
+        if options.format_costs == "measure":
+            log(f"timing each format's kernels on {options.device} at the model's shapes")
+            costs = format_costs.measure(format_costs.decode_shapes(source.config), chain, quantizer_for,
+                                         options.device)
+        plan = _plan(registry, source, options, calib, weights, chain, quantizer_for, log, progress, costs)
         choices = plan_choices(plan, options)
     else:
         plan = None
@@ -170,7 +185,8 @@ def _choose_each(groups: list[list[str]], weights: dict[str, torch.Tensor], stat
 
 def _plan(registry: PluginRegistry, source: ModelSource, options: QuantizeOptions, calib: Calibration,
           weights: dict[str, torch.Tensor], chain: list[str], quantizer_for: Callable[[str], Quantizer],
-          log: Callable[[str], None], progress: Callable[[int, int], None] | None) -> planner.Plan:
+          log: Callable[[str], None], progress: Callable[[int, int], None] | None,
+          costs: FormatCosts | None) -> planner.Plan:
     """Every format of every group, then the search (rtxcore.quant.planner) scored on the planning text."""
     assert options.target_ppl_delta is not None and calib.ppl_plan is not None
     num_layers, num_done = sum(len(names) for names in calib.groups), 0
@@ -179,7 +195,8 @@ def _plan(registry: PluginRegistry, source: ModelSource, options: QuantizeOption
     plans = []
     for names in calib.groups:
         try:
-            group = planner.group_formats(names, weights, calib.stats, chain, quantizer_for)
+            group = planner.group_formats(names, weights, calib.stats, chain, quantizer_for,
+                                          costs.cost if costs is not None else None)
         except ValueError as exc:
             raise ConfigError(f"cannot quantize {', '.join(map(_short, names))}: {exc}") from None
         if options.max_layer_error is not None:  # a layer budget still rules out the formats that exceed it
@@ -204,7 +221,8 @@ def _plan(registry: PluginRegistry, source: ModelSource, options: QuantizeOption
             del backend
             release_device_memory()
 
-    return planner.search(plans, evaluate, calib.ppl_plan, options.target_ppl_delta, log)
+    basis = f"kernel time on {costs.device}" if costs is not None else "weight bytes"
+    return planner.search(plans, evaluate, calib.ppl_plan, options.target_ppl_delta, log, basis)
 
 
 def plan_choices(plan: planner.Plan, options: QuantizeOptions) -> list[GroupChoice]:
@@ -215,8 +233,8 @@ def plan_choices(plan: planner.Plan, options: QuantizeOptions) -> list[GroupChoi
                     for f in g.formats[:g.chosen + 1] if f.method is not None]
         reason = None
         if chosen.method != options.method:
-            reason = (f"the plan moved it to {chosen.method or 'unquantized (checkpoint precision)'} to keep the "
-                      f"model within +{plan.budget} perplexity")
+            reason = (f"the plan chose {chosen.method or 'unquantized (checkpoint precision)'} for it (the model "
+                      f"within +{plan.budget} perplexity at the least cost)")
         choices.append(GroupChoice(g.names, chosen.method, chosen.qtensors, attempts, reason))
     return choices
 

@@ -20,7 +20,7 @@ def _settings() -> quality.QualitySettings:
 
 
 def test_a_planner_that_moves_nothing_fails_the_planned_check(monkeypatch):
-    def first_step_only(groups, evaluate, ppl_float, budget, log=lambda line: None):
+    def first_step_only(groups, evaluate, ppl_float, budget, log=lambda line: None, cost_basis="weight bytes"):
         step = planner.PlanStep(evaluate(groups), sum(g.format.nbytes for g in groups), [])
         return planner.Plan(groups, ppl_float, budget, [step])
 

@@ -14,7 +14,7 @@ from tests.helpers.cli import rtx
 
 
 def group(name: str, errors: list[float], nbytes: list[int]) -> GroupPlan:
-    formats = [Format(m, {}, {name: OutputError(e, 0.0)}, b)
+    formats = [Format(m, {}, {name: OutputError(e, 0.0)}, b, b)
                for m, e, b in zip(["int4", "int8", None], [*errors, 0.0], nbytes)]
     return GroupPlan([name], formats, sizes={name: 100})
 

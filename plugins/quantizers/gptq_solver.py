@@ -1,8 +1,11 @@
 """GPTQ (Frantar et al. 2022): quantize a linear layer's weight column by column, each rounding error spread over
 the columns not yet quantized in the way that least changes the layer's output on the calibration inputs.
 
-Groups are taken in order (no act-order, no static groups): a group's scale and zero come from its weights as
-they stand, error updates included, when the solver reaches its first column.
+Without act-order the columns are taken in order and a group's scale and zero come from its weights as they stand,
+error updates included, when the solver reaches its first column. With act-order (``act_order=True``) the columns
+are taken by decreasing Hessian diagonal (the inputs with the most energy first, while the most columns are left to
+absorb their errors), and each group's scale and zero are fixed from the original weights before any column moves
+("static groups"), so the result is stored in the original column order with the same layout and kernels.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ def gptq_quantize(
     maxq: int = 15,
     damp: float = 0.01,
     block_size: int = 128,
+    act_order: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize ``weight`` to integers in ``[0, maxq]`` with one (scale, zero) per row and group of columns.
 
@@ -39,6 +43,7 @@ def gptq_quantize(
     :param damp: fraction of the mean diagonal of the Hessian added to its diagonal; raised tenfold (a few times)
         if the Hessian is still not positive definite.
     :param block_size: columns per lazy batch update; rounded to whole groups. Affects speed, not the result.
+    :param act_order: take the columns by decreasing Hessian diagonal, with static groups (module docstring).
     :returns: (q uint8 [N, K], scale float32 [N, K // G], zero uint8 [N, K // G]).
     """
     num_rows, num_cols = weight.shape
@@ -52,11 +57,20 @@ def gptq_quantize(
     dead = H.diagonal() == 0
     H.diagonal()[dead] = 1.0
     W[:, dead] = 0.0
+    scales = torch.empty(num_rows, num_cols // group_size, dtype=torch.float32, device=W.device)
+    zeros = torch.empty_like(scales)
+    perm = None
+    if act_order:
+        for g in range(num_cols // group_size):
+            scale, zero = group_params(W[:, g * group_size:(g + 1) * group_size])
+            scales[:, g], zeros[:, g] = scale.to(torch.float32), zero.to(torch.float32).round()
+        perm = torch.argsort(H.diagonal(), descending=True, stable=True)
+        W, H = W[:, perm], H[perm][:, perm]
+        # Each (permuted) column's own group's scale and zero.
+        col_scales, col_zeros = scales[:, perm // group_size], zeros[:, perm // group_size]
     U = _upper_cholesky_of_inverse(H, damp)
 
     Q = torch.empty_like(W)
-    scales = torch.empty(num_rows, num_cols // group_size, dtype=torch.float32, device=W.device)
-    zeros = torch.empty_like(scales)
     # Blocks hold whole groups, so a group's weights are fully up to date when its first column is reached.
     block_size = group_size * max(1, block_size // group_size)
     for start in range(0, num_cols, block_size):
@@ -65,7 +79,9 @@ def gptq_quantize(
         err_blk = torch.empty_like(W_blk)
         for i in range(end - start):
             col = start + i
-            if col % group_size == 0:
+            if perm is not None:
+                scale, zero = col_scales[:, col], col_zeros[:, col]
+            elif col % group_size == 0:
                 scale, zero = group_params(W_blk[:, i:i + group_size])
                 scale, zero = scale.to(torch.float32), zero.to(torch.float32).round()
                 scales[:, col // group_size], zeros[:, col // group_size] = scale, zero
@@ -77,6 +93,8 @@ def gptq_quantize(
             W_blk[:, i + 1:] -= err.unsqueeze(1) * U_blk[i, i + 1:].unsqueeze(0)
             err_blk[:, i] = err
         W[:, end:] -= err_blk @ U[start:end, end:]  # the lazy update of the columns after the block
+    if perm is not None:
+        Q = Q[:, torch.argsort(perm)]
     return Q.to(torch.uint8), scales, zeros.to(torch.uint8)
 
 

@@ -130,16 +130,19 @@ class Int4GPTQQuantizer(Int4Quantizer):
 
     calibrated = True
     name = "int4-gptq"
+    # Columns by decreasing input energy, groups fixed from the original weights (gptq_solver).
+    act_order = True
 
     @classmethod
     def describe(cls) -> dict[str, object]:
-        return {"description": "int4 weights, asymmetric groups of 128, GPTQ-calibrated (plain rounding without "
-                               "calibration data)", "bits": 4}
+        return {"description": "int4 weights, asymmetric groups of 128, GPTQ-calibrated with act-order and static "
+                               "groups (plain rounding without calibration data)", "bits": 4}
 
     def _solve(self, w: torch.Tensor, group: int, stats: LayerStats | None):
         if stats is None:
             return super()._solve(w, group, stats)
-        return gptq_quantize(w, stats.hessian.to(w.device), group, minmax_group_params, maxq=_MAXQ)
+        return gptq_quantize(w, stats.hessian.to(w.device), group, minmax_group_params, maxq=_MAXQ,
+                             act_order=self.act_order)
 
 
 @hookimpl

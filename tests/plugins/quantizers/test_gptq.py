@@ -165,3 +165,26 @@ def test_never_clearly_worse_than_round_to_nearest(
     gptq_error = output_error(x, weight, gptq_quantize(weight, hessian, group_size, minmax_group_params), group_size)
     rtn_error = output_error(x, weight, rtn_quantize(weight, group_size), group_size)
     assert gptq_error <= 1.05 * rtn_error + 1e-6
+
+
+def test_act_order_with_a_diagonal_hessian_is_round_to_nearest_in_the_original_column_order():
+    # No error to propagate, and static groups are RTN's own: whatever order the columns are taken in (a random
+    # diagonal orders them anew), the result is RTN's, column for column.
+    weight = torch.randn(16, 64, generator=torch.Generator().manual_seed(2))
+    hessian = torch.diag(torch.rand(64, generator=torch.Generator().manual_seed(3)) + 0.1)
+    q, scale, zero = gptq_quantize(weight, hessian, 16, minmax_group_params, act_order=True)
+    rtn_q, rtn_scale, rtn_zero = rtn_quantize(weight, 16)
+    assert torch.equal(q, rtn_q) and torch.equal(scale, rtn_scale) and torch.equal(zero, rtn_zero)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_act_order_beats_in_order_gptq_when_a_few_inputs_carry_most_of_the_energy(seed):
+    weight, x, _ = make_layer(64, 256, num_samples=512, correlation=0.5, seed=seed)
+    energy = torch.ones(256)
+    energy[torch.randperm(256, generator=torch.Generator().manual_seed(100 + seed))[:16]] = 8.0
+    x = x * energy
+    hessian = x.double().T @ x.double()
+    in_order = gptq_quantize(weight, hessian, 32, minmax_group_params)
+    act_order = gptq_quantize(weight, hessian, 32, minmax_group_params, act_order=True)
+    # Measured 0.67-0.74 of in-order GPTQ's output error over four such layers.
+    assert output_error(x, weight, act_order, 32) < 0.85 * output_error(x, weight, in_order, 32)

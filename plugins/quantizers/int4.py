@@ -51,7 +51,8 @@ class Int4Quantizer(Quantizer):
 
     @classmethod
     def describe(cls) -> dict[str, object]:
-        return {"description": "int4 weights, asymmetric groups of 128 input features, round to nearest", "bits": 4}
+        return {"description": f"int4 weights, asymmetric groups of {cls.group_size} input features, round to nearest",
+                "bits": 4}
 
     def quantize(self, weight: torch.Tensor, stats: LayerStats | None = None) -> QuantizedTensor:
         n, k = weight.shape
@@ -108,20 +109,12 @@ class Int4Group64Quantizer(Int4Quantizer):
     name = "int4-g64"
     group_size = 64
 
-    @classmethod
-    def describe(cls) -> dict[str, object]:
-        return {"description": "int4 weights, asymmetric groups of 64 input features, round to nearest", "bits": 4}
-
 
 class Int4Group32Quantizer(Int4Quantizer):
     # Groups of 32 Gaussian values span about 4.1 standard deviations: a step of 0.27 sd, 0.08 of the weight.
     max_relative_error = 0.1
     name = "int4-g32"
     group_size = 32
-
-    @classmethod
-    def describe(cls) -> dict[str, object]:
-        return {"description": "int4 weights, asymmetric groups of 32 input features, round to nearest", "bits": 4}
 
 
 class Int4GPTQQuantizer(Int4Quantizer):

@@ -208,6 +208,9 @@ class FleetWatcher:
                 await asyncio.sleep(self.settings.interval_s)
 
     async def scrape_once(self, client: httpx.AsyncClient, own_port: int) -> None:
+        # The view is dated when its scrapes begin: everything a pod counted before then is in it (dated when they
+        # end, a round begun before a burst finished could pass for one read after it).
+        started = time.time()
         addresses = await self._resolve(own_port)
         results = await asyncio.gather(*(self._scrape(client, a) for a in addresses))
         now = time.monotonic()
@@ -235,7 +238,7 @@ class FleetWatcher:
         for increase in fleet_increase:
             for le, count in increase.items():
                 summed[le] = summed.get(le, 0.0) + count
-        self._view = self._summarise(pods, histogram_quantile(0.95, summed))
+        self._view = self._summarise(pods, histogram_quantile(0.95, summed), started)
 
     @staticmethod
     def _increase(history: deque[tuple[float, Buckets]]) -> Buckets:
@@ -244,7 +247,7 @@ class FleetWatcher:
         (_, first), (_, last) = history[0], history[-1]
         return {le: count - first.get(le, 0.0) for le, count in last.items()}
 
-    def _summarise(self, pods: list[dict[str, Any]], fleet_p95: float | None) -> dict[str, Any]:
+    def _summarise(self, pods: list[dict[str, Any]], fleet_p95: float | None, updated_at: float) -> dict[str, Any]:
         s = self.settings
         up = [p for p in pods if p["up"]]
         # The HPA's current replicas are the pods it scales, answering or not (their metrics are then missing).
@@ -279,7 +282,7 @@ class FleetWatcher:
         desired = max(desired, s.min_replicas)
         if s.max_replicas is not None:
             desired = min(desired, s.max_replicas)
-        return {"configured": True, "updated_at": time.time(), "interval_s": s.interval_s, "window_s": s.window_s,
+        return {"configured": True, "updated_at": updated_at, "interval_s": s.interval_s, "window_s": s.window_s,
                 "peers": list(s.peers), "mode": s.mode, "latency_lane": s.latency_lane, "pods": pods,
                 "current_replicas": current, "replicas": len(up), "unreachable": current - len(up),
                 "signals": signals, "min_replicas": s.min_replicas, "max_replicas": s.max_replicas,

@@ -30,8 +30,15 @@ def add_parser(sub) -> None:
                    help="choose each layer group's format (the method, its fallbacks or float) to keep the model "
                         "within --target-ppl-delta perplexity of the float model, cheapest first")
     p.add_argument("--target-ppl-delta", type=finite_float, default=None, metavar="X",
-                   help="the plan's budget: largest perplexity increase on planning text (implies --plan; "
-                        "default with --plan: 0.5, the seed's quality gate)")
+                   help="the plan's budget: largest perplexity increase, held on unseen text at --plan-confidence "
+                        "(implies --plan; default with --plan: 0.5, the seed's quality gate)")
+    p.add_argument("--plan-confidence", type=finite_float, default=0.95, metavar="P",
+                   help="how sure the plan must be to hold its budget on unseen text as long as the planning text, "
+                        "from how much the planning pieces' increases differ (default 0.95; 0.5: the planning text's "
+                        "own increase)")
+    p.add_argument("--planning-tokens", type=int, default=2048, metavar="N",
+                   help="planning text scored at each step of the plan, in pieces of 256 spread over the calibration "
+                        "text after what calibration took (default 2048)")
     p.add_argument("--plan-formats", default=None, metavar="LIST",
                    help="comma-separated quantizers the plan may choose from besides float (default: --method and "
                         "its fallbacks), e.g. int4,fp8,int8")
@@ -74,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
     target = args.target_ppl_delta if args.target_ppl_delta is not None else (DEFAULT_PPL_DELTA if args.plan else None)
     options = QuantizeOptions(args.method, args.out, args.max_layer_error, args.calibration_tokens, args.eval_tokens,
                               device=args.device, dtype=args.dtype, target_ppl_delta=target,
-                              calibration_file=args.calibration_file, plan_formats=plan_formats,
+                              calibration_file=args.calibration_file, planning_tokens=args.planning_tokens,
+                              plan_confidence=args.plan_confidence, plan_formats=plan_formats,
                               format_costs=args.format_costs)
     # SIGTERM (timeout, kill, a pod stopped) would end the process without unwinding: the staged checkpoint beside
     # --out would stay. As an exception it is removed on the way out, as on Ctrl-C.
@@ -99,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
         if plan:
             formats = ", ".join(f"{k} {v}" for k, v in sorted(plan["layers_by_format"].items()))
             print(f"plan: {formats} layers; planning perplexity {plan['planning_ppl_float']:.3f} -> "
-                  f"{plan['planning_ppl']:.3f} (budget +{plan['ppl_delta_budget']}); predicted decode speed-up "
+                  f"{plan['planning_ppl']:.3f}, on unseen text at most {plan['ppl_increase_bound']:+.3f} at "
+                  f"{plan['confidence']:.0%} (budget +{plan['ppl_delta_budget']}); predicted decode speed-up "
                   f"{plan['predicted_decode_speedup_vs_bf16']:.2f}x of bf16 over these layers "
                   f"(costs: {plan['cost_basis']})")
         evaluation = report.get("evaluation")

@@ -103,6 +103,7 @@ def _planned_check(settings: QualitySettings, method: str, eval_tokens: int, reg
     evaluation, plan = report["evaluation"], report["plan"]
     formats = ", ".join(f"{m} {n}" for m, n in sorted(plan["layers_by_format"].items()))
     detail = (f"held-out perplexity {evaluation['ppl_quantized']:.3f} against {evaluation['ppl_original']:.3f}; "
+              f"planned to at most {plan['ppl_increase_bound']:+.3f} on unseen text at {plan['confidence']:.0%}; "
               f"layers: {formats}; predicted decode speed-up {plan['predicted_decode_speedup_vs_bf16']}x")
     return Check(GATE, f"{method} planned: perplexity increase", evaluation["ppl_increase"],
                  settings.planned_max_ppl_increase, "<=", detail)

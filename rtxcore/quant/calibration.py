@@ -55,6 +55,18 @@ def calibration_chunks(tokenizer, bos: int | None, num_tokens: int, chunk_len: i
     return token_chunks(ids, bos, max(1, num_tokens // chunk_len), chunk_len)
 
 
+def planning_chunks(tokenizer, bos: int | None, num_tokens: int, chunk_len: int, skip_tokens: int,
+                    text: str | None = None) -> list[list[int]]:
+    """About ``num_tokens`` tokens of calibration text (``text``, else the built-in one) in pieces of ``chunk_len``
+    spread evenly over the text after its first ``skip_tokens`` tokens (what calibration took). Not the next stretch:
+    the built-in text's topics differ in how much quantization hurts them, so a plan chosen on one stretch fits that
+    stretch, and one chosen across the whole text holds better on text it never saw."""
+    ids = tokenizer.encode(text if text is not None else calibration_text(), add_special_tokens=False)[skip_tokens:]
+    pieces = token_chunks(ids, bos, len(ids) // max(1, chunk_len - 1) + 1, chunk_len)
+    wanted = min(len(pieces), -(-num_tokens // chunk_len))
+    return [pieces[(2 * i + 1) * len(pieces) // (2 * wanted)] for i in range(wanted)]
+
+
 def token_chunks(token_ids: list[int], bos: int | None, num_chunks: int, chunk_len: int) -> list[list[int]]:
     """Consecutive ``chunk_len``-token pieces of ``token_ids``, each after a BOS when the model has one."""
     prefix = [bos] if bos is not None else []

@@ -27,6 +27,15 @@ def prefill_logits(backend: ExecutionBackend, token_ids: list[int], block_size: 
     return backend.execute(ForwardBatch.prefill(token_ids, blocks, block_size, rows)).float().cpu()
 
 
+def piece_nlls(backend: ExecutionBackend, pieces: list[list[int]], block_size: int = 16) -> list[float]:
+    """The mean negative log-likelihood of tokens 1.. of each piece, each scored from its own prefill."""
+    nlls = []
+    for piece in pieces:
+        logits = prefill_logits(backend, piece, block_size)
+        nlls.append(torch.nn.functional.cross_entropy(logits.double(), torch.tensor(piece[1:])).item())
+    return nlls
+
+
 def backend_perplexity(backend: ExecutionBackend, token_ids: list[int], chunk_len: int, block_size: int = 16) -> float:
     """Perplexity over ``token_ids`` scored in independent pieces of ``chunk_len`` (what the cache has room for)."""
     nll, count = 0.0, 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ from rtxcore.models.resolve import resolve_model
 from rtxcore.models.source import ModelSource
 from rtxcore.quant import calibration, format_costs, planner
 from rtxcore.quant.checkpoint import check_output_dir, staged_checkpoint, write_checkpoint, write_report
-from rtxcore.quant.evaluation import backend_perplexity, prefill_logits
+from rtxcore.quant.evaluation import backend_perplexity, piece_nlls, prefill_logits
 from rtxcore.quant.format_costs import FormatCosts
 from rtxcore.quant.layer_errors import Attempt, GroupChoice, choose
 from rtxcore.quant.planned_source import PlannedSource
@@ -29,6 +30,9 @@ from rtxcore.transfer import release_device_memory
 # The backend that runs calibration and evaluation: it exposes the torch modules calibration hooks into.
 CALIBRATION_BACKEND = "torch"
 _BLOCK = 16
+# Planning text comes in pieces this long: more pieces for the same tokens, so the plan sees more topics and their
+# spread (which bounds the increase on unseen text) is measured from more of them.
+PLANNING_PIECE_LEN = 256
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -45,13 +49,17 @@ class QuantizeOptions:
     device: str = "cpu"
     # Precision of the tensors left unquantized (embeddings, norms, LM head, layers that fell back to float).
     dtype: str = "bfloat16"
-    # The planner's budget: the largest perplexity increase on planning text (rtxcore.quant.planner); None: no plan,
-    # each layer in the method unless its own error budget says otherwise.
+    # The planner's budget: the largest perplexity increase, held by its bound on unseen text (plan_confidence;
+    # rtxcore.quant.planner); None: no plan, each layer in the method unless its own error budget says otherwise.
     target_ppl_delta: float | None = None
-    # Calibration text from this file instead of the built-in one (planning text is its last part).
+    # Calibration text from this file instead of the built-in one (planning text is taken from all of it after what
+    # calibration took).
     calibration_file: Path | None = None
-    # Planning text scored for each step of the plan.
-    planning_tokens: int = 1024
+    # Planning text scored for each step of the plan, in pieces of PLANNING_PIECE_LEN spread over the calibration text.
+    planning_tokens: int = 2048
+    # How sure the plan is to hold its budget on unseen text as long as the planning text (rtxcore.quant.planner.score;
+    # 0.5: the planning text's own increase).
+    plan_confidence: float = 0.95
     # The plan's formats besides float; empty: the method and its fallbacks.
     plan_formats: tuple[str, ...] = ()
     # The plan's costs: None: weight bytes; "measure": kernels timed on ``device``; else a table file
@@ -97,6 +105,11 @@ def quantize_model(model: str | None, options: QuantizeOptions, registry: Plugin
     check_output_dir(options.out)
     if options.target_ppl_delta is not None and not options.target_ppl_delta > 0:
         raise ConfigError(f"--target-ppl-delta must be positive, got {options.target_ppl_delta}")
+    if not 0.5 <= options.plan_confidence < 1:
+        raise ConfigError(f"--plan-confidence must be at least 0.5 and below 1, got {options.plan_confidence}")
+    if options.target_ppl_delta is not None and options.planning_tokens < 2 * PLANNING_PIECE_LEN:
+        raise ConfigError(f"--planning-tokens must be at least {2 * PLANNING_PIECE_LEN} (two pieces of "
+                          f"{PLANNING_PIECE_LEN}), got {options.planning_tokens}")
     if options.max_layer_error is not None and not options.max_layer_error > 0:
         raise ConfigError(f"--max-layer-error must be positive, got {options.max_layer_error}")
     if options.eval_tokens == 1 or options.eval_tokens < 0:
@@ -188,7 +201,7 @@ def _plan(registry: PluginRegistry, source: ModelSource, options: QuantizeOption
           log: Callable[[str], None], progress: Callable[[int, int], None] | None,
           costs: FormatCosts | None) -> planner.Plan:
     """Every format of every group, then the search (rtxcore.quant.planner) scored on the planning text."""
-    assert options.target_ppl_delta is not None and calib.ppl_plan is not None
+    assert options.target_ppl_delta is not None and calib.plan_pieces
     num_layers, num_done = sum(len(names) for names in calib.groups), 0
     if progress is not None:
         progress(0, num_layers)
@@ -206,9 +219,10 @@ def _plan(registry: PluginRegistry, source: ModelSource, options: QuantizeOption
         num_done += len(names)
         if progress is not None:
             progress(num_done, num_layers)
-    log(f"planning on {len(calib.plan_ids)} tokens of calibration text no statistic was taken from")
+    log(f"planning on {len(calib.plan_pieces)} x {PLANNING_PIECE_LEN} tokens of calibration text no statistic was "
+        f"taken from")
 
-    def evaluate(groups: list[planner.GroupPlan]) -> float:
+    def evaluate(groups: list[planner.GroupPlan]) -> planner.Score:
         tensors: dict[str, torch.Tensor | QuantizedTensor] = dict(weights)
         for g in groups:
             tensors.update(g.format.qtensors)
@@ -216,13 +230,15 @@ def _plan(registry: PluginRegistry, source: ModelSource, options: QuantizeOption
         backend = _load_backend(registry, PlannedSource(source, tensors, methods), options.device, options.chunk_len,
                                 {m: quantizer_for(m) for m in methods})
         try:
-            return backend_perplexity(backend, calib.plan_ids, options.chunk_len, _BLOCK)
+            return planner.score(piece_nlls(backend, calib.plan_pieces, _BLOCK), calib.plan_nlls,
+                                 options.plan_confidence)
         finally:
             del backend
             release_device_memory()
 
     basis = f"kernel time on {costs.device}" if costs is not None else "weight bytes"
-    return planner.search(plans, evaluate, calib.ppl_plan, options.target_ppl_delta, log, basis)
+    ppl_float = math.exp(statistics.fmean(calib.plan_nlls))
+    return planner.search(plans, evaluate, ppl_float, options.target_ppl_delta, log, basis, options.plan_confidence)
 
 
 def plan_choices(plan: planner.Plan, options: QuantizeOptions) -> list[GroupChoice]:
@@ -255,9 +271,10 @@ class Calibration:
     # The float model's perplexity on eval_ids (None without them).
     ppl_eval: float | None
     num_chunks: int
-    # Planning text (calibration text no statistic was taken from) and the float model's perplexity on it.
-    plan_ids: list[int]
-    ppl_plan: float | None
+    # Planning text (pieces of calibration text no statistic was taken from) and the float model's mean negative
+    # log-likelihood on each.
+    plan_pieces: list[list[int]]
+    plan_nlls: list[float]
 
 
 def _calibrate(registry: PluginRegistry, source: ModelSource, options: QuantizeOptions, hessian: bool,
@@ -275,15 +292,15 @@ def _calibrate(registry: PluginRegistry, source: ModelSource, options: QuantizeO
     text = _calibration_text(options)
     planning = options.planning_tokens if options.target_ppl_delta is not None else 0
     num_chunks = max(1, options.calibration_tokens // options.chunk_len)
-    num_plan_chunks = -(-planning // options.chunk_len) if planning else 0
-    all_chunks = calibration.calibration_chunks(_tokenizer(source), source.config.bos_token_id,
-                                                (num_chunks + num_plan_chunks) * options.chunk_len, options.chunk_len,
-                                                text=text)
-    chunks = all_chunks[:num_chunks]
-    plan_chunks = all_chunks[num_chunks:]
+    tokenizer, bos = _tokenizer(source), source.config.bos_token_id
+    chunks = calibration.calibration_chunks(tokenizer, bos, num_chunks * options.chunk_len, options.chunk_len,
+                                            text=text)
+    taken = len(chunks) * (options.chunk_len - (bos is not None))  # the text's tokens calibration took
+    plan_pieces = calibration.planning_chunks(tokenizer, bos, planning, PLANNING_PIECE_LEN, taken,
+                                              text=text) if planning else []
     if not chunks:
         raise ConfigError(f"--calibration-tokens {options.calibration_tokens} gives no piece of {options.chunk_len}")
-    if planning and not plan_chunks:
+    if planning and len(plan_pieces) < 2:
         raise ConfigError("the calibration text is too short to keep planning text apart from calibration: give "
                           "more text or fewer --calibration-tokens")
     log(f"calibrating on {len(chunks)} x {options.chunk_len} tokens of calibration text")
@@ -292,11 +309,10 @@ def _calibrate(registry: PluginRegistry, source: ModelSource, options: QuantizeO
     stats = calibration.collect_stats(modules, run, chunks, hessian=hessian)
     eval_ids = evaluation_tokens(source, options.eval_tokens) if options.eval_tokens else []
     ppl = backend_perplexity(backend, eval_ids, options.chunk_len, _BLOCK) if eval_ids else None
-    plan_ids = [t for chunk in plan_chunks for t in chunk]
-    ppl_plan = backend_perplexity(backend, plan_ids, options.chunk_len, _BLOCK) if plan_ids else None
+    plan_nlls = piece_nlls(backend, plan_pieces, _BLOCK)
     del modules, inputs, run, backend  # release the float model (run holds it too)
     release_device_memory()
-    return Calibration(stats, list(fused.values()), eval_ids, ppl, len(chunks), plan_ids, ppl_plan)
+    return Calibration(stats, list(fused.values()), eval_ids, ppl, len(chunks), plan_pieces, plan_nlls)
 
 
 def _calibration_text(options: QuantizeOptions) -> str | None:

@@ -20,9 +20,11 @@ def _settings() -> quality.QualitySettings:
 
 
 def test_a_planner_that_moves_nothing_fails_the_planned_check(monkeypatch):
-    def first_step_only(groups, evaluate, ppl_float, budget, log=lambda line: None, cost_basis="weight bytes"):
-        step = planner.PlanStep(evaluate(groups), sum(g.format.nbytes for g in groups), [])
-        return planner.Plan(groups, ppl_float, budget, [step])
+    def first_step_only(groups, evaluate, ppl_float, budget, log=lambda line: None, cost_basis="weight bytes",
+                        confidence=0.5):
+        result = evaluate(groups)
+        step = planner.PlanStep(result.ppl, result.bound, sum(g.format.nbytes for g in groups), [])
+        return planner.Plan(groups, ppl_float, budget, [step], cost_basis, confidence)
 
     monkeypatch.setattr(planner, "search", first_step_only)
     check = quality._planned_check(_settings(), "int4", 256, load_plugins())

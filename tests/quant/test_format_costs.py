@@ -12,7 +12,7 @@ from rtxcore.errors import ConfigError
 from rtxcore.models.dummy import SHAPES
 from rtxcore.quant.format_costs import FormatCosts, decode_shapes, measure
 from rtxcore.quant.layer_errors import OutputError
-from rtxcore.quant.planner import Format, GroupPlan, pareto_front, search
+from rtxcore.quant.planner import Format, GroupPlan, Score, pareto_front, search
 from rtxcore.registry import load_plugins
 from tests.helpers.cli import assert_one_line_error, rtx
 
@@ -48,8 +48,9 @@ def test_search_moves_by_error_removed_per_unit_of_measured_cost():
 
     groups = [group("dear", 10.0), group("cheap", 1.0)]
 
-    def evaluate(gs: list[GroupPlan]) -> float:
-        return 10.0 + sum(0.4 for g in gs if g.format.method == "int4")
+    def evaluate(gs: list[GroupPlan]) -> Score:
+        increase = sum(0.4 for g in gs if g.format.method == "int4")
+        return Score(10.0 + increase, increase)
 
     plan = search(groups, evaluate, ppl_float=10.0, budget=0.5, cost_basis="kernel time on a test table")
     assert [g.format.method for g in groups] == ["int4", "int8"]

@@ -5,11 +5,15 @@ text."""
 from __future__ import annotations
 
 import json
+import math
+import random
 
 import pytest
 
+from rtxcore.models.resolve import resolve_model
+from rtxcore.quant import calibration
 from rtxcore.quant.layer_errors import OutputError
-from rtxcore.quant.planner import Format, GroupPlan, search
+from rtxcore.quant.planner import Format, GroupPlan, Score, score, search
 from tests.helpers.cli import rtx
 
 
@@ -19,13 +23,18 @@ def group(name: str, errors: list[float], nbytes: list[int]) -> GroupPlan:
     return GroupPlan([name], formats, sizes={name: 100})
 
 
+def at(ppl: float) -> Score:
+    """A score whose bound is its own increase over a float perplexity of 10 (a confidence of 0.5)."""
+    return Score(ppl, ppl - 10.0)
+
+
 def test_search_moves_the_cheapest_error_first_until_within_budget():
     # Perplexity grows with the squared errors of the formats chosen; "b" has the largest error per byte.
     groups = [group("a", [0.10, 0.01], [50, 100, 200]), group("b", [0.40, 0.02], [50, 100, 200]),
               group("c", [0.10, 0.01], [500, 1000, 2000])]
 
-    def evaluate(gs: list[GroupPlan]) -> float:
-        return 10.0 + sum(gs[i].format.errors[g.names[0]].relative ** 2 * 20 for i, g in enumerate(gs))
+    def evaluate(gs: list[GroupPlan]) -> Score:
+        return at(10.0 + sum(gs[i].format.errors[g.names[0]].relative ** 2 * 20 for i, g in enumerate(gs)))
 
     plan = search(groups, evaluate, ppl_float=10.0, budget=0.5)
     assert plan.within_budget and plan.ppl - 10.0 <= 0.5
@@ -36,10 +45,76 @@ def test_search_moves_the_cheapest_error_first_until_within_budget():
 
 def test_search_stops_at_float_when_nothing_else_is_within_budget():
     groups = [group("a", [0.5, 0.4], [1, 2, 4])]
-    plan = search(groups, lambda gs: 10.0 + (1.0 if gs[0].format.method else 0.0), ppl_float=10.0, budget=0.5)
+    plan = search(groups, lambda gs: at(10.0 + (1.0 if gs[0].format.method else 0.0)), ppl_float=10.0, budget=0.5)
     assert groups[0].format.method is None and plan.within_budget and len(plan.steps) == 3
 
 
+def test_the_step_that_reaches_the_budget_keeps_only_the_moves_the_budget_needs():
+    # 40 groups, each int4 one adding 0.1 perplexity: within +2.25, 22 may stay int4. A step moves an eighth of the
+    # groups that can still move (to int8, or on to float): 40 -> 35 -> 30 -> 25 -> 20 int4, two more than needed.
+    groups = [group(f"g{i}", [0.1 + i / 1000, 0.0], [50, 100, 200]) for i in range(40)]
+    scored: list[int] = []
+
+    def evaluate(gs: list[GroupPlan]) -> Score:
+        scored.append(sum(g.format.method == "int4" for g in gs))
+        return at(10.0 + 0.1 * scored[-1])
+
+    plan = search(groups, evaluate, ppl_float=10.0, budget=2.25)
+    assert scored == [40, 35, 30, 25, 20, 22, 23]  # then bisection over the last five moves: keep three, then two
+    assert plan.within_budget and plan.ppl == pytest.approx(12.2)
+    # Those kept are the last step's most gainful (the largest error removed per byte: the highest-numbered groups).
+    assert sorted(int(g.names[0][1:]) for g in groups if g.format.method == "int4") == list(range(22))
+    assert plan.nbytes() == 22 * 50 + 18 * 100
+    # Each step says what it moved; the last goes back to a state already scored, without scoring it again.
+    assert [len(s.moved) for s in plan.steps] == [0, 5, 5, 5, 5, 2, 1, 1]
+    assert plan.steps[-2].moved == ["g22 -> int4"] and plan.steps[-1].moved == ["g22 -> int8"]
+
+
+def test_the_bound_holds_for_unseen_text_as_often_as_its_confidence_says():
+    # Pieces whose increase of mean NLL is 0.03 +- 0.015 (as the default model's int4-awq plan's 512-token pieces):
+    # the bound from 8 planning pieces is exceeded by another 8 pieces' increase about 5% of the time at 0.95.
+    gen = random.Random(0)
+    float_nlls = [2.5] * 8
+    exceeded, trials = 0, 4000
+    for _ in range(trials):
+        planning = [2.5 + gen.gauss(0.03, 0.015) for _ in range(8)]
+        unseen = [2.5 + gen.gauss(0.03, 0.015) for _ in range(8)]
+        bound = score(planning, float_nlls, 0.95).bound
+        exceeded += score(unseen, float_nlls, 0.5).bound > bound
+    assert 0.03 < exceeded / trials < 0.09  # the spread estimated from 8 pieces makes it a little more than 5%
+    # At 0.5 the bound is the planning text's own increase; higher confidence, more spread or fewer pieces raise it.
+    nlls = [2.53, 2.51, 2.55, 2.52]
+    own = score(nlls, float_nlls[:4], 0.5)
+    assert own.bound == pytest.approx(own.ppl - math.exp(2.5)) and own.ppl == pytest.approx(math.exp(2.5275))
+    assert own.bound < score(nlls, float_nlls[:4], 0.9).bound < score(nlls, float_nlls[:4], 0.95).bound
+    assert score(nlls * 2, float_nlls, 0.95).bound < score(nlls, float_nlls[:4], 0.95).bound
+    assert score([2.53] * 4, float_nlls[:4], 0.95).bound == pytest.approx(score([2.53] * 4, float_nlls[:4], 0.5).bound)
+
+
+@pytest.mark.model
+def test_planning_text_is_spread_over_the_calibration_text_calibration_did_not_take():
+    source = resolve_model("smollm2-135m")
+    tokenizer, bos = source.tokenizer(), source.config.bos_token_id
+    calib = calibration.calibration_chunks(tokenizer, bos, 1024, 512)
+    taken = 2 * 511  # two pieces of 512 after a BOS each
+    text_ids = tokenizer.encode(calibration.calibration_text(), add_special_tokens=False)
+    assert [t for c in calib for t in c[1:]] == text_ids[:taken]
+    plan = calibration.planning_chunks(tokenizer, bos, 2048, 256, taken)
+    assert len(plan) == 8 and all(len(c) == 256 and c[0] == bos for c in plan)
+    rest = text_ids[taken:]
+    starts = [next(i for i in range(len(rest)) if rest[i:i + 255] == c[1:]) for c in plan]
+    # Eight pieces an eighth of the rest apart, the first and last an sixteenth from its ends.
+    pieces = len(rest) // 255
+    assert pieces > 150 and starts == [(2 * i + 1) * pieces // 16 * 255 for i in range(8)]
+    # Text too short for what is asked gives what there is, never what calibration took.
+    short = calibration.calibration_text()[:8_000]
+    short_ids = tokenizer.encode(short, add_special_tokens=False)
+    pieces_short = calibration.planning_chunks(tokenizer, bos, 10**6, 256, taken, text=short)
+    assert 0 < len(pieces_short) == (len(short_ids) - taken) // 255
+    assert pieces_short[0][1:] == short_ids[taken:taken + 255]
+
+
+@pytest.mark.model
 def test_rtx_quantize_plan_keeps_int4_within_half_a_perplexity_point(tmp_path):
     out = tmp_path / "int4-plan"
     proc = rtx("quantize", "smollm2-135m", "--method", "int4", "--plan", "--out", str(out), "--calibration-tokens",

@@ -116,6 +116,27 @@ def test_tight_budget_falls_back_and_names_the_layers(tmp_path):
     assert 0 < report["evaluation"]["ppl_increase"] < 8.0, report["evaluation"]
 
 
+def test_a_calibration_file_of_ones_own_calibrates_and_one_too_short_to_plan_on_is_refused(tmp_path, int8_dir):
+    from rtxcore.quant.calibration import calibration_text
+
+    # The built-in text's paragraphs in reverse order: other statistics, so other per-layer errors.
+    own = tmp_path / "own.txt"
+    own.write_text("\n\n".join(reversed(calibration_text().split("\n\n"))), encoding="utf-8")
+    out = tmp_path / "own-int8"
+    proc = quantize(out, "int8", "--calibration-file", str(own))
+    assert proc.returncode == 0, proc.stderr
+    builtin = json.loads((int8_dir / "quantization_report.json").read_text())["layers"]
+    mine = json.loads(proc.stdout)["layers"]
+    assert [r["name"] for r in mine] == [r["name"] for r in builtin]
+    assert sum(r["relative_error"] != b["relative_error"] for r, b in zip(mine, builtin)) > len(mine) // 2
+    # Enough for calibration's 1024 tokens but not for two planning pieces after them.
+    short = tmp_path / "short.txt"
+    short.write_text(calibration_text()[:6000], encoding="utf-8")
+    proc = quantize(tmp_path / "short-plan", "int4", "--plan", "--calibration-file", str(short))
+    assert_one_line_error(proc, "the calibration text is too short to keep planning text apart from calibration")
+    assert not (tmp_path / "short-plan").exists()
+
+
 def test_impossible_budget_keeps_every_layer_in_float(tmp_path):
     out = tmp_path / "none"
     proc = quantize(out, "int8", "--max-layer-error", "1e-9", "--eval-tokens", "0")
@@ -130,6 +151,8 @@ def test_impossible_budget_keeps_every_layer_in_float(tmp_path):
     (["--method", "int8", "--max-layer-error", "-1"], "--max-layer-error must be positive"),
     (["--method", "int8", "--eval-tokens", "1"], "--eval-tokens must be 0 (skip) or at least 2"),
     (["--method", "int8", "--device", "gpu"], "--device must be cpu, cuda or cuda:N"),
+    (["--method", "int4", "--plan", "--plan-confidence", "1"], "--plan-confidence must be at least 0.5 and below 1"),
+    (["--method", "int4", "--plan", "--planning-tokens", "300"], "--planning-tokens must be at least 512"),
 ])
 def test_bad_arguments(tmp_path, args, fragment):
     out = tmp_path / "out"

@@ -4,8 +4,9 @@
 uncalibrated baseline.
 
 Then each method ``planned`` names as a user deploys it within the seed's budget: ``rtx quantize --method M --plan
---calibration-tokens N --eval-tokens T`` (rtxcore.quant.planner chooses each layer group's format within
-``plan_ppl_delta`` on planning text; N is ``plan_calibration_tokens``, T ``plan_eval_tokens``), the written
+--calibration-tokens N --eval-tokens T`` (rtxcore.quant.planner chooses each layer group's format so that the bound
+of the increase on unseen text, from planning text, is within ``plan_ppl_delta``; N is ``plan_calibration_tokens``,
+T ``plan_eval_tokens``), the written
 checkpoint loaded back and scored on the held-out text against the float model, held to
 ``planned_max_ppl_increase``. That part needs no transformers."""
 

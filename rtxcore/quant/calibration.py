@@ -55,13 +55,20 @@ def calibration_chunks(tokenizer, bos: int | None, num_tokens: int, chunk_len: i
     return token_chunks(ids, bos, max(1, num_tokens // chunk_len), chunk_len)
 
 
+_PLANNING_TEXT_CHARS = 4 << 20
+
+
 def planning_chunks(tokenizer, bos: int | None, num_tokens: int, chunk_len: int, skip_tokens: int,
                     text: str | None = None) -> list[list[int]]:
     """About ``num_tokens`` tokens of calibration text (``text``, else the built-in one) in pieces of ``chunk_len``
     spread evenly over the text after its first ``skip_tokens`` tokens (what calibration took). Not the next stretch:
     the built-in text's topics differ in how much quantization hurts them, so a plan chosen on one stretch fits that
     stretch, and one chosen across the whole text holds better on text it never saw."""
-    ids = tokenizer.encode(text if text is not None else calibration_text(), add_special_tokens=False)[skip_tokens:]
+    text = text if text is not None else calibration_text()
+    # At most this much text past calibration's is tokenized: a large file's pieces are spread over its first
+    # megabytes (more spread gains little, and tokenizing it all would cost more than planning).
+    text = text[:8 * skip_tokens + _PLANNING_TEXT_CHARS]
+    ids = tokenizer.encode(text, add_special_tokens=False)[skip_tokens:]
     pieces = token_chunks(ids, bos, len(ids) // max(1, chunk_len - 1) + 1, chunk_len)
     wanted = min(len(pieces), -(-num_tokens // chunk_len))
     return [pieces[(2 * i + 1) * len(pieces) // (2 * wanted)] for i in range(wanted)]

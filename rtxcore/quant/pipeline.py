@@ -105,11 +105,15 @@ def quantize_model(model: str | None, options: QuantizeOptions, registry: Plugin
     check_output_dir(options.out)
     if options.target_ppl_delta is not None and not options.target_ppl_delta > 0:
         raise ConfigError(f"--target-ppl-delta must be positive, got {options.target_ppl_delta}")
-    if not 0.5 <= options.plan_confidence < 1:
-        raise ConfigError(f"--plan-confidence must be at least 0.5 and below 1, got {options.plan_confidence}")
-    if options.target_ppl_delta is not None and options.planning_tokens < 2 * PLANNING_PIECE_LEN:
-        raise ConfigError(f"--planning-tokens must be at least {2 * PLANNING_PIECE_LEN} (two pieces of "
-                          f"{PLANNING_PIECE_LEN}), got {options.planning_tokens}")
+    if options.target_ppl_delta is not None:
+        if not 0.5 <= options.plan_confidence < 1:
+            raise ConfigError(f"--plan-confidence must be at least 0.5 and below 1, got {options.plan_confidence}")
+        if options.planning_tokens < 2 * PLANNING_PIECE_LEN:
+            raise ConfigError(f"--planning-tokens must be at least {2 * PLANNING_PIECE_LEN} (two pieces of "
+                              f"{PLANNING_PIECE_LEN}), got {options.planning_tokens}")
+        if options.chunk_len < PLANNING_PIECE_LEN:  # the backends are sized for chunk_len tokens
+            raise ConfigError(f"a plan needs pieces of at least {PLANNING_PIECE_LEN} tokens, got chunk_len "
+                              f"{options.chunk_len}")
     if options.max_layer_error is not None and not options.max_layer_error > 0:
         raise ConfigError(f"--max-layer-error must be positive, got {options.max_layer_error}")
     if options.eval_tokens == 1 or options.eval_tokens < 0:
@@ -162,7 +166,8 @@ def quantize_model(model: str | None, options: QuantizeOptions, registry: Plugin
 
     report = build_report(source, options, choices, num_chunks * options.chunk_len, tensors)
     if plan is not None:
-        report["plan"] = plan.to_json()
+        report["plan"] = {**plan.to_json(), "planning_pieces": len(calib.plan_pieces),
+                          "planning_piece_tokens": PLANNING_PIECE_LEN}
     with staged_checkpoint(options.out) as directory:
         write_checkpoint(directory, source.config.to_hf(), tensors, report, source.tokenizer(),
                          extra={"method": options.method})
@@ -281,14 +286,6 @@ def _calibrate(registry: PluginRegistry, source: ModelSource, options: QuantizeO
                log: Callable[[str], None]) -> Calibration:
     """Statistics at every decoder linear layer's input on calibration text, the layers that run fused, and the
     float model's perplexity on evaluation (and planning) text. The float model is released before returning."""
-    backend = _load_backend(registry, source, options.device, options.chunk_len)
-    inputs = getattr(getattr(backend, "model", None), "input_modules", None)
-    if inputs is None:
-        raise ConfigError(f"backend {CALIBRATION_BACKEND!r} does not expose its layers for calibration")
-    modules = inputs()
-    fused: dict[int, list[str]] = {}
-    for name, module in modules.items():
-        fused.setdefault(id(module), []).append(name)
     text = _calibration_text(options)
     planning = options.planning_tokens if options.target_ppl_delta is not None else 0
     num_chunks = max(1, options.calibration_tokens // options.chunk_len)
@@ -303,6 +300,17 @@ def _calibrate(registry: PluginRegistry, source: ModelSource, options: QuantizeO
     if planning and len(plan_pieces) < 2:
         raise ConfigError("the calibration text is too short to keep planning text apart from calibration: give "
                           "more text or fewer --calibration-tokens")
+    if planning and len(plan_pieces) * PLANNING_PIECE_LEN < planning:
+        log(f"the calibration text has room for {len(plan_pieces)} planning pieces of {PLANNING_PIECE_LEN} tokens "
+            f"past calibration's, not {-(-planning // PLANNING_PIECE_LEN)}: the bound on unseen text is looser")
+    backend = _load_backend(registry, source, options.device, options.chunk_len)
+    inputs = getattr(getattr(backend, "model", None), "input_modules", None)
+    if inputs is None:
+        raise ConfigError(f"backend {CALIBRATION_BACKEND!r} does not expose its layers for calibration")
+    modules = inputs()
+    fused: dict[int, list[str]] = {}
+    for name, module in modules.items():
+        fused.setdefault(id(module), []).append(name)
     log(f"calibrating on {len(chunks)} x {options.chunk_len} tokens of calibration text")
     # Only the layers' inputs matter: logits after the last token alone spare the LM head's work.
     run = functools.partial(prefill_logits, backend, block_size=_BLOCK, all_positions=False)
@@ -385,7 +393,8 @@ def build_report(source: ModelSource, options: QuantizeOptions, choices: list[Gr
     return {
         "model": source.name, "method": options.method,
         "max_layer_error": options.max_layer_error,
-        "calibration": {"text": "pydoc_data topics, second half", "tokens": calibration_tokens,
+        "calibration": {"text": str(options.calibration_file) if options.calibration_file is not None
+                        else "pydoc_data topics, second half", "tokens": calibration_tokens,
                         "chunk_len": options.chunk_len},
         "layers": layers, "fallbacks": fallbacks,
         "bytes": {"source_files": _source_bytes(source), "quantized": sum(_nbytes(t) for t in tensors.values())},

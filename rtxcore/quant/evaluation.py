@@ -27,13 +27,15 @@ def prefill_logits(backend: ExecutionBackend, token_ids: list[int], block_size: 
     return backend.execute(ForwardBatch.prefill(token_ids, blocks, block_size, rows)).float().cpu()
 
 
+def _nll_sum(backend: ExecutionBackend, piece: list[int], block_size: int) -> float:
+    """The summed negative log-likelihood of tokens 1.. of ``piece``, from one prefill."""
+    logits = prefill_logits(backend, piece, block_size)
+    return torch.nn.functional.cross_entropy(logits.double(), torch.tensor(piece[1:]), reduction="sum").item()
+
+
 def piece_nlls(backend: ExecutionBackend, pieces: list[list[int]], block_size: int = 16) -> list[float]:
     """The mean negative log-likelihood of tokens 1.. of each piece, each scored from its own prefill."""
-    nlls = []
-    for piece in pieces:
-        logits = prefill_logits(backend, piece, block_size)
-        nlls.append(torch.nn.functional.cross_entropy(logits.double(), torch.tensor(piece[1:])).item())
-    return nlls
+    return [_nll_sum(backend, piece, block_size) / (len(piece) - 1) for piece in pieces]
 
 
 def backend_perplexity(backend: ExecutionBackend, token_ids: list[int], chunk_len: int, block_size: int = 16) -> float:
@@ -43,8 +45,7 @@ def backend_perplexity(backend: ExecutionBackend, token_ids: list[int], chunk_le
         chunk = token_ids[start:start + chunk_len]
         if len(chunk) < 2:
             break
-        logits = prefill_logits(backend, chunk, block_size)
-        nll += torch.nn.functional.cross_entropy(logits.double(), torch.tensor(chunk[1:]), reduction="sum").item()
+        nll += _nll_sum(backend, chunk, block_size)
         count += len(chunk) - 1
     if count == 0:
         raise ConfigError("perplexity needs at least two tokens of text")

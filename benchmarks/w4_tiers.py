@@ -25,12 +25,14 @@ import dataclasses
 import datetime
 import json
 import math
+import os
 import random
 import statistics
 import sys
 import tempfile
 import time
 
+from rtxcore import envs
 from rtxcore.bench.engine import Engine, build_engine, generate, serving_engine
 from rtxcore.bench.loadgen.stats import percentile
 from rtxcore.cli.bench import machine_description
@@ -39,22 +41,35 @@ from rtxcore.kv.tiers.offload import OffloadStats
 from rtxcore.sampling_params import SamplingParams
 
 # roomy: a device cache with room for every conversation; offload: a small device cache over a host tier;
-# no-offload: the small device cache alone; disk: the small device cache over a small host tier over a disk tier.
-CONFIGS = ("roomy", "offload", "no-offload", "disk")
+# offload-ondemand: the same, each allocation evicting (and spilling) its own blocks (RTX_KV_EVICT_AHEAD=0; the same
+# as offload on a CPU); no-offload: the small device cache alone; disk: the small device cache over a small host tier
+# over a disk tier.
+CONFIGS = ("roomy", "offload", "offload-ondemand", "no-offload", "disk")
 RATIO_KEYS = ("ttft_p99_ms", "itl_p99_ms", "e2e_p99_ms")
 
 
 def make_engine(args, config: str, all_blocks: int, block_bytes: int, disk_dir: str) -> Engine:
     roomy = config == "roomy"
     blocks = int((args.roomy_factor if roomy else args.device_factor) * all_blocks) + 1
-    host_factor = {"offload": args.host_factor, "disk": args.disk_host_factor}.get(config, 0.0)
+    host_factor = {"offload": args.host_factor, "offload-ondemand": args.host_factor,
+                   "disk": args.disk_host_factor}.get(config, 0.0)
     disk = {"kv_disk_dir": disk_dir, "kv_disk_bytes": int(args.host_factor * all_blocks) * block_bytes,
             "kv_snapshot_interval_s": 0} if config == "disk" else {}
-    return build_engine(model=args.model, num_kv_blocks=blocks,
-                        kv_host_bytes=int(host_factor * all_blocks) * block_bytes, **disk,
-                        max_model_len=args.max_model_len,
-                        scheduling=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                                   max_num_batched_tokens=args.max_num_batched_tokens))
+    ahead = os.environ.get(envs.RTX_KV_EVICT_AHEAD.name)
+    if config == "offload-ondemand":
+        os.environ[envs.RTX_KV_EVICT_AHEAD.name] = "0"  # read when the engine makes its KV cache
+    try:
+        return build_engine(model=args.model, num_kv_blocks=blocks,
+                            kv_host_bytes=int(host_factor * all_blocks) * block_bytes, **disk,
+                            max_model_len=args.max_model_len,
+                            scheduling=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                                       max_num_batched_tokens=args.max_num_batched_tokens))
+    finally:
+        if config == "offload-ondemand":
+            if ahead is None:
+                del os.environ[envs.RTX_KV_EVICT_AHEAD.name]
+            else:
+                os.environ[envs.RTX_KV_EVICT_AHEAD.name] = ahead
 
 
 def conversations(args, engine: Engine, seed: int, rounds: int) -> tuple[list[list[int]], float, float]:
@@ -88,6 +103,8 @@ def copy_counts(after: OffloadStats | None, before: OffloadStats | None) -> dict
     return {"copy_wait_steps": after.num_copy_wait_steps - before.num_copy_wait_steps,
             "copy_wait_ms": round(1000 * (after.copy_wait_seconds - before.copy_wait_seconds), 1),
             "spilled_blocks": after.num_spilled - before.num_spilled,
+            "copy_down_host_s": round(after.copy_down_host_seconds - before.copy_down_host_seconds, 3),
+            "reload_host_s": round(after.reload_host_seconds - before.reload_host_seconds, 3),
             "spill_hits": after.num_spill_hits - before.num_spill_hits,
             "written_back_blocks": after.num_written_back - before.num_written_back}
 
@@ -97,6 +114,8 @@ async def under_load(args, engine: Engine, requests: list[list[int]], rate: floa
     before = engine.core.kv_cache.stats
     tiers = engine.core.kv_tiers
     copies_before = dataclasses.replace(tiers.offload.stats) if tiers else None
+    ahead = engine.core.kv_cache.evict_ahead
+    ahead_before = (ahead.num_evicted, ahead.num_batches) if ahead is not None else None
     served = serving_engine(engine)
     served.start()
     params = SamplingParams(max_tokens=args.reply_tokens, temperature=0.0, ignore_eos=True)
@@ -133,6 +152,9 @@ async def under_load(args, engine: Engine, requests: list[list[int]], rate: floa
     return {"requests": len(tasks), "seconds": round(elapsed, 2), "hit_rate": round(hit / max(queried, 1), 4),
             "reloaded_tokens": stats.num_reloaded_tokens - before.num_reloaded_tokens, "preemptions": preemptions,
             **copy_counts(copies, copies_before),
+            **({"evicted_ahead_blocks": ahead.num_evicted - ahead_before[0],
+                "evict_ahead_batches": ahead.num_batches - ahead_before[1]}
+               if ahead is not None and ahead_before is not None else {}),
             **{f"{name}_{q}_ms": round(1000 * percentile(values, p), 1)
                for name, values in (("ttft", ttft), ("itl", itl), ("e2e", e2e))
                for q, p in (("p50", 50), ("p99", 99))}}

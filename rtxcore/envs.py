@@ -74,6 +74,13 @@ def _positive_int(raw: str) -> int:
     return value
 
 
+def _count(raw: str) -> int:
+    value = int(raw)  # a ValueError names the text
+    if value < 0:
+        raise ValueError("use an integer of at least 0")
+    return value
+
+
 def _path(raw: str) -> Path:
     return Path(raw).expanduser()
 
@@ -164,10 +171,16 @@ RTX_KV_ROW_COPY = _bool_switch(
     "RTX_KV_ROW_COPY", True,
     "KV blocks move between the GPU and the pinned host tier in one Triton launch per reload or spill; `0` makes "
     "one copy per run of adjacent host slots instead, for A/B measurements. Read once per process.")
+RTX_KV_EVICT_AHEAD: Switch[int] = Switch(
+    "RTX_KV_EVICT_AHEAD", "int", 64,
+    "On a GPU over a host tier, prefix-cache blocks are evicted to the tier in batches of this many before a step's "
+    "launch once fewer than half a batch are empty, so allocations spill nothing of their own; `0` evicts at each "
+    "allocation instead, for A/B measurements. Read when a KV cache is made.",
+    _count)
 
 SWITCHES: dict[str, Switch[object]] = {
     switch.name: switch
     for switch in (RTX_PLUGINS, RTX_API_KEYS, RTX_FAULT_INJECTION, RTX_TORCH_KERNELS, RTX_TORCH_GEMV, RTX_LAUNCH_CACHE,
                    RTX_ORT_PROVIDER, RTX_PP_MICRO_BATCH_TOKENS, RTX_GRAPH_CACHE, RTX_CPU_KERNELS, RTX_INT4_MMA, RTX_PDL,
-                   RTX_KV_ROW_COPY)
+                   RTX_KV_ROW_COPY, RTX_KV_EVICT_AHEAD)
 }

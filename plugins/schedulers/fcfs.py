@@ -78,7 +78,10 @@ class FCFSScheduler(Scheduler):
 
         # Admitting new work right after a preemption would only preempt again.
         copying: list[Request] = []
-        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # Requests whose prefix is on the way take a place too: each holds device blocks for its copy, and starting
+        # copies for more requests than can run next would fill the pool with blocks nobody can run on yet.
+        while (not out.preempted and self.waiting and budget > 0
+               and len(self.running) + len(copying) < self.config.max_num_seqs):
             req = self.waiting[0]
             if req.num_computed_tokens == 0:
                 req.num_computed_tokens = self.kv_cache.lookup_prefix(req)

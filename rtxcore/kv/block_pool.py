@@ -64,6 +64,9 @@ class BlockPool:
         self.on_evict: Callable[[list[tuple[int, BlockHash]]], None] | None = None
         # Share of recent allocations that had to evict a cached block (see rtxcore.kv.tiers).
         self.pressure = 0.0
+        # Blocks in the free queue that evict_ahead() freed and no allocation has taken yet: an allocation taking
+        # one counts as having evicted (pressure).
+        self._num_freed_ahead = 0
 
     @property
     def num_usable_blocks(self) -> int:
@@ -73,6 +76,15 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         """Blocks that :meth:`allocate` can hand out now: free plus evictable."""
         return len(self._free) + len(self.policy)
+
+    @property
+    def num_empty_blocks(self) -> int:
+        """Blocks in the free queue: no user and no cached content (allocating them evicts nothing)."""
+        return len(self._free)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return len(self.policy)
 
     @property
     def num_blocks_holding_data(self) -> int:
@@ -107,13 +119,28 @@ class BlockPool:
             block.ref_cnt = 1
             block_ids.append(block.block_id)
         if num_blocks:
-            self.pressure += PRESSURE_ALPHA * (len(evicted) / num_blocks - self.pressure)
+            ahead = min(self._num_freed_ahead, num_blocks - len(evicted))
+            self._num_freed_ahead -= ahead
+            self.pressure += PRESSURE_ALPHA * ((len(evicted) + ahead) / num_blocks - self.pressure)
+        self._on_evict(evicted)
+        return block_ids
+
+    def evict_ahead(self, num_blocks: int) -> int:
+        """Evict up to ``num_blocks`` cached blocks now, in one batch, into the free queue: the allocations that
+        follow then take free blocks instead of each evicting (and spilling) a few. Returns how many were evicted."""
+        evicted: list[tuple[int, BlockHash]] = []
+        for _ in range(min(num_blocks, len(self.policy))):
+            self._free.append(self._evict(evicted).block_id)
+        self._num_freed_ahead += len(evicted)
+        self._on_evict(evicted)
+        return len(evicted)
+
+    def _on_evict(self, evicted: list[tuple[int, BlockHash]]) -> None:
         if evicted and self.on_evict is not None:
             try:
                 self.on_evict(evicted)
             except Exception:  # losing the copies costs recomputation later; losing the allocation would cost more
                 log.exception("could not copy %d evicted KV blocks to a lower tier", len(evicted))
-        return block_ids
 
     def lookup(self, block_hash: BlockHash) -> int | None:
         """The block cached under ``block_hash``, without taking a reference."""
@@ -192,6 +219,7 @@ class BlockPool:
             self.policy.forget(block_id)
             block.block_hash = None
         self._cached.clear()
+        self._num_freed_ahead = 0
         return num_dropped
 
     def check_invariants(self) -> None:

@@ -30,6 +30,7 @@ from rtxcore.kv.block_pool import BlockPool, BlockPoolError
 from rtxcore.kv.block_table import BlockTable
 from rtxcore.kv.hashing import BlockHash, hash_blocks
 from rtxcore.kv.tiers.base import HostTier
+from rtxcore.kv.tiers.evict_ahead import EvictAhead
 from rtxcore.kv.tiers.offload import KVOffload
 from rtxcore.kv.tiers.pending import PendingReloads
 from rtxcore.kv.tiers.prefetch import Prefetch
@@ -94,6 +95,7 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         offload: KVOffload | None = None,
         write_back: bool | None = None,
+        evict_ahead: bool | None = None,
     ):
         if block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {block_size}")
@@ -109,10 +111,15 @@ class KVCacheManager:
             if not enable_prefix_caching:
                 raise ConfigError("KV offload keeps prefix-cache blocks: it needs prefix caching on")
             self.pool.on_evict = self._spill
-        # Computed blocks copied down ahead of their eviction: by default on a GPU over a host tier.
+        # Computed blocks copied down ahead of their eviction, and blocks evicted in batches ahead of the
+        # allocations that need them: by default on a GPU over a host tier.
+        on_gpu_over_host = offload is not None and offload.device.type == "cuda" and isinstance(offload.top, HostTier)
         if write_back is None:
-            write_back = offload is not None and offload.device.type == "cuda" and isinstance(offload.top, HostTier)
+            write_back = on_gpu_over_host
+        if evict_ahead is None:
+            evict_ahead = on_gpu_over_host
         self.write_back = WriteBack(offload, self.pool) if offload is not None and write_back else None
+        self.evict_ahead = EvictAhead(self.pool) if offload is not None and evict_ahead else None
         # Device blocks whose bytes a reload still has on the way (GPU only).
         self._pending = PendingReloads(offload, self.pool) if offload is not None else None
 
@@ -223,10 +230,9 @@ class KVCacheManager:
 
     def ready(self, req: Request) -> bool:
         """Whether ``req`` may join the next step: False while its lookup's disk reads are still running, or a
-        large reload from a lower tier is still copying (a scheduler then lets requests behind it go first; the
-        lookup's hold stays). A small reload is ready at once: its copy runs beside the step in flight
-        (OVERLAP_BYTES). When the disk reads are in, the hit grows by the blocks they brought: True then comes
-        with ``req.num_computed_tokens`` raised to the new hit."""
+        reload from a lower tier is still copying (a scheduler then lets requests behind it go first; the lookup's
+        hold stays), so that no step waits for a copy. When the disk reads are in, the hit grows by the blocks they
+        brought: True then comes with ``req.num_computed_tokens`` raised to the new hit."""
         state = self._requests.get(req.req_id)
         if state is None:
             return True
@@ -261,8 +267,8 @@ class KVCacheManager:
 
     def prepare_step(self, reqs: Sequence[Request]) -> None:
         """Before a step of ``reqs`` is launched: the bytes of every reload they hold go into their blocks, ahead
-        of the step on the device's stream (which waits there for what is left of a copy: a small reload, or one a
-        scheduler placed without asking :meth:`ready`); reloads that have arrived for others too, freeing their
+        of the step on the device's stream (which waits there for what is left of a copy only when a scheduler placed a
+        request without asking :meth:`ready`); reloads that have arrived for others too, freeing their
         staging memory."""
         if self.offload is not None:
             if self._pending:
@@ -270,6 +276,8 @@ class KVCacheManager:
                                        for block_id in self._requests.get(req.req_id, _NO_BLOCKS).block_ids)
             if self.write_back is not None:
                 self.write_back.before_launch()
+            if self.evict_ahead is not None:
+                self.evict_ahead.before_launch()
             self.offload.end_step()
 
     def allocate(self, req: Request, num_new_tokens: int) -> bool:

@@ -159,6 +159,8 @@ class TieredWorkloadMachine(WorkloadMachine):
     num_blocks = 8
     # Copy computed blocks down ahead of their eviction (tests/kv/test_write_back.py runs this machine with it).
     write_back = False
+    # Evict blocks in batches ahead of the allocations (tests/kv/test_evict_ahead.py runs this machine with it).
+    evict_ahead = False
 
     def __init__(self):
         super().__init__()
@@ -172,7 +174,7 @@ class TieredWorkloadMachine(WorkloadMachine):
         host = HostTier(3, nbytes, POLICIES[self.policy_name](3))
         self.offload = KVOffload([host, disk], self._read_blocks, self._write_blocks)
         kv = KVCacheManager(self.num_blocks, self.block_size, POLICIES[self.policy_name](self.num_blocks),
-                            offload=self.offload, write_back=self.write_back)
+                            offload=self.offload, write_back=self.write_back, evict_ahead=self.evict_ahead)
         self.kv = kv
         self.spilled: set[bytes] = set()
         spill = kv.pool.on_evict  # the manager's, which also tells the write-back

@@ -76,17 +76,19 @@ def first_turn_pushed_out(s, kv: KVCacheManager, cache: torch.Tensor, history: l
     """A conversation's first turn (history + 1 token) runs and finishes, its full blocks stay cached; a long
     request then pushes them out of the device into the host tier. Returns the bytes those blocks had."""
     first = make_request(history + [9])
-    s.add_request(first)
-    computed(kv, cache, s.schedule())
-    expected = cache[kv.block_ids(first.req_id)[:len(history) // BLOCK_SIZE]].clone()
-    first.status = RequestStatus.FINISHED_STOPPED
-    s.finish_request(first)
-    pusher = make_request([20] * 44)
-    s.add_request(pusher)
-    computed(kv, cache, s.schedule())
-    pusher.status = RequestStatus.FINISHED_STOPPED
-    s.finish_request(pusher)
+    expected = run_once(s, kv, cache, first, lambda: cache[kv.block_ids(first.req_id)[:len(history) // BLOCK_SIZE]])
+    run_once(s, kv, cache, make_request([20] * 44))
     return expected
+
+
+def run_once(s, kv: KVCacheManager, cache: torch.Tensor, req, before_finish=None):
+    """``req`` runs in one step and finishes, its full blocks left cached; returns ``before_finish()``'s copy."""
+    s.add_request(req)
+    computed(kv, cache, s.schedule())
+    kept = before_finish().clone() if before_finish is not None else None
+    req.status = RequestStatus.FINISHED_STOPPED
+    s.finish_request(req)
+    return kept
 
 
 def computed(kv: KVCacheManager, cache: torch.Tensor, sched) -> None:
@@ -149,3 +151,28 @@ def test_a_request_leaving_while_its_prefix_is_on_the_way_leaves_nothing_behind(
     assert s.schedule().is_empty and again.num_computed_tokens == 12
     offload.landed = True
     assert s.schedule().scheduled == [again]
+
+
+@pytest.mark.parametrize("scheduler", ["fcfs", "sla-lanes"])
+def test_prefixes_start_back_for_no_more_requests_than_can_run_next(scheduler):
+    """Requests waiting for their prefix hold device blocks for it: a schedule starts copies for at most as many
+    requests as there are places to run, so that a queue of returning conversations cannot fill the pool with
+    blocks that nobody can run on (each later admission failing, releasing its hold and copying again)."""
+    kv, offload, cache = manager_with_host_tier()
+    s = make_scheduler(scheduler, kv)  # 4 places
+    histories = [[10 + n] * 4 for n in range(6)]  # one full block each
+    for history in histories:
+        run_once(s, kv, cache, make_request(history + [9]))
+    run_once(s, kv, cache, make_request([20] * 40))
+    assert all(kv.pool.lookup(key) is None for key in offload.top.keys()), "the histories left the device"
+
+    turns = [make_request(history + [9, 7]) for history in histories]
+    for turn in turns:
+        s.add_request(turn)
+    assert s.schedule().is_empty
+    waiting = [t for t in turns if t.num_computed_tokens]
+    assert len(waiting) == 4, "copies started for more requests than can run next"
+    kv.check_invariants()
+    offload.landed = True
+    out = s.schedule()
+    assert set(waiting) <= set(out.scheduled)

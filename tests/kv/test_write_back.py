@@ -133,10 +133,11 @@ _GPU_SLEEP_CYCLES = 2 * 10**8
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: copies on its streams are the check")
-def test_on_a_gpu_blocks_go_down_beside_the_steps_with_what_their_steps_wrote():
-    """On a GPU over a host tier write-back is on by default: whatever the steps' stream is still busy with, every
-    block in the host tier must hold the bytes its step computed, and the steps must be free to overwrite blocks
-    right after a spill."""
+@pytest.mark.parametrize("evict_ahead", [False, True], ids=["on-demand", "evict-ahead"])
+def test_on_a_gpu_blocks_go_down_beside_the_steps_with_what_their_steps_wrote(evict_ahead):
+    """On a GPU over a host tier write-back and evicting ahead are on by default: whatever the steps' stream is
+    still busy with, every block in the host tier must hold the bytes its step computed, and the steps must be free
+    to overwrite blocks right after a spill (at allocation, or in a batch before a launch)."""
     from rtxcore.kv.block_io import read_blocks, write_blocks
 
     num_blocks, width = 17, 4096  # bytes per block, as 2,048 bf16 values
@@ -145,8 +146,9 @@ def test_on_a_gpu_blocks_go_down_beside_the_steps_with_what_their_steps_wrote():
     offload = KVOffload([host], lambda ids: read_blocks([cache], 0, ids),
                         lambda ids, data: write_blocks([cache], 0, ids, data), device="cuda")
     kv = KVCacheManager(num_blocks, BLOCK_SIZE, POLICIES["lru"](num_blocks), offload=offload)
-    assert kv.write_back is not None
+    assert kv.write_back is not None and kv.evict_ahead is not None
     kv.write_back.batch_blocks = 4
+    kv.evict_ahead.low, kv.evict_ahead.batch = (3, 3) if evict_ahead else (0, 3)
     value_of: dict[bytes, float] = {}
     for first in range(1, 41):
         req = make_request(prompt(first))
@@ -167,6 +169,7 @@ def test_on_a_gpu_blocks_go_down_beside_the_steps_with_what_their_steps_wrote():
     torch.cuda.synchronize()
     stats = offload.stats
     assert stats.num_written_back > 0 and stats.num_spill_hits > 0 and len(host) > 0
+    assert (kv.evict_ahead.num_evicted > 0) == evict_ahead
     for k in host.keys():
         row = host.peek(k).view(torch.bfloat16)
         assert torch.all(row == value_of[k]), f"block {k.hex()} went down with the wrong bytes"

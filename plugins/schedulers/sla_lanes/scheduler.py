@@ -233,6 +233,10 @@ class SLALanesScheduler(Scheduler):
         req = lane.waiting[0]
         if req in out.preempted:
             return False  # it made room for another this step; it cannot run in the same one
+        if self._copying and self.num_running + len(self._copying) >= self.config.max_num_seqs:
+            # Requests whose prefix is on the way take the places left: each holds device blocks for its copy, and
+            # starting copies for more than can run next would fill the pool with blocks nobody can run on yet.
+            return False
         if req.num_computed_tokens == 0:
             req.num_computed_tokens = self.kv_cache.lookup_prefix(req)
         if not self.kv_cache.ready(req):

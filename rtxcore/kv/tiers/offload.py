@@ -8,7 +8,11 @@ holds, and the blocks come back into fresh device blocks before the request's fi
 On a GPU a reload overlaps the steps: its bytes travel to a staging buffer on a copy stream of their own while the
 steps run, and :meth:`KVOffload.complete` puts them into their blocks on the steps' stream once they have arrived
 (a device-to-device copy, microseconds). Only that last copy is ordered with the steps: blocks freed while a step
-is in flight may still be written by it, and the steps' stream is what orders such writes.
+is in flight may still be written by it, and the steps' stream is what orders such writes. The request stays out of
+the steps until its bytes have arrived (KVCacheManager.ready), however few they are, so that no step waits for a
+copy: on the H200 (W4, 48 conversations at 1.5x load), letting reloads of up to 64 MiB join the next step at once
+made 566-688 steps a load phase wait for one, and held the offload configuration's inter-token p99 at 1.2-1.3x the
+roomy cache's; kept out until arrived, no step waited and the p99 was 0.97x (docs/benchmarks.md).
 
 Blocks on disk are read before their reload, on worker threads (:mod:`rtxcore.kv.tiers.prefetch`): a file's read and
 checksum take milliseconds, which on the engine's thread would hold every running request's next step. The
@@ -37,10 +41,6 @@ log = logging.getLogger("rtx.kv")
 COPY_CHUNK_BLOCKS = 64
 # Reload latencies kept for the metrics between two reads (a reader that stops reading loses the oldest).
 _LATENCIES_KEPT = 4096
-# A GPU reload up to this size joins the next step at once: its copy runs beside the step in flight (at PCIe speed,
-# about a millisecond), and the next step waits only for what is left of it. A larger one keeps its request out of
-# the steps until it has arrived (KVCacheManager.ready), so that no step waits for it.
-OVERLAP_BYTES = 64 << 20
 ReadBlocks = Callable[[list[int]], torch.Tensor]
 WriteBlocks = Callable[[list[int], torch.Tensor], None]
 
@@ -63,6 +63,10 @@ class OffloadStats:
     # left first, or went ahead without them): they went up to the first tier instead.
     num_prefetched: int = 0
     num_prefetches_promoted: int = 0
+    # Seconds the engine's thread spent copying blocks down (spills, write-backs) and queuing reloads (reload and
+    # complete): what the tiers cost the host, waits for the GIL included.
+    copy_down_host_seconds: float = 0.0
+    reload_host_seconds: float = 0.0
 
 
 @dataclass(eq=False, slots=True)
@@ -80,8 +84,6 @@ class Reload:
     # Rows read from a tier below the first: they also go up to the first tier on completion.
     from_below: list[int] = field(default_factory=list)
     done: bool = False
-    # Small enough to join the next step while it copies (OVERLAP_BYTES).
-    overlaps_a_step: bool = False
 
     @property
     def num_loaded(self) -> int:
@@ -144,11 +146,15 @@ class KVOffload:
         lower tier. The copies to the host stay on that stream: on one of its own, each chunk's staging buffer would
         stay reserved until that stream got to it (memory growing with a long prompt's evictions), and the host
         tier's events would cover two streams."""
+        if not blocks:
+            return
+        started = time.perf_counter()
         # In chunks: a long prompt can evict thousands of blocks at once, and each copy stages its blocks twice on
         # the device.
         for start in range(0, len(blocks), COPY_CHUNK_BLOCKS):
             chunk = blocks[start:start + COPY_CHUNK_BLOCKS]
             self.top.store([key for _, key in chunk], self._read([block_id for block_id, _ in chunk]))
+        self.stats.copy_down_host_seconds += time.perf_counter() - started
 
     def pin_run(self, keys: Sequence[BlockHash]) -> list[KVTier]:
         """Pin the leading run of ``keys`` that some lower tier holds, each in the highest tier holding it; returns
@@ -190,6 +196,19 @@ class KVOffload:
         :meth:`cancel`. Every key :meth:`pin_run` pinned stays pinned until then.
         """
         started = time.perf_counter()
+        try:
+            return self._start_reload(keys, tiers, block_ids, fetched, started if started_s is None else started_s,
+                                      started)
+        finally:
+            self.stats.reload_host_seconds += time.perf_counter() - started
+
+    def _start_reload(self, keys: Sequence[BlockHash], tiers: Sequence[KVTier], block_ids: list[int],
+                      fetched: dict[BlockHash, torch.Tensor] | None, started_s: float, started: float) -> Reload:
+        if (block_ids and not fetched and self._row_copier.available
+                and all(tier.in_pinned_memory for tier in tiers[:len(block_ids)])):
+            reload = self._reload_in_place(keys, tiers, block_ids, started_s)
+            if reload is not None:
+                return reload
         rows: list[torch.Tensor] = []
         for key, tier in zip(keys[:len(block_ids)], tiers):
             row = fetched.get(key) if fetched else None
@@ -203,7 +222,7 @@ class KVOffload:
                 log.warning("KV block %s in the %s tier is damaged and was dropped: %s", key.hex(), tier.name, exc)
                 break
         n = len(rows)
-        reload = Reload(list(keys), list(tiers), block_ids[:n], started if started_s is None else started_s,
+        reload = Reload(list(keys), list(tiers), block_ids[:n], started_s,
                         from_below=[i for i in range(n) if tiers[i] is not self.top])
         self.stats.num_reloaded += n
         if n == 0 or self.device.type != "cuda":
@@ -220,28 +239,58 @@ class KVOffload:
             return reload
         try:
             self._pin(rows, 0, n)
-            stream = self._copy_stream
-            if stream is None:
-                stream = self._copy_stream = torch.cuda.Stream(self.device)
-            for tier in set(tiers[:n]):
-                tier.order_reads(stream, keys[:n])
-            with torch.cuda.stream(stream):
-                width = rows[0].numel()
-                data = torch.empty((n, width), dtype=torch.uint8, device=self.device)
-                # One launch that reads every row where it lies (all pinned now), else one copy per run of
-                # adjacent rows.
-                base = data.data_ptr()
-                if not self._row_copier.copy([r.data_ptr() for r in rows], [base + i * width for i in range(n)],
-                                             width, rows):
-                    _copy_runs(rows, data)
-                reload.copied = torch.cuda.Event(enable_timing=True)
-                reload.copied.record(stream)
+            # One launch that reads every row where it lies (all pinned now), else one copy per run of adjacent rows.
+            staged = self._stage(keys[:n], tiers[:n], rows[0].numel(), [r.data_ptr() for r in rows], rows)
         except BaseException:
             self._release(reload)
             raise
-        reload.data = data
-        reload.overlaps_a_step = data.numel() <= OVERLAP_BYTES
+        assert staged is not None, "with the rows given, a refused row copy copies runs instead"
+        reload.data, reload.copied = staged
         return reload
+
+    def _reload_in_place(self, keys: Sequence[BlockHash], tiers: Sequence[KVTier], block_ids: list[int],
+                         started: float) -> Reload | None:
+        """A GPU reload whose blocks all lie in page-locked host memory: one launch of the row copy reads them
+        where they are into the staging rows, with no tensor per block. None (nothing queued, nothing counted)
+        where the row copy refuses the addresses."""
+        n = len(block_ids)
+        reload = Reload(list(keys), list(tiers), block_ids, started,
+                        from_below=[i for i in range(n) if tiers[i] is not self.top])
+        try:
+            staged = self._stage(keys[:n], tiers[:n], tiers[0].block_bytes,
+                                 [tier.pinned_address(key) for key, tier in zip(keys[:n], tiers)], None)
+        except BaseException:
+            self._release(reload)
+            raise
+        if staged is None:
+            return None
+        for key, tier in zip(keys[:n], tiers):
+            tier.note_loaded(key)
+        self.stats.num_reloaded += n
+        reload.data, reload.copied = staged
+        return reload
+
+    def _stage(self, keys: Sequence[BlockHash], tiers: Sequence[KVTier], width: int, addresses: list[int],
+               rows: list[torch.Tensor] | None) -> tuple[torch.Tensor, torch.cuda.Event] | None:
+        """Queue the copy of the host rows at ``addresses`` into new staging rows on the copy stream, after any
+        copy still writing those blocks into their tier; the staging rows and the event after the copy. Where the
+        row copy refuses the addresses: one copy per run of adjacent ``rows``, or None (nothing queued) without."""
+        stream = self._copy_stream
+        if stream is None:
+            stream = self._copy_stream = torch.cuda.Stream(self.device)
+        for tier in set(tiers):
+            tier.order_reads(stream, keys)
+        with torch.cuda.stream(stream):
+            data = torch.empty((len(addresses), width), dtype=torch.uint8, device=self.device)
+            base = data.data_ptr()
+            if not self._row_copier.copy(addresses, [base + i * width for i in range(len(addresses))], width,
+                                         rows or ()):
+                if rows is None:
+                    return None
+                _copy_runs(rows, data)
+            copied = torch.cuda.Event(enable_timing=True)
+            copied.record(stream)
+        return data, copied
 
     def arrived(self, reload: Reload) -> bool:
         """Whether the reload's bytes are on the device (completing it then waits for nothing)."""
@@ -253,6 +302,7 @@ class KVOffload:
         (default: all) when some were given up meanwhile."""
         if reload.done:
             return
+        started = time.perf_counter()
         try:
             assert reload.data is not None and reload.copied is not None, "only a GPU reload is pending"
             stream = torch.cuda.current_stream(self.device)
@@ -274,7 +324,9 @@ class KVOffload:
             self._store_from_below(reload, data, 0, reload.num_loaded)
         finally:
             self._release(reload)
-        self.reload_seconds.append(time.perf_counter() - reload.started_s)
+        now = time.perf_counter()
+        self.reload_seconds.append(now - reload.started_s)
+        self.stats.reload_host_seconds += now - started
 
     def end_step(self) -> None:
         """A step's reloads are all queued (called before it is launched): count it if it waited for a copy, once

@@ -2,9 +2,10 @@
 
 A reload's blocks are registered in the prefix cache (and held by their request) at lookup, while their bytes travel
 on a copy stream (:mod:`rtxcore.kv.tiers.offload`). Until :meth:`KVOffload.complete` has queued the move into them,
-no step may read them: a large reload keeps its request out of the steps (:meth:`PendingReloads.arrived`), a small
-one is completed before the step that reads it is launched. Blocks given up meanwhile (their request left, nobody
-else holds them) leave the prefix cache and are not written; a reload left with no block is cancelled.
+no step may read them: a reload keeps its request out of the steps until its bytes have arrived
+(:meth:`PendingReloads.arrived`), and is then completed before the step that reads them is launched. Blocks given
+up meanwhile (their request left, nobody else holds them) leave the prefix cache and are not written; a reload left
+with no block is cancelled.
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ class PendingReloads:
                 self._reload_of[block_id] = reload
 
     def arrived(self, block_ids: Iterable[int]) -> bool:
-        """Whether no large reload of these blocks is still copying; those that have arrived are completed."""
+        """Whether no reload of these blocks is still copying; those that have arrived are completed."""
         for block_id in block_ids:
             reload = self._reload_of.get(block_id)
-            if reload is not None and not reload.overlaps_a_step:
+            if reload is not None:
                 if not self.offload.arrived(reload):
                     return False
                 self._complete(reload)

@@ -174,8 +174,9 @@ RTX_KV_ROW_COPY = _bool_switch(
 RTX_KV_EVICT_AHEAD: Switch[int] = Switch(
     "RTX_KV_EVICT_AHEAD", "int", 64,
     "On a GPU over a host tier, prefix-cache blocks are evicted to the tier in batches of this many before a step's "
-    "launch once fewer than half a batch are empty, so allocations spill nothing of their own; `0` evicts at each "
-    "allocation instead, for A/B measurements. Read when a KV cache is made.",
+    "launch once fewer than half a batch are empty, so that most allocations spill nothing of their own (a pool of "
+    "fewer than 16 batches keeps no reserve); `0` evicts at each allocation instead, for A/B measurements. Read "
+    "when a KV cache is made.",
     _count)
 
 SWITCHES: dict[str, Switch[object]] = {

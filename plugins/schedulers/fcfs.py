@@ -29,6 +29,8 @@ class FCFSScheduler(Scheduler):
                         "tables are read by --scheduler sla-lanes)", ", ".join(sorted(config.options)))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Waiting requests whose prefix is still coming back from a lower tier, stepped aside in this schedule.
+        self._copying: list[Request] = []
 
     @classmethod
     def describe(cls) -> dict[str, object]:
@@ -69,7 +71,8 @@ class FCFSScheduler(Scheduler):
                        - req.num_computed_tokens)
             if num_new > budget:
                 num_new = budget
-            if not allocate(req, num_new) and not self._preempt_until_fits(req, num_new, out):
+            if (not allocate(req, num_new) and not self._allocate_without_holds(req, num_new)
+                    and not self._preempt_until_fits(req, num_new, out)):
                 break  # req itself was preempted: everything after it already was too
             scheduled.append(req)
             num_scheduled_tokens.append(num_new)
@@ -77,7 +80,7 @@ class FCFSScheduler(Scheduler):
             index += 1
 
         # Admitting new work right after a preemption would only preempt again.
-        copying: list[Request] = []
+        copying = self._copying
         # Requests whose prefix is on the way take a place too: each holds device blocks for its copy, and starting
         # copies for more requests than can run next would fill the pool with blocks nobody can run on yet.
         while (not out.preempted and self.waiting and budget > 0
@@ -95,7 +98,7 @@ class FCFSScheduler(Scheduler):
                 self._release(req)
                 break
             num_new = min(num_new, budget)
-            if not self.kv_cache.allocate(req, num_new):
+            if not self.kv_cache.allocate(req, num_new) and not self._allocate_without_holds(req, num_new):
                 self._release(req)
                 break
             self.waiting.popleft()
@@ -107,7 +110,21 @@ class FCFSScheduler(Scheduler):
             out.num_scheduled_tokens.append(num_new)
             budget -= num_new
         self.waiting.extendleft(reversed(copying))
+        copying.clear()
         return out
+
+    def _allocate_without_holds(self, req: Request, num_new: int) -> bool:
+        """Allocate for ``req`` after dropping the prefix holds of waiting requests (those whose prefix is coming back
+        from a lower tier, or was when they last stepped aside); False when nothing was held or it still does not
+        fit. A hold is cheaper to give up than a running request: nothing has been computed on it, its blocks stay
+        in the prefix cache, and the lookup is redone. Without this, requests holding copies behind a queue head that
+        cannot fit would never be reached, and the pool never freed."""
+        dropped = False
+        for held in (*self.waiting, *self._copying):
+            if held is not req and held.num_computed_tokens > 0:
+                self._release(held)
+                dropped = True
+        return dropped and self.kv_cache.allocate(req, num_new)
 
     def _preempt_until_fits(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Preempt from the back of the running list until ``req`` fits; False if ``req`` itself had to go."""

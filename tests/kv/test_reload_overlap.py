@@ -176,3 +176,36 @@ def test_prefixes_start_back_for_no_more_requests_than_can_run_next(scheduler):
     offload.landed = True
     out = s.schedule()
     assert set(waiting) <= set(out.scheduled)
+
+
+@pytest.mark.parametrize("scheduler", ["fcfs", "sla-lanes"])
+def test_a_running_request_short_of_blocks_takes_them_from_a_prefix_on_the_way(scheduler):
+    """A request whose prefix is coming back holds the pool's last blocks while a running request needs one more:
+    the hold gives way (nothing was computed on it; the lookup is redone later) rather than the running request
+    being preempted behind it, which left fcfs with a queue head that could never fit and a hold never reached."""
+    kv, offload, cache = manager_with_host_tier()
+    s = make_scheduler(scheduler, kv)
+    history = [5] * 36  # 9 full blocks
+    run_once(s, kv, cache, make_request(history + [9]))
+    run_once(s, kv, cache, make_request([20] * 40))  # 10 blocks of 11: the history goes to the host tier
+    runner = make_request([30] * 5)
+    s.add_request(runner)
+    computed(kv, cache, s.schedule())
+    turn = make_request(history + [9, 7])
+    s.add_request(turn)
+    out = s.schedule()  # the runner decodes; the turn's 9 blocks start back and fill the pool
+    assert turn.num_computed_tokens == 36 and kv.pool.num_free_blocks == 0
+    for step in range(8):  # the runner crosses two block boundaries, with the copy still on the way
+        computed(kv, cache, out)
+        runner.all_token_ids.append(1)
+        out = s.schedule()
+        assert runner in out.scheduled, f"the running request lost its place at step {step}"
+        assert not out.preempted
+    kv.check_invariants()
+    offload.landed = True
+    computed(kv, cache, out)
+    runner.status = RequestStatus.FINISHED_STOPPED
+    s.finish_request(runner)
+    out = s.schedule()
+    out = out if turn in out.scheduled else s.schedule()
+    assert turn in out.scheduled

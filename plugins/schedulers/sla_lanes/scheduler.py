@@ -208,7 +208,8 @@ class SLALanesScheduler(Scheduler):
             num_new = budget.grant(left)
             if num_new <= 0:
                 continue
-            if not self.kv_cache.allocate(req, num_new) and not self._preempt_until_fits(req, num_new, out):
+            if (not self.kv_cache.allocate(req, num_new) and not self._allocate_without_holds(req, num_new)
+                    and not self._preempt_until_fits(req, num_new, out)):
                 continue
             self._add_to_step(out, req, num_new)
             budget.spend(num_new)
@@ -233,11 +234,11 @@ class SLALanesScheduler(Scheduler):
         req = lane.waiting[0]
         if req in out.preempted:
             return False  # it made room for another this step; it cannot run in the same one
-        if self._copying and self.num_running + len(self._copying) >= self.config.max_num_seqs:
-            # Requests whose prefix is on the way take the places left: each holds device blocks for its copy, and
-            # starting copies for more than can run next would fill the pool with blocks nobody can run on yet.
-            return False
         if req.num_computed_tokens == 0:
+            if self._copying and self.num_running + len(self._copying) >= self.config.max_num_seqs:
+                # Requests whose prefix is on the way take the places left: each holds device blocks for its copy,
+                # and starting copies for more than can run next would fill the pool with blocks nobody can run on.
+                return False
             req.num_computed_tokens = self.kv_cache.lookup_prefix(req)
         if not self.kv_cache.ready(req):
             self._copying.append(self._pop(lane))
@@ -270,11 +271,25 @@ class SLALanesScheduler(Scheduler):
                    for v in reversed(self._by_name[name].running)
                    if now - self._arrival[v] < self._by_name[name].spec.max_wait_s]
         while True:
-            if self.num_running < self.config.max_num_seqs and self.kv_cache.allocate(req, num_new):
+            if self.num_running < self.config.max_num_seqs and (self.kv_cache.allocate(req, num_new)
+                                                                 or self._allocate_without_holds(req, num_new)):
                 return True
             if not victims:
                 return False
             self._preempt(victims.pop(0), out)
+
+    def _allocate_without_holds(self, req: Request, num_new: int) -> bool:
+        """Allocate for ``req`` after dropping the prefix holds of waiting requests (those whose prefix is coming back
+        from a lower tier, or was when they last stepped aside); False when nothing was held or it still does not
+        fit. A hold is cheaper to give up than a running request: nothing has been computed on it, its blocks stay
+        in the prefix cache, and the lookup is redone. Without this, requests holding copies behind a queue head that
+        cannot fit would wait until aging reached them, the pool held meanwhile."""
+        dropped = False
+        for held in (*(r for lane in self.lanes for r in lane.waiting), *self._copying):
+            if held is not req and held.num_computed_tokens > 0:
+                self._release(held)
+                dropped = True
+        return dropped and self.kv_cache.allocate(req, num_new)
 
     def _preempt_until_fits(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Preempt the least urgent, youngest running requests until ``req`` fits; False if ``req`` had to go."""

@@ -6,13 +6,14 @@ manager asks :meth:`KVOffload.reload` for the part of a request's prefix that th
 holds, and the blocks come back into fresh device blocks before the request's first step runs.
 
 On a GPU a reload overlaps the steps: its bytes travel to a staging buffer on a copy stream of their own while the
-steps run, and :meth:`KVOffload.complete` puts them into their blocks on the steps' stream once they have arrived
-(a device-to-device copy, microseconds). Only that last copy is ordered with the steps: blocks freed while a step
-is in flight may still be written by it, and the steps' stream is what orders such writes. The request stays out of
-the steps until its bytes have arrived (KVCacheManager.ready), however few they are, so that no step waits for a
-copy: on the H200 (W4, 48 conversations at 1.5x load), letting reloads of up to 64 MiB join the next step at once
-made 566-688 steps a load phase wait for one, and held the offload configuration's inter-token p99 at 1.2-1.3x the
-roomy cache's; kept out until arrived, no step waited and the p99 was 0.97x (docs/benchmarks.md).
+steps run, and :meth:`KVOffload.complete` puts them into their blocks on the steps' stream once they have arrived (a
+device-to-device copy, microseconds). Only that last copy is ordered with the steps: blocks freed while a step is in
+flight may still be written by it, and the steps' stream is what orders such writes. A scheduler that asks
+KVCacheManager.ready (both built-in ones do) keeps the request out of the steps until its bytes have arrived,
+however few they are, so that no step waits for a copy: on the H200 (W4, 48 conversations at 1.5x load), letting
+reloads of up to 64 MiB join the next step at once made 558-688 steps a load phase wait for one, and held the
+offload configuration's inter-token p99 at 1.17-1.75x the roomy cache's; kept out until arrived, no step waited and
+the p99 was 0.97x (docs/benchmarks.md).
 
 Blocks on disk are read before their reload, on worker threads (:mod:`rtxcore.kv.tiers.prefetch`): a file's read and
 checksum take milliseconds, which on the engine's thread would hold every running request's next step. The

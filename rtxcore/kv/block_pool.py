@@ -66,7 +66,7 @@ class BlockPool:
         self.pressure = 0.0
         # Blocks in the free queue that evict_ahead() freed and no allocation has taken yet: an allocation taking
         # one counts as having evicted (pressure).
-        self._num_freed_ahead = 0
+        self._freed_ahead: set[int] = set()
 
     @property
     def num_usable_blocks(self) -> int:
@@ -111,17 +111,19 @@ class BlockPool:
             return None
         block_ids = []
         evicted: list[tuple[int, BlockHash]] = []
+        num_freed_ahead = 0
         for _ in range(num_blocks):
             if self._free:
                 block = self.blocks[self._free.popleft()]
+                if self._freed_ahead and block.block_id in self._freed_ahead:
+                    self._freed_ahead.remove(block.block_id)
+                    num_freed_ahead += 1
             else:
                 block = self._evict(evicted)
             block.ref_cnt = 1
             block_ids.append(block.block_id)
         if num_blocks:
-            ahead = min(self._num_freed_ahead, num_blocks - len(evicted))
-            self._num_freed_ahead -= ahead
-            self.pressure += PRESSURE_ALPHA * ((len(evicted) + ahead) / num_blocks - self.pressure)
+            self.pressure += PRESSURE_ALPHA * ((len(evicted) + num_freed_ahead) / num_blocks - self.pressure)
         self._on_evict(evicted)
         return block_ids
 
@@ -130,8 +132,9 @@ class BlockPool:
         follow then take free blocks instead of each evicting (and spilling) a few. Returns how many were evicted."""
         evicted: list[tuple[int, BlockHash]] = []
         for _ in range(min(num_blocks, len(self.policy))):
-            self._free.append(self._evict(evicted).block_id)
-        self._num_freed_ahead += len(evicted)
+            block_id = self._evict(evicted).block_id
+            self._free.append(block_id)
+            self._freed_ahead.add(block_id)
         self._on_evict(evicted)
         return len(evicted)
 
@@ -219,7 +222,7 @@ class BlockPool:
             self.policy.forget(block_id)
             block.block_hash = None
         self._cached.clear()
-        self._num_freed_ahead = 0
+        self._freed_ahead.clear()
         return num_dropped
 
     def check_invariants(self) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rtxcore.capacity.step_time import SPREAD_QUANTILES, StepTimeModel, draw_quantile, draw_ratio
@@ -39,8 +39,12 @@ class StepTimeProfile:
     delivery: tuple[float, ...] = ()
     # Seconds per request the step computes for, beyond its tokens (0: tokens alone; see step_time.RowCostFit).
     per_row_s: float = 0.0
+    # Decode steps' seconds by batch size where it was learnt (step_time.DecodeTimes): the line stands for the rest.
+    decode_s: dict[int, float] = field(default_factory=dict)
 
     def seconds(self, num_tokens: int, num_rows: int = 0) -> float:
+        if num_rows and num_tokens == num_rows and num_rows in self.decode_s:
+            return self.decode_s[num_rows]
         return self.base_s + self.per_token_s * num_tokens + self.per_row_s * num_rows
 
     def draw(self, num_tokens: int, u: float, num_rows: int = 0) -> float:
@@ -61,13 +65,16 @@ class StepTimeProfile:
             profile = cls(float(data["base_s"]), float(data["per_token_s"]), str(data.get("source", str(path))),
                           tuple(float(x) for x in data.get("spread", ())),
                           tuple(float(x) for x in data.get("ingress", ())),
-                          tuple(float(x) for x in data.get("delivery", ())), float(data.get("per_row_s", 0.0)))
+                          tuple(float(x) for x in data.get("delivery", ())), float(data.get("per_row_s", 0.0)),
+                          {int(rows): float(s) for rows, s in data.get("decode_s", {}).items()})
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"cannot read a step-time profile from {path}: {exc}") from None
         if min(profile.base_s, profile.per_token_s, profile.per_row_s) < 0 \
                 or profile.base_s + profile.per_token_s + profile.per_row_s == 0:
             raise ConfigError(f"a step-time profile's base_s, per_row_s and per_token_s must be >= 0, not all 0 "
                               f"({path})")
+        if any(rows < 1 or s <= 0 for rows, s in profile.decode_s.items()):
+            raise ConfigError(f"a step-time profile's decode_s maps batch sizes >= 1 to seconds > 0 ({path})")
         check_spread(profile.spread, str(path))
         check_serving_path(profile, str(path))
         return profile
@@ -192,7 +199,9 @@ def from_server(url: str, block_size: int, timeout_s: float = 10.0) -> tuple[Ste
     blocks = round(capacity / (per_token_bytes * block_size)) + 1  # the usable blocks, and the null block
     # Servers before the per-row part exported none: tokens alone then.
     per_row = one("rtx_step_time_profile_seconds", part="per_row") or 0.0
+    decode = {int(s.labels["rows"]): s.value for s in samples
+              if s.name == "rtx_step_time_decode_seconds" and s.labels.get("rows", "").isdigit() and s.value > 0}
     profile = StepTimeProfile(base, per_token, f"learnt by the server at {url}", spread, paths["ingress"],
-                              paths["delivery"], per_row)
+                              paths["delivery"], per_row, decode)
     check_serving_path(profile, f"{url}/metrics")
     return profile, blocks

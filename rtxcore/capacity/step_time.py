@@ -75,6 +75,38 @@ RECORDER_MIN_SAMPLES = 50
 # (1% and 99% rather than the extremes: one collector pause would otherwise set a tail).
 RATIOS_KEPT = 2000
 SPREAD_QUANTILES = (0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)
+# Decode steps of one batch size seen before that size's own mean stands in for the line.
+DECODE_MIN_SAMPLES = 20
+
+
+class DecodeTimes:
+    """Decode steps' time per batch size (one token per request), each size's mean with exponential forgetting.
+
+    A line through all steps misses them: on 2 cores a decode of 1 to 3 requests took 0.65-0.72 of what the line
+    fitted on the load's mix of decodes and prefill chunks said, 4 to 6 requests 0.93, 7 and more 1.0 (the matrix
+    products change kernels with the batch; W5 at 0.5x load, 1,575 decode steps), and at half load most steps are
+    such small decodes, which is the inter-token latency."""
+
+    def __init__(self, forget: float):
+        self.forget = forget
+        # Per batch size: weighted sum of seconds, total weight, samples.
+        self._sums: dict[int, list[float]] = {}
+
+    def observe(self, rows: int, seconds: float) -> None:
+        entry = self._sums.setdefault(rows, [0.0, 0.0, 0.0])
+        keep = 1.0 - self.forget
+        entry[0] = keep * entry[0] + seconds
+        entry[1] = keep * entry[1] + 1.0
+        entry[2] += 1
+
+    def get(self, rows: int) -> float | None:
+        """The mean decode time of ``rows`` requests, or None before DECODE_MIN_SAMPLES of them."""
+        entry = self._sums.get(rows)
+        return entry[0] / entry[1] if entry is not None and entry[2] >= DECODE_MIN_SAMPLES else None
+
+    def seconds(self) -> dict[int, float]:
+        """Every batch size's mean that stands, by size."""
+        return {rows: s for rows in sorted(self._sums) if (s := self.get(rows)) is not None}
 
 
 class RowCostFit:
@@ -133,6 +165,7 @@ class StepTimeRecorder:
 
     model: StepTimeModel = field(default_factory=lambda: StepTimeModel(RECORDER_FORGET, RECORDER_MIN_SAMPLES))
     rows_fit: RowCostFit = field(default_factory=lambda: RowCostFit(RECORDER_FORGET))
+    decodes: DecodeTimes = field(default_factory=lambda: DecodeTimes(RECORDER_FORGET))
     ratios: deque[float] = field(default_factory=lambda: deque(maxlen=RATIOS_KEPT))
     _last_s: float | None = None
     _last_tokens: int = 0
@@ -150,6 +183,8 @@ class StepTimeRecorder:
                     self.ratios.append(seconds / predicted)
             self.model.observe(self._last_tokens, seconds)
             self.rows_fit.observe(self._last_rows, self._last_tokens, seconds)
+            if self._last_rows and self._last_tokens == self._last_rows:
+                self.decodes.observe(self._last_rows, seconds)
         self._last_s, self._last_tokens, self._last_rows = now_s, num_tokens, num_rows
 
     def coefficients(self) -> tuple[float, float, float]:
@@ -162,6 +197,9 @@ class StepTimeRecorder:
         return base, 0.0, per_token
 
     def predict(self, num_tokens: int, num_rows: int) -> float:
+        """A decode step's batch size's own mean once it has one (DecodeTimes), else the line."""
+        if num_rows and num_tokens == num_rows and (decode := self.decodes.get(num_rows)) is not None:
+            return decode
         base, per_row, per_token = self.coefficients()
         return base + per_row * num_rows + per_token * num_tokens
 

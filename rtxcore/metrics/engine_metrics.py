@@ -285,6 +285,8 @@ class EngineMetrics:
             f.step_time_profile.labels(self.model_name, "per_token").set(per_token)
             for q, ratio in zip(SPREAD_QUANTILES, recorder.spread()):
                 f.step_time_spread.labels(self.model_name, str(q)).set(ratio)
+            for rows, seconds in recorder.decodes.seconds().items():
+                f.step_time_decode.labels(self.model_name, str(rows)).set(seconds)
         m.kv_cache_usage.set(kv.usage)
         m.kv_cache_fragmentation.set(kv.fragmentation)
         stats = kv.stats

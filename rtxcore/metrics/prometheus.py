@@ -167,6 +167,10 @@ class Families:
             "rtx_step_time_profile_seconds", "The engine's step time under its live load, for capacity planning "
             "(forgetting over about 500 steps), seconds = base + per_row x requests + per_token x tokens: "
             "part=\"base\", part=\"per_row\", part=\"per_token\".", ("part",))
+        self.step_time_decode = gauge(
+            "rtx_step_time_decode_seconds", "The engine's decode step time by batch size under its live load (one "
+            "token per request; forgetting over about 500 steps of that size), where the profile's line would "
+            "miss it: rows=\"N\".", ("rows",))
         self.step_time_spread = gauge(
             "rtx_step_time_spread_ratio", "Quantiles of recent steps' time over the step-time profile's prediction.",
             ("quantile",))

@@ -78,3 +78,55 @@ def test_draws_from_a_spread_follow_its_quantiles():
     assert statistics.median(draws) == pytest.approx(1.0, abs=0.02)
     assert min(draws) == pytest.approx(spread[0]) and max(draws) == pytest.approx(spread[-1])
     assert draw_ratio((), 0.3) == 1.0
+
+
+def test_decode_steps_are_learnt_by_batch_size_where_the_line_misses_them():
+    """Decode steps whose time does not follow the line through the mix (small batches cheaper, as matrix products
+    change kernels with the batch): each batch size's own mean stands in for the line once it has enough steps,
+    and a profile carrying them gives the simulation those times, the line for the rest."""
+    from rtxcore.capacity.profile import StepTimeProfile
+
+    rng = random.Random(7)
+    decode = {1: 0.030, 2: 0.034, 3: 0.038, 4: 0.060, 5: 0.064}
+    steps = []
+    for _ in range(3000):
+        if rng.random() < 0.7:
+            rows = rng.randint(1, 5)
+            steps.append((rows, decode[rows] * rng.choice((0.95, 1.0, 1.05)), rows))
+        else:
+            rows = rng.randint(1, 5)
+            tokens = rows - 1 + rng.randint(32, 128)
+            steps.append((tokens, 0.05 + 0.004 * rows + 0.001 * tokens, rows))
+    recorder = StepTimeRecorder()
+    record(recorder, steps)
+    learnt = recorder.decodes.seconds()
+    assert set(learnt) == set(decode)
+    for rows, seconds in decode.items():
+        assert learnt[rows] == pytest.approx(seconds, rel=0.05)
+        assert recorder.predict(rows, rows) == pytest.approx(seconds, rel=0.05)
+    base, per_row, per_token = recorder.coefficients()
+    line_miss = max(abs(seconds - (base + rows * (per_row + per_token))) for rows, seconds in decode.items())
+    assert line_miss > 0.005, "the line alone would have done"
+    # Decode steps' ratios are to their own size's mean: the spread's middle is the noise, not the line's miss.
+    spread = recorder.spread()
+    assert 0.9 <= spread[SPREAD_QUANTILES.index(0.1)] and spread[SPREAD_QUANTILES.index(0.9)] <= 1.1
+    profile = StepTimeProfile(base, per_token, per_row_s=per_row, decode_s=learnt)
+    assert profile.seconds(2, 2) == learnt[2]
+    assert profile.seconds(7, 7) == pytest.approx(base + 7 * (per_row + per_token))  # a size never seen: the line
+    assert profile.seconds(40, 2) == pytest.approx(base + 2 * per_row + 40 * per_token)  # a prefill chunk
+
+
+def test_a_profile_file_keeps_its_decode_times_and_refuses_bad_ones(tmp_path):
+    import json
+
+    from rtxcore.capacity.profile import StepTimeProfile
+    from rtxcore.errors import ConfigError
+
+    profile = StepTimeProfile(0.05, 0.001, per_row_s=0.002, decode_s={1: 0.03, 4: 0.06})
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile.to_json()))
+    loaded = StepTimeProfile.load(path)
+    assert loaded.decode_s == {1: 0.03, 4: 0.06} and loaded.seconds(4, 4) == 0.06
+    path.write_text(json.dumps({**profile.to_json(), "decode_s": {"0": 0.03}}))
+    with pytest.raises(ConfigError, match="decode_s"):
+        StepTimeProfile.load(path)

@@ -164,13 +164,10 @@ class KVTier(ABC):
         self.note_loaded(key)
         return data
 
-    # Whether the blocks' bytes lie in page-locked host memory, where a GPU reads them in place (pinned_address).
-    in_pinned_memory = False
-
-    def pinned_address(self, key: BlockHash) -> int:
-        """Where a pinned block's bytes lie, for a tier :attr:`in_pinned_memory`; reading them there is a use to
-        count with :meth:`note_loaded`."""
-        raise NotImplementedError(f"the {self.name} tier's blocks are not in page-locked memory")
+    def pinned_address(self, key: BlockHash) -> int | None:
+        """Where a pinned block's bytes lie in page-locked host memory, for a GPU to read them in place (a use to
+        count with :meth:`note_loaded`); None where they are not in such memory (this default)."""
+        return None
 
     # Whether reading a block takes long enough (a file) that the engine's thread should not wait for it: the
     # offload then reads it on a worker thread through reader() (KVOffload.prefetch).
@@ -303,7 +300,7 @@ class HostTier(KVTier):
                  pin_memory: bool = False):
         super().__init__("host", num_slots, block_bytes, policy, below)
         self._buffer = torch.empty((num_slots, block_bytes), dtype=torch.uint8, pin_memory=pin_memory)
-        self.in_pinned_memory = pin_memory
+        self._pinned = pin_memory
         self._base = self._buffer.data_ptr()
         # The last queued copy into the buffer (from the device) and out of it (to the device).
         self._pending_writes: torch.cuda.Event | None = None
@@ -404,8 +401,10 @@ class HostTier(KVTier):
             self._issue_queued()
         return self._buffer[slot]
 
-    def pinned_address(self, key: BlockHash) -> int:
+    def pinned_address(self, key: BlockHash) -> int | None:
         # An address, not a view: a view per block costs the engine's thread a torch call each (a reload reads tens).
+        if not self._pinned:
+            return None
         if self._queued:
             self._issue_queued()
         return self._base + self._slot_of[key] * self.block_bytes

@@ -205,8 +205,7 @@ class KVOffload:
 
     def _start_reload(self, keys: Sequence[BlockHash], tiers: Sequence[KVTier], block_ids: list[int],
                       fetched: dict[BlockHash, torch.Tensor] | None, started_s: float, started: float) -> Reload:
-        if (block_ids and not fetched and self._row_copier.available
-                and all(tier.in_pinned_memory for tier in tiers[:len(block_ids)])):
+        if block_ids and not fetched and self._row_copier.available:
             reload = self._reload_in_place(keys, tiers, block_ids, started_s)
             if reload is not None:
                 return reload
@@ -253,13 +252,18 @@ class KVOffload:
                          started: float) -> Reload | None:
         """A GPU reload whose blocks all lie in page-locked host memory: one launch of the row copy reads them
         where they are into the staging rows, with no tensor per block. None (nothing queued, nothing counted)
-        where the row copy refuses the addresses."""
+        where a block is elsewhere or the row copy refuses the addresses."""
         n = len(block_ids)
+        addresses = []
+        for key, tier in zip(keys[:n], tiers):
+            address = tier.pinned_address(key)
+            if address is None:
+                return None
+            addresses.append(address)
         reload = Reload(list(keys), list(tiers), block_ids, started,
                         from_below=[i for i in range(n) if tiers[i] is not self.top])
         try:
-            staged = self._stage(keys[:n], tiers[:n], tiers[0].block_bytes,
-                                 [tier.pinned_address(key) for key, tier in zip(keys[:n], tiers)], None)
+            staged = self._stage(keys[:n], tiers[:n], tiers[0].block_bytes, addresses, None)
         except BaseException:
             self._release(reload)
             raise

@@ -95,6 +95,9 @@ class SLALanesScheduler(Scheduler):
         self._queued_tokens: dict[Request, int] = {}
         # Queue heads set aside during one schedule() while their prefix is copied back (see _admit_head).
         self._copying: list[Request] = []
+        # Waiting requests holding a prefix lookup's blocks (they stepped aside while it came back), in the order
+        # they took them: what _allocate_without_holds may drop, without a walk through every queue.
+        self._holding: dict[Request, None] = {}
         # The previous schedule(): when it ran and how many tokens it scheduled (0: nothing ran).
         self._last_schedule_time: float | None = None
         self._last_num_tokens = 0
@@ -242,6 +245,7 @@ class SLALanesScheduler(Scheduler):
             req.num_computed_tokens = self.kv_cache.lookup_prefix(req)
         if not self.kv_cache.ready(req):
             self._copying.append(self._pop(lane))
+            self._holding[req] = None
             return True
         left = req.num_tokens_with_spec - req.num_computed_tokens
         num_new = budget.grant(left)
@@ -254,6 +258,7 @@ class SLALanesScheduler(Scheduler):
         else:
             budget.spend(num_new)
         self._pop(lane)
+        self._holding.pop(req, None)
         if req.status is RequestStatus.WAITING:
             req.num_cached_tokens = req.num_computed_tokens
         req.status = RequestStatus.RUNNING
@@ -284,12 +289,10 @@ class SLALanesScheduler(Scheduler):
         fit. A hold is cheaper to give up than a running request: nothing has been computed on it, its blocks stay
         in the prefix cache, and the lookup is redone. Without this, requests holding copies behind a queue head that
         cannot fit would wait until aging reached them, the pool held meanwhile."""
-        dropped = False
-        for held in (*(r for lane in self.lanes for r in lane.waiting), *self._copying):
-            if held is not req and held.num_computed_tokens > 0:
-                self._release(held)
-                dropped = True
-        return dropped and self.kv_cache.allocate(req, num_new)
+        held = [r for r in self._holding if r is not req]
+        for r in held:
+            self._release(r)
+        return bool(held) and self.kv_cache.allocate(req, num_new)
 
     def _preempt_until_fits(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Preempt the least urgent, youngest running requests until ``req`` fits; False if ``req`` had to go."""
@@ -430,6 +433,7 @@ class SLALanesScheduler(Scheduler):
         # Drop the prefix-cache hold taken by lookup_prefix; the lookup is redone when the request is retried.
         self.kv_cache.free(req)
         req.num_computed_tokens = 0
+        self._holding.pop(req, None)
 
     def finish_request(self, req: Request) -> None:
         lane = self._by_name.get(req.lane)
@@ -440,4 +444,5 @@ class SLALanesScheduler(Scheduler):
                 lane.waiting.remove(req)
                 lane.queued_tokens -= self._queued_tokens.pop(req)
         self._arrival.pop(req, None)
+        self._holding.pop(req, None)
         self.kv_cache.free(req)

@@ -29,8 +29,8 @@ from rtxcore.errors import ConfigError
 from rtxcore.kv.block_pool import BlockPool, BlockPoolError
 from rtxcore.kv.block_table import BlockTable
 from rtxcore.kv.hashing import BlockHash, hash_blocks
-from rtxcore.kv.tiers.base import HostTier
 from rtxcore.kv.tiers.evict_ahead import EvictAhead
+from rtxcore.kv.tiers.host import HostTier
 from rtxcore.kv.tiers.offload import KVOffload
 from rtxcore.kv.tiers.pending import PendingReloads
 from rtxcore.kv.tiers.prefetch import Prefetch

@@ -14,8 +14,9 @@ import torch
 
 from rtxcore.kv.hashing import hash_blocks
 from rtxcore.kv.manager import COPY_POLL_S, KVCacheManager
-from rtxcore.kv.tiers.base import HostTier, KVTier
+from rtxcore.kv.tiers.base import KVTier
 from rtxcore.kv.tiers.disk import DiskTier
+from rtxcore.kv.tiers.host import HostTier
 from rtxcore.kv.tiers.offload import KVOffload
 from rtxcore.request import Request, RequestStatus
 from tests.helpers.kv import POLICIES, make_request

@@ -8,8 +8,8 @@ from hypothesis import settings
 
 from rtxcore.kv.block_pool import BlockPool
 from rtxcore.kv.manager import KVCacheManager
-from rtxcore.kv.tiers.base import HostTier
 from rtxcore.kv.tiers.evict_ahead import MIN_POOL_BATCHES, EvictAhead
+from rtxcore.kv.tiers.host import HostTier
 from rtxcore.kv.tiers.offload import KVOffload
 from tests.helpers.kv import POLICIES, make_request
 from tests.kv.test_kv_tiers import TieredWorkloadMachine

@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from rtxcore.kv.manager import KVCacheManager
-from rtxcore.kv.tiers.base import HostTier, KVTier, TierReadError
+from rtxcore.kv.tiers.base import KVTier, TierReadError
 from rtxcore.kv.tiers.disk import DiskTier
+from rtxcore.kv.tiers.host import HostTier
 from rtxcore.kv.tiers.offload import KVOffload
 from tests.helpers.kv import POLICIES, make_request
 from tests.kv.test_kv_manager_properties import WorkloadMachine

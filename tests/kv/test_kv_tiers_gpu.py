@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from rtxcore import envs
-from rtxcore.kv.tiers.base import HostTier
 from rtxcore.kv.tiers.disk import DiskTier
+from rtxcore.kv.tiers.host import HostTier
 from rtxcore.kv.tiers.offload import KVOffload
 from tests.helpers.kv import POLICIES
 from tests.kv.test_kv_tiers import BLOCK_BYTES, FINGERPRINT, key, payload

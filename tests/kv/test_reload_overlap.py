@@ -15,7 +15,7 @@ from rtx_plugins.schedulers.fcfs import FCFSScheduler
 from rtx_plugins.schedulers.sla_lanes import SLALanesScheduler
 from rtxcore.contracts import SchedulerConfig
 from rtxcore.kv.manager import KVCacheManager
-from rtxcore.kv.tiers.base import HostTier
+from rtxcore.kv.tiers.host import HostTier
 from rtxcore.kv.tiers.offload import KVOffload, Reload
 from rtxcore.request import RequestStatus
 from tests.helpers.kv import POLICIES, make_request

@@ -9,7 +9,7 @@ import torch
 from hypothesis import settings
 
 from rtxcore.kv.manager import KVCacheManager
-from rtxcore.kv.tiers.base import HostTier
+from rtxcore.kv.tiers.host import HostTier
 from rtxcore.kv.tiers.offload import KVOffload
 from tests.helpers.kv import POLICIES, make_request
 from tests.kv.test_kv_tiers import TieredWorkloadMachine

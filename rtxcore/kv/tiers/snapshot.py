@@ -22,8 +22,9 @@ import torch
 
 from rtxcore.files import replace_atomically
 from rtxcore.kv.hashing import HASH_SIZE, HASH_VERSION, BlockHash
-from rtxcore.kv.tiers.base import HostTier, TierReadError
+from rtxcore.kv.tiers.base import TierReadError
 from rtxcore.kv.tiers.disk import FINGERPRINT_SIZE, SUFFIX, DiskTier
+from rtxcore.kv.tiers.host import HostTier
 
 log = logging.getLogger("rtx.kv")
 

@@ -13,8 +13,9 @@ from rtxcore.contracts.backend import ExecutionBackend
 from rtxcore.engine.config import EngineConfig
 from rtxcore.errors import ConfigError
 from rtxcore.kv.manager import KVCacheManager
-from rtxcore.kv.tiers.base import HostTier, KVTier
+from rtxcore.kv.tiers.base import KVTier
 from rtxcore.kv.tiers.disk import DiskTier
+from rtxcore.kv.tiers.host import HostTier
 from rtxcore.kv.tiers.offload import KVOffload
 from rtxcore.kv.tiers.snapshot import cache_fingerprint, copy_to_disk, load_snapshot, write_index
 from rtxcore.models.fingerprint import weights_fingerprint

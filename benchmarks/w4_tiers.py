@@ -10,7 +10,9 @@ replies); its requests per second are the capacity, and its requests the load's.
 first round turn by turn too, for their hit rate (cached prompt tokens over prompt tokens on turns 2..N) and to
 check their replies equal the roomy cache's. Part 2 (latency at load): every request of part 1 (fixed token lists)
 arrives open-loop, Poisson, at ``--load`` times the capacity, round after round and turn after turn; per
-configuration, on the same engine with its prefix cache (lower tiers included) emptied: TTFT, inter-token latency
+configuration, on the same engine with its prefix cache (lower tiers included) emptied, once every configuration's
+part 1 is done, the configurations in an order turned by one each seed (seed order 0: roomy first, 1: the second
+configuration first, ...), with Python's garbage collected before each phase: TTFT, inter-token latency
 and end-to-end p50/p99, the hit rate at load, and each p99 as a ratio to the roomy cache's in the same seed.
 
 The load part is long enough for a p99 that holds when it has at least ``--load-requests`` requests (default
@@ -23,6 +25,7 @@ import argparse
 import asyncio
 import dataclasses
 import datetime
+import gc
 import json
 import math
 import os
@@ -245,6 +248,7 @@ def main() -> int:
     # One engine per configuration for every seed (building one can take a while on a GPU: CUDA graphs); its
     # prefix cache, lower tiers included, is emptied between parts. roomy's is built first: it gives block_bytes.
     engines: dict[str, Engine] = {}
+    warmed = False
     for seed in seeds:
         run = report["seeds"][seed] = {"hit_rate": {}, "load": {}}
         requests: list[list[int]] = []
@@ -270,13 +274,20 @@ def main() -> int:
                 capacity = len(requests) / seconds
                 run["capacity_requests_per_s"] = round(capacity, 3)
                 run["arrival_rate_per_s"] = round(args.load * capacity, 3)
+        # Part 2 after every configuration's part 1, in an order turned by one configuration each seed: the phase run
+        # first in a seed (right after the long roomy part 1) is not always the same configuration's.
+        turn = seeds.index(seed) % len(configs)
+        for config in configs[turn:] + configs[:turn]:
+            engine = engines[config]
             engine.core.kv_cache.reset_prefix_cache()
-            if config == "roomy" and seed == seeds[0]:
+            if seed == seeds[0] and not warmed:
                 # Once untimed (one round): the load's batch shapes differ from part 1's, and compiling kernels for
                 # them (Triton on a GPU) must not land in the first configuration's figures.
                 asyncio.run(under_load(args, engine, requests[:args.conversations * args.turns],
                                        args.load * capacity, seed))
                 engine.core.kv_cache.reset_prefix_cache()
+                warmed = True
+            gc.collect()  # the garbage of part 1 and of the phase before is not collected inside this phase
             load = under_load(args, engine, requests, args.load * capacity, seed)
             result = profiled(args, config, engine, load) if config in args.profile else asyncio.run(load)
             run["load"][config] = result

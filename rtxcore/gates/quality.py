@@ -31,7 +31,7 @@ from rtx_conformance.gates.quality import (
 )
 from rtxcore.gates.outcome import Check, did_not_run, skipped
 from rtxcore.models.resolve import resolve_model
-from rtxcore.quant.pipeline import QuantizeOptions, quantize_model
+from rtxcore.quant.pipeline import Calibration, QuantizeOptions, quantize_model
 from rtxcore.registry import PluginRegistry, load_plugins
 
 GATE = "quality"
@@ -59,10 +59,11 @@ def run(settings: QualitySettings, gates_file: Path | None, say) -> list[Check]:
     else:
         checks = _every_layer_checks(settings, gate, registry, say)
     gc.collect()  # the reference model and its statistics, before the planner loads models of its own
+    calibrations: dict[tuple, Calibration] = {}  # the float model's, made once for the methods that share it
     for name in settings.planned:
         say(f"quality: {name} planned within +{settings.plan_ppl_delta}...")
         try:
-            checks.append(_planned_check(settings, name, settings.plan_eval_tokens, registry))
+            checks.append(_planned_check(settings, name, settings.plan_eval_tokens, registry, calibrations))
         except Exception as exc:  # one method's failure is its own failed check; the others' figures stand
             checks.append(did_not_run(GATE, f"{name} planned: ran to the end", exc))
     return checks
@@ -95,12 +96,13 @@ def _every_layer_checks(settings: QualitySettings, gate: QualityGate, registry: 
     return checks
 
 
-def _planned_check(settings: QualitySettings, method: str, eval_tokens: int, registry: PluginRegistry) -> Check:
+def _planned_check(settings: QualitySettings, method: str, eval_tokens: int, registry: PluginRegistry,
+                   calibrations: dict[tuple, Calibration]) -> Check:
     with tempfile.TemporaryDirectory(prefix="rtx-gate-plan-") as tmp:
         options = QuantizeOptions(method, Path(tmp) / "model", calibration_tokens=settings.plan_calibration_tokens,
                                   eval_tokens=eval_tokens, target_ppl_delta=settings.plan_ppl_delta)
         with _quiet_tqdm():
-            report = quantize_model(None, options, registry)
+            report = quantize_model(None, options, registry, calibrations=calibrations)
     evaluation, plan = report["evaluation"], report["plan"]
     formats = ", ".join(f"{m} {n}" for m, n in sorted(plan["layers_by_format"].items()))
     detail = (f"held-out perplexity {evaluation['ppl_quantized']:.3f} against {evaluation['ppl_original']:.3f}; "

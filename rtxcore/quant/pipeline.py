@@ -93,12 +93,16 @@ def evaluation_tokens(source: ModelSource, num_tokens: int) -> list[int]:
 
 def quantize_model(model: str | None, options: QuantizeOptions, registry: PluginRegistry,
                    log: Callable[[str], None] = lambda line: None,
-                   progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+                   progress: Callable[[int, int], None] | None = None,
+                   calibrations: dict[tuple, Calibration] | None = None) -> dict[str, Any]:
     """Quantize ``model`` into ``options.out``; returns the report (also saved beside the weights).
 
     :param log: receives a line as each phase starts and for each layer that falls back.
     :param progress: ``progress(done, total)``, counted in linear layers: ``(0, total)`` before the first is
         quantized, then once per group of layers that run fused (q|k|v, gate|up), the last time with ``done == total``.
+    :param calibrations: calibrations made by earlier calls, reused where this one's would be the same (the float
+        model's statistics and its perplexities, which no quantizer changes), and this one's added: ``rtx gates``
+        plans six methods of one model in a row.
     :raises ConfigError, ModelLoadError, PluginError: bad method, model or output directory; nothing is left at
         ``options.out`` then.
     """
@@ -137,8 +141,14 @@ def quantize_model(model: str | None, options: QuantizeOptions, registry: Plugin
     if source.quantization_methods():
         raise ConfigError(f"{source.name} is already quantized ({', '.join(source.quantization_methods())})")
     started = time.perf_counter()
-    calib = _calibrate(registry, source, options,
-                       any(quantizer_for(m).calibrated and quantizer_for(m).uses_hessian for m in chain), log)
+    hessian = any(quantizer_for(m).calibrated and quantizer_for(m).uses_hessian for m in chain)
+    key = (model, options.calibration_tokens, options.chunk_len, options.eval_tokens, options.device,
+           options.planning_tokens if options.target_ppl_delta is not None else 0, options.calibration_file, hessian)
+    calib = calibrations.get(key) if calibrations is not None else None
+    if calib is None:
+        calib = _calibrate(registry, source, options, hessian, log)
+        if calibrations is not None:
+            calibrations[key] = calib
     stats, groups, ppl_original, eval_ids, num_chunks = (calib.stats, calib.groups, calib.ppl_eval, calib.eval_ids,
                                                           calib.num_chunks)
 

@@ -27,7 +27,7 @@ def test_a_planner_that_moves_nothing_fails_the_planned_check(monkeypatch):
         return planner.Plan(groups, ppl_float, budget, [step], cost_basis, confidence)
 
     monkeypatch.setattr(planner, "search", first_step_only)
-    check = quality._planned_check(_settings(), "int4", 256, load_plugins())
+    check = quality._planned_check(_settings(), "int4", 256, load_plugins(), {})
     assert check.verdict == FAIL and check.figure is not None and check.figure > 1.0, check
     assert "int4 " in check.detail and "float" not in check.detail, check.detail
 
@@ -36,7 +36,7 @@ def test_a_planner_that_moves_nothing_fails_the_planned_check(monkeypatch):
 def test_a_plan_that_fails_is_one_failed_check_and_the_others_still_run(monkeypatch):
     calls = []
 
-    def failing_for_fp8(settings, method, eval_tokens, registry):
+    def failing_for_fp8(settings, method, eval_tokens, registry, calibrations):
         calls.append(method)
         if method == "fp8":
             raise RuntimeError("out of memory")

@@ -341,3 +341,18 @@ def test_quantized_at_load_runs_what_the_quantizer_describes(method):
     got, want = prefill_logits(quantized, ids), prefill_logits(approx, ids)
     tolerance = 0.1 if method in ("fp8", "int8-sq") else 1e-4  # those round activations too
     assert ((got - want).norm() / want.norm()).item() < tolerance
+
+
+def test_calibrations_given_are_reused_where_the_same_and_made_where_not(tmp_path, monkeypatch):
+    from rtxcore.quant import pipeline
+
+    made = []
+    calibrate = pipeline._calibrate
+    monkeypatch.setattr(pipeline, "_calibrate", lambda *a, **kw: made.append(a[2].method) or calibrate(*a, **kw))
+    registry, calibrations = load_plugins(), {}
+    # int4 and int8 need the same float statistics; a different calibration length does not share them.
+    for method, tokens in (("int4", 512), ("int8", 512), ("int8", 1024)):
+        options = QuantizeOptions(method, tmp_path / f"{method}-{tokens}", calibration_tokens=tokens, eval_tokens=0)
+        report = quantize_model(None, options, registry, calibrations=calibrations)
+        assert report["calibration"]["tokens"] == tokens
+    assert made == ["int4", "int8"] and len(calibrations) == 2

@@ -207,8 +207,8 @@ def search(groups: list[GroupPlan], evaluate: Callable[[list[GroupPlan]], Score]
     The moves come in one order fixed before any scoring (:func:`move_order`), and the plan is the shortest run of
     them from the start that is within budget, found by bisection: about log2 of the number of moves in evaluations
     (9 for the default model's int4 plan, where moving an eighth of the movable groups a step, then cutting the last
-    step back, took 14 at five seconds each on two cores). The bound need not fall with every move (it is measured);
-    the bisection still ends on a run it scored within budget, or at float."""
+    step back, took 14 at five seconds each on two cores). The bound need not fall with every move (it is measured):
+    the bisection then still ends on a run it scored within budget (or at float), not always the shortest such run."""
     plan = Plan(groups, ppl_float, budget, [_step(evaluate(groups), groups, [])], cost_basis, confidence)
     log(f"plan: every group at its cheapest format: perplexity {plan.ppl:.3f} (float {ppl_float:.3f}), increase "
         f"bound {plan.bound:+.3f} (budget +{budget})")

@@ -88,11 +88,22 @@ def conversations(llm, num: int, turns: int, seed: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("scheduler", ["fcfs", "sla-lanes"])
-def test_replies_with_reloads_on_the_way_equal_a_roomy_cache(scheduler):
-    settings = {"dtype": "float32", "scheduler": scheduler, "max_num_seqs": 4, "max_num_batched_tokens": 96}
+def test_replies_with_reloads_on_the_way_equal_a_roomy_cache(scheduler, monkeypatch):
+    settings = {"dtype": "float32", "scheduler": scheduler, "max_num_seqs": 6, "max_num_batched_tokens": 96}
     expected = conversations(make_engine(num_kv_blocks=256, **settings), num=8, turns=4, seed=0)
 
-    llm = make_engine(num_kv_blocks=40, kv_host_bytes=8 << 20, **settings)
+    # So few blocks that running requests run short while others hold prefixes on the way: those holds are given
+    # up before anyone is preempted (counted here, the schedulers' own method doing the work).
+    llm = make_engine(num_kv_blocks=28, kv_host_bytes=8 << 20, **settings)
+    sched = llm.core.scheduler
+    holds_dropped = []
+    allocate_without_holds = sched._allocate_without_holds
+
+    def counted(req, num_new):
+        holds_dropped.append(sum(r is not req and r.num_computed_tokens > 0 for r in sched._holding))
+        return allocate_without_holds(req, num_new)
+
+    monkeypatch.setattr(sched, "_allocate_without_holds", counted)
     kv = llm.core.kv_cache
     offload = kv.offload
     assert offload is not None and kv._pending is not None
@@ -104,6 +115,7 @@ def test_replies_with_reloads_on_the_way_equal_a_roomy_cache(scheduler):
 
     assert conversations(llm, num=8, turns=4, seed=0) == expected
     assert offload.num_landed > 0 and offload.num_delayed > 0, "no request waited for a reload"
+    assert sum(holds_dropped) > 0, "no hold was given up"
     assert kv.evict_ahead.num_evicted > 0
     assert not offload.due and not kv._pending, "a reload was left on the way"
     kv.check_invariants()

@@ -98,6 +98,9 @@ def test_disk_blocks_are_read_beside_the_steps_and_join_the_hit_once_in(tmp_path
     out = s.schedule()  # returns with the reads held at the gate: the engine's thread did not wait for them
     assert out.scheduled == [stranger], "the request whose blocks are being read ran, or held the queue"
     assert turn.status is RequestStatus.WAITING and turn.num_computed_tokens == 0 and disk.num_reads == 3
+    # A running request short of blocks makes the scheduler give up waiting requests' holds first; this one holds no
+    # device block (its hit is all on disk, still being read), so its reads go on.
+    assert not s._allocate_without_holds(stranger, 2 * NUM_BLOCKS * BLOCK_SIZE)
     kv.prepare_step(out.scheduled)
     computed(kv, cache, out)
     queries = kv.stats.num_prefix_queries

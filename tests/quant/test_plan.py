@@ -47,7 +47,7 @@ def test_search_moves_the_cheapest_error_first_until_within_budget():
 def test_search_stops_at_float_when_nothing_else_is_within_budget():
     groups = [group("a", [0.5, 0.4], [1, 2, 4])]
     plan = search(groups, lambda gs: at(10.0 + (1.0 if gs[0].format.method else 0.0)), ppl_float=10.0, budget=0.5)
-    # Scored: int4, int8 (the middle of two moves), then float, which the bisection reached without scoring it.
+    # Scored: int4, int8 (the middle of two moves), then float: the bisection ended there, on a run not yet scored.
     assert groups[0].format.method is None and plan.within_budget and len(plan.steps) == 3
 
 

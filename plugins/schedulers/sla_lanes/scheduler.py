@@ -289,7 +289,9 @@ class SLALanesScheduler(Scheduler):
         fit. A hold is cheaper to give up than a running request: nothing has been computed on it, its blocks stay
         in the prefix cache, and the lookup is redone. Without this, requests holding copies behind a queue head that
         cannot fit would wait until aging reached them, the pool held meanwhile."""
-        held = [r for r in self._holding if r is not req]
+        # Only holds of device blocks: one whose hit is all on disk still being read holds none, and releasing it
+        # would only cancel its reads.
+        held = [r for r in self._holding if r is not req and r.num_computed_tokens > 0]
         for r in held:
             self._release(r)
         return bool(held) and self.kv_cache.allocate(req, num_new)

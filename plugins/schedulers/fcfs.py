@@ -8,6 +8,7 @@ from collections import deque
 from rtxcore.contracts import Scheduler, SchedulerConfig, SchedulerOutput
 from rtxcore.contracts.scheduler import KVCacheAllocator
 from rtxcore.hookspecs import hookimpl
+from rtxcore.kv.waiting_holds import WaitingHolds
 from rtxcore.request import Request, RequestStatus
 
 log = logging.getLogger(__name__)
@@ -31,9 +32,8 @@ class FCFSScheduler(Scheduler):
         self.running: list[Request] = []
         # Waiting requests whose prefix is still coming back from a lower tier, stepped aside in this schedule.
         self._copying: list[Request] = []
-        # Waiting requests holding a prefix lookup's blocks (they stepped aside while it came back), in the order
-        # they took them: what _allocate_without_holds may drop, without a walk through the whole queue.
-        self._holding: dict[Request, None] = {}
+        # Waiting requests holding a prefix lookup's blocks (they stepped aside while it came back).
+        self._holding = WaitingHolds(kv_cache)
 
     @classmethod
     def describe(cls) -> dict[str, object]:
@@ -56,7 +56,7 @@ class FCFSScheduler(Scheduler):
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self._holding.pop(req, None)
+        self._holding.forget(req)
         self.kv_cache.free(req)
 
     def schedule(self) -> SchedulerOutput:
@@ -96,7 +96,7 @@ class FCFSScheduler(Scheduler):
                 # Its prefix is still coming back from a lower tier: those behind it go first meanwhile, and it
                 # keeps its place (and its hold) at the head of the queue.
                 copying.append(self.waiting.popleft())
-                self._holding[req] = None
+                self._holding.add(req)
                 continue
             num_new = req.num_tokens_with_spec - req.num_computed_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
@@ -107,7 +107,7 @@ class FCFSScheduler(Scheduler):
                 self._release(req)
                 break
             self.waiting.popleft()
-            self._holding.pop(req, None)
+            self._holding.forget(req)
             if req.status is RequestStatus.WAITING:
                 req.num_cached_tokens = req.num_computed_tokens
             req.status = RequestStatus.RUNNING
@@ -125,12 +125,7 @@ class FCFSScheduler(Scheduler):
         fit. A hold is cheaper to give up than a running request: nothing has been computed on it, its blocks stay
         in the prefix cache, and the lookup is redone. Without this, requests holding copies behind a queue head that
         cannot fit would never be reached, and the pool never freed."""
-        # Only holds of device blocks: one whose hit is all on disk still being read holds none, and releasing it
-        # would only cancel its reads.
-        held = [r for r in self._holding if r is not req and r.num_computed_tokens > 0]
-        for r in held:
-            self._release(r)
-        return bool(held) and self.kv_cache.allocate(req, num_new)
+        return self._holding.release_all_but(req) and self.kv_cache.allocate(req, num_new)
 
     def _preempt_until_fits(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Preempt from the back of the running list until ``req`` fits; False if ``req`` itself had to go."""
@@ -152,9 +147,7 @@ class FCFSScheduler(Scheduler):
 
     def _release(self, req: Request) -> None:
         # Drop the prefix-cache hold taken by lookup_prefix; the lookup is redone when the request is retried.
-        self.kv_cache.free(req)
-        req.num_computed_tokens = 0
-        self._holding.pop(req, None)
+        self._holding.release(req)
 
 
 @hookimpl

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from rtxcore.capacity.step_time import SPREAD_QUANTILES, StepTimeModel, draw_quantile, draw_ratio
+from rtxcore.capacity.step_time import SPREAD_QUANTILES, StepTimeModel, draw_quantile, draw_ratio, is_decode
 from rtxcore.engine.config import EngineConfig
 from rtxcore.errors import ConfigError
 from rtxcore.sampling_params import SamplingParams
@@ -43,7 +43,7 @@ class StepTimeProfile:
     decode_s: dict[int, float] = field(default_factory=dict)
 
     def seconds(self, num_tokens: int, num_rows: int = 0) -> float:
-        if num_rows and num_tokens == num_rows and num_rows in self.decode_s:
+        if is_decode(num_tokens, num_rows) and num_rows in self.decode_s:
             return self.decode_s[num_rows]
         return self.base_s + self.per_token_s * num_tokens + self.per_row_s * num_rows
 

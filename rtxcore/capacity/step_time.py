@@ -79,6 +79,11 @@ SPREAD_QUANTILES = (0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.9
 DECODE_MIN_SAMPLES = 20
 
 
+def is_decode(num_tokens: int, num_rows: int) -> bool:
+    """Whether a step of ``num_tokens`` for ``num_rows`` requests is a decode: one token per request."""
+    return num_rows > 0 and num_tokens == num_rows
+
+
 class DecodeTimes:
     """Decode steps' time per batch size (one token per request), each size's mean with exponential forgetting.
 
@@ -183,7 +188,7 @@ class StepTimeRecorder:
                     self.ratios.append(seconds / predicted)
             self.model.observe(self._last_tokens, seconds)
             self.rows_fit.observe(self._last_rows, self._last_tokens, seconds)
-            if self._last_rows and self._last_tokens == self._last_rows:
+            if is_decode(self._last_tokens, self._last_rows):
                 self.decodes.observe(self._last_rows, seconds)
         self._last_s, self._last_tokens, self._last_rows = now_s, num_tokens, num_rows
 
@@ -198,7 +203,7 @@ class StepTimeRecorder:
 
     def predict(self, num_tokens: int, num_rows: int) -> float:
         """A decode step's batch size's own mean once it has one (DecodeTimes), else the line."""
-        if num_rows and num_tokens == num_rows and (decode := self.decodes.get(num_rows)) is not None:
+        if is_decode(num_tokens, num_rows) and (decode := self.decodes.get(num_rows)) is not None:
             return decode
         base, per_row, per_token = self.coefficients()
         return base + per_row * num_rows + per_token * num_tokens

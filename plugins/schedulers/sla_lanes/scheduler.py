@@ -26,6 +26,7 @@ from rtxcore.capacity.step_time import StepTimeModel
 from rtxcore.contracts import Scheduler, SchedulerConfig, SchedulerOutput
 from rtxcore.contracts.scheduler import KVCacheAllocator, SchedulerStatus
 from rtxcore.errors import AdmissionRefused, ConfigError
+from rtxcore.kv.waiting_holds import WaitingHolds
 from rtxcore.lanes import LANE_NAMES, LaneSpec
 from rtxcore.request import Request, RequestStatus
 
@@ -95,9 +96,8 @@ class SLALanesScheduler(Scheduler):
         self._queued_tokens: dict[Request, int] = {}
         # Queue heads set aside during one schedule() while their prefix is copied back (see _admit_head).
         self._copying: list[Request] = []
-        # Waiting requests holding a prefix lookup's blocks (they stepped aside while it came back), in the order
-        # they took them: what _allocate_without_holds may drop, without a walk through every queue.
-        self._holding: dict[Request, None] = {}
+        # Waiting requests holding a prefix lookup's blocks (they stepped aside while it came back).
+        self._holding = WaitingHolds(kv_cache)
         # The previous schedule(): when it ran and how many tokens it scheduled (0: nothing ran).
         self._last_schedule_time: float | None = None
         self._last_num_tokens = 0
@@ -245,7 +245,7 @@ class SLALanesScheduler(Scheduler):
             req.num_computed_tokens = self.kv_cache.lookup_prefix(req)
         if not self.kv_cache.ready(req):
             self._copying.append(self._pop(lane))
-            self._holding[req] = None
+            self._holding.add(req)
             return True
         left = req.num_tokens_with_spec - req.num_computed_tokens
         num_new = budget.grant(left)
@@ -258,7 +258,7 @@ class SLALanesScheduler(Scheduler):
         else:
             budget.spend(num_new)
         self._pop(lane)
-        self._holding.pop(req, None)
+        self._holding.forget(req)
         if req.status is RequestStatus.WAITING:
             req.num_cached_tokens = req.num_computed_tokens
         req.status = RequestStatus.RUNNING
@@ -289,12 +289,7 @@ class SLALanesScheduler(Scheduler):
         fit. A hold is cheaper to give up than a running request: nothing has been computed on it, its blocks stay
         in the prefix cache, and the lookup is redone. Without this, requests holding copies behind a queue head that
         cannot fit would wait until aging reached them, the pool held meanwhile."""
-        # Only holds of device blocks: one whose hit is all on disk still being read holds none, and releasing it
-        # would only cancel its reads.
-        held = [r for r in self._holding if r is not req and r.num_computed_tokens > 0]
-        for r in held:
-            self._release(r)
-        return bool(held) and self.kv_cache.allocate(req, num_new)
+        return self._holding.release_all_but(req) and self.kv_cache.allocate(req, num_new)
 
     def _preempt_until_fits(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Preempt the least urgent, youngest running requests until ``req`` fits; False if ``req`` had to go."""
@@ -433,9 +428,7 @@ class SLALanesScheduler(Scheduler):
 
     def _release(self, req: Request) -> None:
         # Drop the prefix-cache hold taken by lookup_prefix; the lookup is redone when the request is retried.
-        self.kv_cache.free(req)
-        req.num_computed_tokens = 0
-        self._holding.pop(req, None)
+        self._holding.release(req)
 
     def finish_request(self, req: Request) -> None:
         lane = self._by_name.get(req.lane)
@@ -446,5 +439,5 @@ class SLALanesScheduler(Scheduler):
                 lane.waiting.remove(req)
                 lane.queued_tokens -= self._queued_tokens.pop(req)
         self._arrival.pop(req, None)
-        self._holding.pop(req, None)
+        self._holding.forget(req)
         self.kv_cache.free(req)

@@ -178,6 +178,7 @@ class AsyncEngine:
             while not self._stopping.is_set():
                 self._drain_inbox()
                 if not self.core.has_unfinished_requests():
+                    self.core.note_idle()
                     self._wake.wait(0.05)
                     self._wake.clear()
                     if time.monotonic() - self._last_tick >= IDLE_TICK_S:

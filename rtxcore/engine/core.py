@@ -144,6 +144,12 @@ class EngineCore:
         self.step_times.observe(time.perf_counter(), sched.total_num_scheduled_tokens, len(sched.scheduled))
         return sched
 
+    def note_idle(self) -> None:
+        """The driving loop found nothing to run and waits for work: the last step's time ends now. Without it the
+        next schedule, after the wait, would count the wait in that step (a live server at half load learnt
+        single-request decodes at 76 ms, twice their 38.5 ms, from the few that ended in a wait of seconds)."""
+        self.step_times.observe(time.perf_counter(), 0, 0)
+
     @torch.inference_mode()
     def step_serial(self) -> list[RequestOutput]:
         self.maintain()

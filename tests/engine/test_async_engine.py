@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from rtxcore.capacity.step_time import StepTimeModel
 from rtxcore.engine.async_engine import AsyncEngine, StepObserver
 from rtxcore.errors import InvalidRequestError
 from rtxcore.sampling_params import SamplingParams
@@ -138,3 +139,30 @@ def test_a_stream_whose_event_loop_closed_is_aborted(registry):
         assert aborted == ["r"] and async_engine.num_active == 0
     finally:
         async_engine.stop()
+
+
+def test_the_step_time_profile_does_not_count_an_idle_wait_in_the_last_step_before_it(async_engine):
+    """The engine's step-time recorder takes the gap between two schedules as the first one's step; after the last
+    request ends the loop waits for work, and that wait is not a step's time."""
+    learnt: list[float] = []
+
+    class KeptModel(StepTimeModel):
+        """The recorder's model, keeping each step time it learns."""
+
+        def observe(self, num_tokens: int, seconds: float) -> None:
+            learnt.append(seconds)
+            super().observe(num_tokens, seconds)
+
+    recorder = async_engine.core.step_times
+    recorder.model = KeptModel(recorder.model.forget, recorder.model.min_samples)
+    idle_s = 0.8
+
+    async def main():
+        await collect(async_engine, [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
+        await asyncio.sleep(idle_s)  # the engine idles
+        await collect(async_engine, [8, 9, 10], SamplingParams(max_tokens=3, ignore_eos=True))
+
+    asyncio.run(main())
+    # Both requests' steps were timed (three each: a prefill and two decodes; the first request's last one too).
+    assert len(learnt) >= 5
+    assert max(learnt) < idle_s / 2, learnt

@@ -92,7 +92,7 @@ def main() -> int:
             live = from_server(url, 16)[0]
             phases.append((load, config, report, live, (started, time.time())))
             log(f"learnt by the server at {load}x: {live.base_s * 1000:.1f} ms + {live.per_token_s * 1000:.2f} "
-                f"ms/token + {live.per_row_s * 1000:.2f} ms/request, spread {[round(r, 2) for r in live.spread]}, "
+                f"ms/token + {live.per_row_s * 1000:.2f} ms/request, {_spreads(live)}, "
                 f"serving path (ms) ingress "
                 f"{[round(x * 1000, 1) for x in live.ingress]} delivery {[round(x * 1000, 1) for x in live.delivery]}")
             time.sleep(10)
@@ -117,7 +117,7 @@ def main() -> int:
                 served, live, arrivals_of(plan_requests(config, report.offered_rate)), seed=1)),
         }
         print(f"# at {load}x the server had learnt {live.base_s * 1000:.1f} ms + "
-              f"{live.per_token_s * 1000:.2f} ms/token, spread {[round(r, 2) for r in live.spread]}")
+              f"{live.per_token_s * 1000:.2f} ms/token, {_spreads(live)}")
         for lane in report.lanes:
             # The phase's own requests: submitted after it started and before it ended (its last ones finished).
             engine_ttfts = [t["ttft_s"] for t in timelines if t.get("lane") == lane.name
@@ -150,6 +150,11 @@ def _r(value):
 
 def _s(value):
     return "-" if value is None else f"{value:.3f}"
+
+
+def _spreads(profile):
+    return (f"spread of decodes {[round(r, 2) for r in profile.decode_spread]}, "
+            f"of the other steps {[round(r, 2) for r in profile.spread]}")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,15 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from rtxcore.capacity.step_time import SPREAD_QUANTILES, StepTimeModel, draw_quantile, draw_ratio, is_decode
+from rtxcore.capacity.step_time import (
+    DECODE,
+    OTHER,
+    SPREAD_QUANTILES,
+    StepTimeModel,
+    draw_quantile,
+    draw_ratio,
+    is_decode,
+)
 from rtxcore.engine.config import EngineConfig
 from rtxcore.errors import ConfigError
 from rtxcore.sampling_params import SamplingParams
@@ -31,7 +39,8 @@ class StepTimeProfile:
     per_token_s: float
     # Where it came from (the machine and model, or "given"), for the report.
     source: str = "given"
-    # Quantiles, at step_time.SPREAD_QUANTILES, of real steps' time over the line's; empty: every step on the line.
+    # Quantiles, at step_time.SPREAD_QUANTILES, of real steps' time over the prediction; empty: every step on it.
+    # With decode_spread too, the steps that are not decodes; without, every step.
     spread: tuple[float, ...] = ()
     # Quantiles (the same) of requests' seconds outside the engine before their first token (capacity.serving_path):
     # from arrival at the server to submission, and from the first token to the event loop; empty: none.
@@ -41,6 +50,8 @@ class StepTimeProfile:
     per_row_s: float = 0.0
     # Decode steps' seconds by batch size where it was learnt (step_time.DecodeTimes): the line stands for the rest.
     decode_s: dict[int, float] = field(default_factory=dict)
+    # The same quantiles for decode steps alone (step_time.STEP_KINDS); empty: they draw from ``spread``.
+    decode_spread: tuple[float, ...] = ()
 
     def seconds(self, num_tokens: int, num_rows: int = 0) -> float:
         if is_decode(num_tokens, num_rows) and num_rows in self.decode_s:
@@ -48,8 +59,9 @@ class StepTimeProfile:
         return self.base_s + self.per_token_s * num_tokens + self.per_row_s * num_rows
 
     def draw(self, num_tokens: int, u: float, num_rows: int = 0) -> float:
-        """One step's time, ``u`` uniform in [0, 1): the line's, times a ratio drawn from the spread."""
-        return self.seconds(num_tokens, num_rows) * draw_ratio(self.spread, u)
+        """One step's time, ``u`` uniform in [0, 1): the prediction's, times a ratio drawn from its kind's spread."""
+        spread = self.decode_spread if self.decode_spread and is_decode(num_tokens, num_rows) else self.spread
+        return self.seconds(num_tokens, num_rows) * draw_ratio(spread, u)
 
     def draw_serving_path(self, u_ingress: float, u_delivery: float) -> tuple[float, float]:
         """One request's (ingress, delivery) seconds, each ``u`` uniform in [0, 1); zeros without them."""
@@ -66,7 +78,8 @@ class StepTimeProfile:
                           tuple(float(x) for x in data.get("spread", ())),
                           tuple(float(x) for x in data.get("ingress", ())),
                           tuple(float(x) for x in data.get("delivery", ())), float(data.get("per_row_s", 0.0)),
-                          {int(rows): float(s) for rows, s in data.get("decode_s", {}).items()})
+                          {int(rows): float(s) for rows, s in data.get("decode_s", {}).items()},
+                          tuple(float(x) for x in data.get("decode_spread", ())))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"cannot read a step-time profile from {path}: {exc}") from None
         if min(profile.base_s, profile.per_token_s, profile.per_row_s) < 0 \
@@ -76,6 +89,7 @@ class StepTimeProfile:
         if any(rows < 1 or s <= 0 for rows, s in profile.decode_s.items()):
             raise ConfigError(f"a step-time profile's decode_s maps batch sizes >= 1 to seconds > 0 ({path})")
         check_spread(profile.spread, str(path))
+        check_spread(profile.decode_spread, str(path))
         check_serving_path(profile, str(path))
         return profile
 
@@ -185,9 +199,17 @@ def from_server(url: str, block_size: int, timeout_s: float = 10.0) -> tuple[Ste
     if base is None or per_token is None:
         raise ConfigError(f"{url} exports no learnt step time (rtx_step_time_profile_seconds): it needs some "
                           "minutes of steps under load first")
-    ratios = [one("rtx_step_time_spread_ratio", quantile=str(q)) for q in SPREAD_QUANTILES]
-    spread = tuple(r for r in ratios if r is not None)
-    check_spread(spread, f"{url}/metrics")
+    def spread(**kind: str) -> tuple[float, ...]:
+        ratios = [one("rtx_step_time_spread_ratio", quantile=str(q), **kind) for q in SPREAD_QUANTILES]
+        found = tuple(r for r in ratios if r is not None)
+        check_spread(found, f"{url}/metrics")
+        return found
+    # Each kind of step's spread where the server has seen enough of it; servers before kinds were told apart
+    # exported one spread without the label, which every step draws from.
+    decode_spread = spread(kind=DECODE)
+    other_spread = spread(kind=OTHER)
+    if not decode_spread and not other_spread:
+        other_spread = spread()
     # Absent until some requests came through the servers (and from servers before it was exported): none then.
     paths = {part: tuple(v for q in SPREAD_QUANTILES
                          if (v := one("rtx_serving_path_seconds", part=part, quantile=str(q))) is not None)
@@ -201,7 +223,7 @@ def from_server(url: str, block_size: int, timeout_s: float = 10.0) -> tuple[Ste
     per_row = one("rtx_step_time_profile_seconds", part="per_row") or 0.0
     decode = {int(s.labels["rows"]): s.value for s in samples
               if s.name == "rtx_step_time_decode_seconds" and s.labels.get("rows", "").isdigit() and s.value > 0}
-    profile = StepTimeProfile(base, per_token, f"learnt by the server at {url}", spread, paths["ingress"],
-                              paths["delivery"], per_row, decode)
+    profile = StepTimeProfile(base, per_token, f"learnt by the server at {url}", other_spread, paths["ingress"],
+                              paths["delivery"], per_row, decode, decode_spread)
     check_serving_path(profile, f"{url}/metrics")
     return profile, blocks

@@ -71,8 +71,8 @@ class StepTimeModel:
 # The recorder's memory (about 1/forget steps): minutes of live load at a few steps a second.
 RECORDER_FORGET = 0.002
 RECORDER_MIN_SAMPLES = 50
-# Ratios of each step's time to the model's prediction kept for the spread, and the quantiles exported of them
-# (1% and 99% rather than the extremes: one collector pause would otherwise set a tail).
+# Ratios of each step's time to the model's prediction kept for the spread (per kind of step), and the quantiles
+# exported of them (1% and 99% rather than the extremes: one collector pause would otherwise set a tail).
 RATIOS_KEPT = 2000
 SPREAD_QUANTILES = (0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)
 # Decode steps of one batch size seen before that size's own mean stands in for the line.
@@ -82,6 +82,18 @@ DECODE_MIN_SAMPLES = 20
 def is_decode(num_tokens: int, num_rows: int) -> bool:
     """Whether a step of ``num_tokens`` for ``num_rows`` requests is a decode: one token per request."""
     return num_rows > 0 and num_tokens == num_rows
+
+
+# The kinds of step whose spreads are kept apart: decodes, predicted by their batch size's own mean, and steps with
+# a prefill chunk, predicted by the line through the mix. At half load on 2 cores (W5, benchmarks/
+# queueing_validation.py) decodes' ratios ran 0.87-1.51 (1% to 99%), the others' 0.71-1.39: one spread for both
+# would draw the line's misses for decodes too.
+DECODE, OTHER = "decode", "other"
+STEP_KINDS = (DECODE, OTHER)
+
+
+def step_kind(num_tokens: int, num_rows: int) -> str:
+    return DECODE if is_decode(num_tokens, num_rows) else OTHER
 
 
 class DecodeTimes:
@@ -166,12 +178,14 @@ class StepTimeRecorder:
     """An engine's own step-time profile under whatever load it serves, for capacity planning: a slowly forgetting
     fit of each step's time on its requests and tokens (:class:`RowCostFit`; where it cannot separate them, a
     :class:`StepTimeModel` on tokens alone), and how far steps strayed from it (each step's time over the prediction
-    made before it), whatever the scheduler. The engine calls :meth:`observe` at every ``schedule()``."""
+    made before it, per kind of step: :data:`STEP_KINDS`), whatever the scheduler. The engine calls :meth:`observe` at
+    every ``schedule()``."""
 
     model: StepTimeModel = field(default_factory=lambda: StepTimeModel(RECORDER_FORGET, RECORDER_MIN_SAMPLES))
     rows_fit: RowCostFit = field(default_factory=lambda: RowCostFit(RECORDER_FORGET))
     decodes: DecodeTimes = field(default_factory=lambda: DecodeTimes(RECORDER_FORGET))
-    ratios: deque[float] = field(default_factory=lambda: deque(maxlen=RATIOS_KEPT))
+    ratios: dict[str, deque[float]] = field(
+        default_factory=lambda: {kind: deque(maxlen=RATIOS_KEPT) for kind in STEP_KINDS})
     _last_s: float | None = None
     _last_tokens: int = 0
     _last_rows: int = 0
@@ -185,7 +199,7 @@ class StepTimeRecorder:
             if self.model.ready:
                 predicted = self.predict(self._last_tokens, self._last_rows)
                 if predicted > 0:
-                    self.ratios.append(seconds / predicted)
+                    self.ratios[step_kind(self._last_tokens, self._last_rows)].append(seconds / predicted)
             self.model.observe(self._last_tokens, seconds)
             self.rows_fit.observe(self._last_rows, self._last_tokens, seconds)
             if is_decode(self._last_tokens, self._last_rows):
@@ -210,11 +224,15 @@ class StepTimeRecorder:
 
     @property
     def ready(self) -> bool:
-        return self.model.ready and len(self.ratios) >= RECORDER_MIN_SAMPLES
+        return self.model.ready and sum(map(len, self.ratios.values())) >= RECORDER_MIN_SAMPLES
 
-    def spread(self) -> tuple[float, ...]:
-        """The ratios' quantiles at :data:`SPREAD_QUANTILES`."""
-        return sample_quantiles(self.ratios)
+    def spread(self, kind: str | None = None) -> tuple[float, ...]:
+        """The ratios' quantiles at :data:`SPREAD_QUANTILES`: one kind of step's (empty before RECORDER_MIN_SAMPLES
+        of them), or with ``None`` every step's."""
+        if kind is None:
+            return sample_quantiles(r for ratios in self.ratios.values() for r in ratios)
+        ratios = self.ratios[kind]
+        return sample_quantiles(ratios) if len(ratios) >= RECORDER_MIN_SAMPLES else ()
 
 
 def sample_quantiles(values: Iterable[float]) -> tuple[float, ...]:

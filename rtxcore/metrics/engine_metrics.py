@@ -23,7 +23,7 @@ from prometheus_client import (
 )
 
 from rtxcore.capacity.serving_path import PARTS, ServingPathRecorder
-from rtxcore.capacity.step_time import SPREAD_QUANTILES
+from rtxcore.capacity.step_time import SPREAD_QUANTILES, STEP_KINDS
 from rtxcore.engine.async_engine import StepObserver
 from rtxcore.engine.core import EngineCore
 from rtxcore.engine.outputs import RequestOutput
@@ -283,8 +283,9 @@ class EngineMetrics:
             f.step_time_profile.labels(self.model_name, "base").set(base)
             f.step_time_profile.labels(self.model_name, "per_row").set(per_row)
             f.step_time_profile.labels(self.model_name, "per_token").set(per_token)
-            for q, ratio in zip(SPREAD_QUANTILES, recorder.spread()):
-                f.step_time_spread.labels(self.model_name, str(q)).set(ratio)
+            for kind in STEP_KINDS:
+                for q, ratio in zip(SPREAD_QUANTILES, recorder.spread(kind)):
+                    f.step_time_spread.labels(self.model_name, kind, str(q)).set(ratio)
             for rows, seconds in recorder.decodes.seconds().items():
                 f.step_time_decode.labels(self.model_name, str(rows)).set(seconds)
         m.kv_cache_usage.set(kv.usage)

@@ -172,8 +172,9 @@ class Families:
             "token per request; forgetting over about 500 steps of that size), where the profile's line would "
             "miss it: rows=\"N\".", ("rows",))
         self.step_time_spread = gauge(
-            "rtx_step_time_spread_ratio", "Quantiles of recent steps' time over the step-time profile's prediction.",
-            ("quantile",))
+            "rtx_step_time_spread_ratio", "Quantiles of recent steps' time over the step-time profile's prediction, "
+            "per kind of step: kind=\"decode\" (one token per request), kind=\"other\" (a prefill chunk in it).",
+            ("kind", "quantile"))
         self.serving_path = gauge(
             "rtx_serving_path_seconds", "Quantiles of recent requests' time outside the engine before their first "
             "token: part=\"ingress\" (arrival at the server to submission), part=\"delivery\" (first token sampled to "

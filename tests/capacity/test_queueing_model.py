@@ -16,7 +16,7 @@ from rtxcore.capacity.planner import Planner
 from rtxcore.capacity.profile import StepTimeProfile, fit
 from rtxcore.capacity.serving_path import PATH_MIN_SAMPLES
 from rtxcore.capacity.simulation import poisson_arrivals, simulate
-from rtxcore.capacity.step_time import SPREAD_QUANTILES
+from rtxcore.capacity.step_time import RECORDER_MIN_SAMPLES, SPREAD_QUANTILES
 from rtxcore.contracts.scheduler import SchedulerConfig
 from rtxcore.engine.config import EngineConfig
 from rtxcore.metrics.engine_metrics import PROFILE_EXPORT_INTERVAL_S
@@ -124,8 +124,9 @@ def test_rtx_plan_takes_the_step_time_a_live_server_learnt(tmp_path):
             t.start()
         for t in threads:
             t.join()
-        # Requests for the serving path's figures (20 at least), and the export is refreshed at most once a second.
-        for i in range(PATH_MIN_SAMPLES):
+        # Requests for the serving path's figures (20 at least) and for the spread of steps with a prefill in them
+        # (50 at least: the six above gave a few), and the export is refreshed at most once a second.
+        for i in range(max(PATH_MIN_SAMPLES, RECORDER_MIN_SAMPLES)):
             httpx.post(server.base_url + "/v1/completions", json={"prompt": [5] * 8 + [i], "max_tokens": 2},
                        timeout=60)
         time.sleep(PROFILE_EXPORT_INTERVAL_S)
@@ -140,9 +141,10 @@ def test_rtx_plan_takes_the_step_time_a_live_server_learnt(tmp_path):
         profile = plan["profile"]
         assert profile["source"].startswith("learnt by the server")
         assert profile["base_s"] + profile["per_token_s"] > 0
-        spread = profile["spread"]
-        assert len(spread) == len(SPREAD_QUANTILES) and spread == sorted(spread) and spread[0] > 0
-        assert spread[0] <= 1.0 <= spread[-1]  # steps on both sides of the line
+        for kind in ("spread", "decode_spread"):  # steps with a prefill chunk, and decodes
+            spread = profile[kind]
+            assert len(spread) == len(SPREAD_QUANTILES) and spread == sorted(spread) and spread[0] > 0, kind
+            assert spread[0] <= 1.0 <= spread[-1], kind  # steps on both sides of the prediction
         # The serving side's seconds before and after the engine, as the server measured them.
         for part in ("ingress", "delivery"):
             values = profile[part]

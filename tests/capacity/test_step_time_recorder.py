@@ -8,7 +8,14 @@ import statistics
 
 import pytest
 
-from rtxcore.capacity.step_time import RECORDER_MIN_SAMPLES, SPREAD_QUANTILES, StepTimeRecorder, draw_ratio
+from rtxcore.capacity.step_time import (
+    DECODE,
+    OTHER,
+    RECORDER_MIN_SAMPLES,
+    SPREAD_QUANTILES,
+    StepTimeRecorder,
+    draw_ratio,
+)
 
 
 def record(recorder: StepTimeRecorder, steps: list[tuple], idle_every: int = 0) -> None:
@@ -107,13 +114,49 @@ def test_decode_steps_are_learnt_by_batch_size_where_the_line_misses_them():
     base, per_row, per_token = recorder.coefficients()
     line_miss = max(abs(seconds - (base + rows * (per_row + per_token))) for rows, seconds in decode.items())
     assert line_miss > 0.005, "the line alone would have done"
-    # Decode steps' ratios are to their own size's mean: the spread's middle is the noise, not the line's miss.
-    spread = recorder.spread()
+    # Decode steps' ratios are to their own size's mean: their spread's middle is the noise, not the line's miss.
+    spread = recorder.spread(DECODE)
     assert 0.9 <= spread[SPREAD_QUANTILES.index(0.1)] and spread[SPREAD_QUANTILES.index(0.9)] <= 1.1
     profile = StepTimeProfile(base, per_token, per_row_s=per_row, decode_s=learnt)
     assert profile.seconds(2, 2) == learnt[2]
     assert profile.seconds(7, 7) == pytest.approx(base + 7 * (per_row + per_token))  # a size never seen: the line
     assert profile.seconds(40, 2) == pytest.approx(base + 2 * per_row + 40 * per_token)  # a prefill chunk
+
+
+def test_decode_steps_and_the_others_keep_their_own_spreads_and_a_profile_draws_each_from_its_own():
+    """Decodes that keep to their batch size's mean, prefill steps that stray far from the line (a tenth at half of
+    it, as a step kind the line misses would): one spread for both would give decodes the prefills' low tail."""
+    from rtxcore.capacity.profile import StepTimeProfile
+
+    rng = random.Random(11)
+    steps = []
+    for _ in range(4000):
+        rows = rng.randint(1, 4)
+        if rng.random() < 0.7:
+            steps.append((rows, 0.03 * rng.choice((0.95, 1.0, 1.05)), rows))
+        else:
+            tokens = rows - 1 + rng.randint(32, 128)
+            slow = 0.5 if rng.random() < 0.1 else 1.0
+            steps.append((tokens, (0.05 + 0.002 * rows + 0.001 * tokens) * slow, rows))
+    recorder = StepTimeRecorder()
+    record(recorder, steps)
+    tenth = SPREAD_QUANTILES.index(0.05)
+    decode, other, every = recorder.spread(DECODE), recorder.spread(OTHER), recorder.spread()
+    assert decode[tenth] >= 0.9 and other[tenth] <= 0.7 and every[0] <= 0.7
+    assert len(decode) == len(other) == len(SPREAD_QUANTILES)
+    # A profile with both: a decode step draws from the decodes', a prefill step from the others'.
+    profile = StepTimeProfile(0.05, 0.001, spread=other, decode_s={2: 0.03}, decode_spread=decode)
+    draws = [profile.draw(2, u / 1000, 2) / 0.03 for u in range(1000)]
+    assert min(draws) == pytest.approx(decode[0]) and max(draws) == pytest.approx(decode[-1])
+    prefill = [profile.draw(64, u / 1000, 2) / profile.seconds(64, 2) for u in range(1000)]
+    assert min(prefill) == pytest.approx(other[0])
+    # Without a decode spread (a profile from before, or no decodes seen) every step draws from the one spread.
+    assert StepTimeProfile(0.05, 0.001, spread=other, decode_s={2: 0.03}).draw(2, 0.0, 2) == pytest.approx(
+        0.03 * other[0])
+    # A kind with too few steps has no spread of its own yet.
+    few = StepTimeRecorder()
+    record(few, [(40, 0.1, 2)] * 200 + [(2, 0.03, 2)] * 10)
+    assert few.spread(DECODE) == () and len(few.spread(OTHER)) == len(SPREAD_QUANTILES)
 
 
 def test_a_profile_file_keeps_its_decode_times_and_refuses_bad_ones(tmp_path):
@@ -122,11 +165,16 @@ def test_a_profile_file_keeps_its_decode_times_and_refuses_bad_ones(tmp_path):
     from rtxcore.capacity.profile import StepTimeProfile
     from rtxcore.errors import ConfigError
 
-    profile = StepTimeProfile(0.05, 0.001, per_row_s=0.002, decode_s={1: 0.03, 4: 0.06})
+    decode_spread = tuple(0.9 + 0.01 * i for i in range(len(SPREAD_QUANTILES)))
+    profile = StepTimeProfile(0.05, 0.001, per_row_s=0.002, decode_s={1: 0.03, 4: 0.06}, decode_spread=decode_spread)
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(profile.to_json()))
     loaded = StepTimeProfile.load(path)
     assert loaded.decode_s == {1: 0.03, 4: 0.06} and loaded.seconds(4, 4) == 0.06
+    assert loaded.decode_spread == decode_spread
+    path.write_text(json.dumps({**profile.to_json(), "decode_spread": [1.0, 0.5]}))
+    with pytest.raises(ConfigError, match="spread"):
+        StepTimeProfile.load(path)
     path.write_text(json.dumps({**profile.to_json(), "decode_s": {"0": 0.03}}))
     with pytest.raises(ConfigError, match="decode_s"):
         StepTimeProfile.load(path)

@@ -3,11 +3,9 @@ W5's CPU lanes takes half its measured capacity from `rtx loadgen`; the model, g
 server's engine learnt meanwhile (the serving path's seconds included) and the very requests the load phase sent
 (their send times, lanes and lengths), predicts the median time to first token the client measured.
 
-Within 0.8-1.25x, not the issue's 10%: runs here gave 0.93x and 0.90x since the client times its first token by the
-chunk's tokens (logprobs) rather than by its first text, which a detokenizer holding back a token delayed by one
-inter-token gap (0.86x and, in a CI dry run, 0.74x before that); run-to-run noise on this shared 2-core machine is
-about that size, so 10% would fail CI by chance. The bound still catches a model or a profile gone wrong (the
-in-process profile alone predicts 0.4-0.7x).
+Within 10% (the issue's bar). Runs here gave 0.93x and 0.90x, then 0.88x, while the learnt profile counted the
+engine's waits for work in the step before them; with those out (EngineCore.note_idle) 1.03x and 1.00x
+(2026-12-05). The in-process profile alone predicts 0.4-0.7x.
 
 The client's figure runs from the send to the first streamed token, as the model's clock does from the arrival. The
 engine's own figure (the `rtx.requests` timelines: submission to first token) is shown beside it."""
@@ -85,4 +83,4 @@ def test_the_model_predicts_the_median_time_to_first_token_at_half_capacity():
                f"spread of decodes {[round(r, 2) for r in profile.decode_spread]}, of the other steps "
                f"{[round(r, 2) for r in profile.spread]}")
     print(figures)  # shown with -rP: how close a passing run came
-    assert 0.8 <= ratio <= 1.25, figures
+    assert 0.9 <= ratio <= 1.1, figures

@@ -4,8 +4,9 @@ server's engine learnt meanwhile (the serving path's seconds included) and the v
 (their send times, lanes and lengths), predicts the median time to first token the client measured.
 
 Within 10% (the issue's bar). Runs here gave 0.93x and 0.90x, then 0.88x, while the learnt profile counted the
-engine's waits for work in the step before them; with those out (EngineCore.note_idle) 1.03x and 1.00x
-(2026-12-05). The in-process profile alone predicts 0.4-0.7x.
+engine's waits for work in the step before them; with those out (EngineCore.note_idle) 1.03x and 1.00x, and
+0.99x with the line fitted on the steps with a prefill chunk alone (2026-12-05). The in-process profile alone
+predicts 0.4-0.7x.
 
 The client's figure runs from the send to the first streamed token, as the model's clock does from the arrival. The
 engine's own figure (the `rtx.requests` timelines: submission to first token) is shown beside it."""

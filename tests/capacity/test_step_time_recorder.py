@@ -112,6 +112,9 @@ def test_decode_steps_are_learnt_by_batch_size_where_the_line_misses_them():
         assert learnt[rows] == pytest.approx(seconds, rel=0.05)
         assert recorder.predict(rows, rows) == pytest.approx(seconds, rel=0.05)
     base, per_row, per_token = recorder.coefficients()
+    # The line is the prefill steps' own: decodes, which it no longer predicts, do not pull it.
+    assert base == pytest.approx(0.05, rel=0.02) and per_row == pytest.approx(0.004, rel=0.05)
+    assert per_token == pytest.approx(0.001, rel=0.02)
     line_miss = max(abs(seconds - (base + rows * (per_row + per_token))) for rows, seconds in decode.items())
     assert line_miss > 0.005, "the line alone would have done"
     # Decode steps' ratios are to their own size's mean: their spread's middle is the noise, not the line's miss.

@@ -72,10 +72,11 @@ def test_the_recorder_learns_what_each_request_of_a_step_costs_beyond_its_tokens
 
 def test_the_recorder_is_not_ready_before_it_has_seen_enough_steps():
     recorder = StepTimeRecorder()
-    record(recorder, [(10, 0.1)] * (RECORDER_MIN_SAMPLES + 5))
-    assert not recorder.ready  # the model is, its spread has only a few ratios
-    record(recorder, [(10, 0.1)] * RECORDER_MIN_SAMPLES)
-    assert recorder.ready
+    record(recorder, [(10, 0.1)] * (RECORDER_MIN_SAMPLES - 5))
+    assert not recorder.ready
+    record(recorder, [(10, 0.1)] * 10)
+    # Every step seen is in the spread, taken against the profile as it now stands.
+    assert recorder.ready and recorder.spread() == pytest.approx((1.0,) * len(SPREAD_QUANTILES))
 
 
 def test_draws_from_a_spread_follow_its_quantiles():
@@ -181,3 +182,20 @@ def test_a_profile_file_keeps_its_decode_times_and_refuses_bad_ones(tmp_path):
     path.write_text(json.dumps({**profile.to_json(), "decode_s": {"0": 0.03}}))
     with pytest.raises(ConfigError, match="decode_s"):
         StepTimeProfile.load(path)
+
+
+def test_the_spread_is_against_the_profile_as_it_stands_not_the_predictions_steps_had_when_they_ran():
+    """Decodes that got faster (a slower neighbour went away): the profile follows within a few hundred steps, and
+    the spread of the steps kept is against it. Against the predictions each step had when it ran, the first few
+    hundred would hold the profile's lag (ratios down to 0.75), and a simulation drawing from that spread would run
+    every step faster than the profile it multiplies."""
+    rng = random.Random(13)
+    steps = [(2, 0.04 * rng.choice((0.98, 1.0, 1.02)), 2) for _ in range(3000)]
+    steps += [(2, 0.03 * rng.choice((0.98, 1.0, 1.02)), 2) for _ in range(2000)]
+    recorder = StepTimeRecorder()
+    record(recorder, steps)
+    assert recorder.predict(2, 2) == pytest.approx(0.03, rel=0.03)
+    spread = recorder.spread(DECODE)
+    assert spread[0] >= 0.95 and spread[-1] <= 1.05
+    drawn = statistics.fmean(draw_ratio(spread, (i + 0.5) / 1000) for i in range(1000))
+    assert drawn == pytest.approx(1.0, abs=0.02)

@@ -10,6 +10,9 @@ Two step-time profiles: one measured first, in this process, with the server not
 load phase, spread included, read from its /metrics right after it (``rtx plan --profile-url``). Three predictions
 per figure: the in-process profile and the learnt one at the phase's arrival rate (fresh Poisson arrivals, as `rtx
 plan` predicts), and the learnt one on the very requests the phase sent (its plan: times, lanes, lengths).
+Beside them, the range of each figure over REALIZATIONS other Poisson sequences as long as the phase (the learnt
+profile, other seeds): what one live run of that length can show at that rate, so that a measured figure outside
+the model's 10% but inside that range is told apart from one the model cannot produce.
 Measured TTFT is the client's (send to first streamed token: HTTP, the stream and the load generator's process
 included) and the engine's (submission to first token, from the server's request timelines: what the model
 simulates); ITL pools every gap of every completed request, as `rtx loadgen` reports them.
@@ -34,7 +37,7 @@ from rtxcore.bench.loadgen.stats import percentile
 from rtxcore.bench.loadgen.workload import plan_requests
 from rtxcore.capacity.planner import Planner, summarize
 from rtxcore.capacity.profile import from_server, measure
-from rtxcore.capacity.simulation import arrivals_of, simulate
+from rtxcore.capacity.simulation import arrivals_of, poisson_arrivals, simulate
 from rtxcore.contracts.scheduler import SchedulerConfig
 from rtxcore.engine.config import EngineConfig
 from rtxcore.metrics.timeline import read_timelines
@@ -46,6 +49,8 @@ MIX = (LaneProfile("realtime", 0.1, LengthRange(16, 32), LengthRange(8, 16)),
        LaneProfile("standard", 0.6, LengthRange(32, 96), LengthRange(16, 32)),
        LaneProfile("bulk", 0.3, LengthRange(96, 192), LengthRange(32, 64)))
 MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, PORT = 16, 256, 8377
+# Arrival sequences of a phase's length simulated for the range one live run can show (a few seconds each).
+REALIZATIONS = 8
 
 
 def main() -> int:
@@ -108,7 +113,8 @@ def main() -> int:
           f"{profile.base_s * 1000:.1f} ms + {profile.per_token_s * 1000:.2f} ms/token, {blocks} KV blocks, "
           f"capacity {capacity:.3f} requests/s (closed loop, 16 clients)")
     print(f"{'load':>5} {'rate':>6} {'lane':<9} {'figure':<9} {'client':>7} {'engine':>7} {'in-proc':>8} "
-          f"{'learnt':>7} {'trace':>7}   ratios to the engine's figure (TTFT) or the client's (ITL)")
+          f"{'learnt':>7} {'trace':>7}   ratios to the engine's figure (TTFT) or the client's (ITL); then "
+          f"the learnt profile's range over {REALIZATIONS} other arrival sequences of the phase's length")
     for load, config, report, live, (started, ended) in phases:
         predictions = {
             "in_process": planner.predict(report.offered_rate),
@@ -116,6 +122,9 @@ def main() -> int:
             "learnt_trace": summarize(report.offered_rate, simulate(
                 served, live, arrivals_of(plan_requests(config, report.offered_rate)), seed=1)),
         }
+        realizations = [summarize(report.offered_rate, simulate(
+            served, live, poisson_arrivals(report.offered_rate, args.duration, MIX, seed=100 + k), seed=k))
+            for k in range(REALIZATIONS)]
         print(f"# at {load}x the server had learnt {live.base_s * 1000:.1f} ms + "
               f"{live.per_token_s * 1000:.2f} ms/token, {_spreads(live)}")
         for lane in report.lanes:
@@ -134,10 +143,15 @@ def main() -> int:
                         if lane.name in prediction.lanes else None
                     row[f"{name}_s"] = predicted
                     row[f"{name}_ratio"] = predicted / base if predicted and base else None
+                drawn = [v for p in realizations if lane.name in p.lanes
+                         and (v := getattr(p.lanes[lane.name], key)[f"p{quantile}"]) is not None]
+                row["realizations_s"] = drawn
+                row["inside_realizations"] = bool(drawn) and base is not None and min(drawn) <= base <= max(drawn)
                 rows.append(row)
                 print(f"{load:>5.2f} {report.offered_rate:>6.3f} {lane.name:<9} {figure:<9} {_s(client):>7} "
                       f"{_s(engine):>7} " + " ".join(f"{_s(row[n + '_s'])}/{_r(row[n + '_ratio'])}"
-                                                       for n in predictions))
+                                                       for n in predictions)
+                      + (f"  {_s(min(drawn))}-{_s(max(drawn))}" if drawn else ""))
     if args.json:
         Path(args.json).write_text(json.dumps({"profile": profile.to_json(), "capacity": capacity, "rows": rows,
                                                "learnt": [live.to_json() for *_, live, _ in phases]}, indent=2))

@@ -73,7 +73,7 @@ RECORDER_FORGET = 0.002
 RECORDER_MIN_SAMPLES = 50
 # Steps kept for the spread (per kind of step), and the quantiles exported of their ratios to the profile (1% and
 # 99% rather than the extremes: one collector pause would otherwise set a tail).
-RATIOS_KEPT = 2000
+STEPS_KEPT = 2000
 SPREAD_QUANTILES = (0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)
 # Decode steps of one batch size seen before that size's own mean stands in for the line.
 DECODE_MIN_SAMPLES = 20
@@ -184,10 +184,10 @@ class StepTimeRecorder:
     model: StepTimeModel = field(default_factory=lambda: StepTimeModel(RECORDER_FORGET, RECORDER_MIN_SAMPLES))
     rows_fit: RowCostFit = field(default_factory=lambda: RowCostFit(RECORDER_FORGET))
     decodes: DecodeTimes = field(default_factory=lambda: DecodeTimes(RECORDER_FORGET))
-    # The last RATIOS_KEPT steps of each kind, (tokens, rows, seconds): their spread is taken against the profile
+    # The last STEPS_KEPT steps of each kind, (tokens, rows, seconds): their spread is taken against the profile
     # when it is read, not against the prediction each step had when it ran (see spread()).
     recent: dict[str, deque[tuple[int, int, float]]] = field(
-        default_factory=lambda: {kind: deque(maxlen=RATIOS_KEPT) for kind in STEP_KINDS})
+        default_factory=lambda: {kind: deque(maxlen=STEPS_KEPT) for kind in STEP_KINDS})
     _last_s: float | None = None
     _last_tokens: int = 0
     _last_rows: int = 0

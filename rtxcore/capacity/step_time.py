@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 
@@ -221,10 +221,17 @@ class StepTimeRecorder:
 
     def predict(self, num_tokens: int, num_rows: int) -> float:
         """A decode step's batch size's own mean once it has one (DecodeTimes), else the line."""
-        if is_decode(num_tokens, num_rows) and (decode := self.decodes.get(num_rows)) is not None:
-            return decode
+        return self._predictor()(num_tokens, num_rows)
+
+    def _predictor(self) -> Callable[[int, int], float]:
+        """predict() with the profile's parts read once, for many steps at a time."""
+        decode_s = self.decodes.seconds()
         base, per_row, per_token = self.coefficients()
-        return base + per_row * num_rows + per_token * num_tokens
+
+        def predict(num_tokens: int, num_rows: int) -> float:
+            decode = decode_s.get(num_rows) if is_decode(num_tokens, num_rows) else None
+            return decode if decode is not None else base + per_row * num_rows + per_token * num_tokens
+        return predict
 
     @property
     def ready(self) -> bool:
@@ -243,16 +250,10 @@ class StepTimeRecorder:
         steps = [step for k in kinds for step in self.recent[k]]
         if kind is not None and len(steps) < RECORDER_MIN_SAMPLES:
             return ()
-        # predict() for each, with its parts read once: a few thousand steps, once a second on the engine's thread.
-        decode_s = self.decodes.seconds()
-        base, per_row, per_token = self.coefficients()
-        ratios = []
-        for tokens, rows, seconds in steps:
-            decode = decode_s.get(rows) if is_decode(tokens, rows) else None
-            predicted = decode if decode is not None else base + per_row * rows + per_token * tokens
-            if predicted > 0:
-                ratios.append(seconds / predicted)
-        return sample_quantiles(ratios)
+        # A few thousand steps, once a second on the engine's thread: the profile's parts are read once for all.
+        predict = self._predictor()
+        predicted = [(seconds, predict(tokens, rows)) for tokens, rows, seconds in steps]
+        return sample_quantiles(seconds / p for seconds, p in predicted if p > 0)
 
 
 def sample_quantiles(values: Iterable[float]) -> tuple[float, ...]:

@@ -1,9 +1,11 @@
 """The queueing model (rtxcore/capacity) against live load on this machine: `rtx serve` with the sla-lanes scheduler
-and W5's CPU lanes (benchmarks/w5_cpu.toml), `rtx loadgen` at fractions of its measured capacity (Poisson, the W5
-mix scaled to 2 cores as benchmarks/w5_cpu.sh runs it), and the model's prediction at the same arrival rates beside
-each measured figure.
+and W5's CPU lanes (benchmarks/w5_cpu.toml), `rtx loadgen` at fractions of its capacity (Poisson, the W5 mix scaled
+to 2 cores as benchmarks/w5_cpu.sh runs it), and the model's prediction at the same arrival rates beside each
+measured figure. The capacity is the issue's and `rtx plan`'s: the lowest arrival rate at which a lane's p95 time to
+first token exceeds its target (or 1% of its requests are refused), found by the model on the profile the server
+learnt during a closed-loop phase (16 clients, 40 s); `--capacity throughput` takes that phase's throughput instead.
 
-Usage: python benchmarks/queueing_validation.py [--loads 0.5,0.8,1.0] [--duration 120] [--json OUT]
+Usage: python benchmarks/queueing_validation.py [--loads 0.5,0.8,1.0] [--duration 120] [--capacity lanes] [--json OUT]
 
 Two step-time profiles: one measured first, in this process, with the server not yet started (``rtx plan
 --profile``: a line, no spread), and the one the server's engine learnt from its own steps up to the end of each
@@ -58,6 +60,9 @@ def main() -> int:
     ap.add_argument("--loads", default="0.5,0.8,1.0")
     ap.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals per load (default: 120)")
     ap.add_argument("--plan-requests", type=int, default=3000, help="simulated arrivals per prediction (3000)")
+    ap.add_argument("--capacity", choices=("lanes", "throughput"), default="lanes",
+                    help="what the loads are fractions of: the lowest lane's capacity in the model, as `rtx plan` "
+                         "gives it (default), or the closed-loop throughput `rtx loadgen` measures")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     loads = [float(x) for x in args.loads.split(",")]
@@ -84,9 +89,18 @@ def main() -> int:
             except httpx.HTTPError:
                 pass
             time.sleep(1)
-        capacity = run_loadgen_sync(LoadgenConfig(url=url, lanes=MIX, capacity_clients=16, capacity_duration_s=40,
-                                                  duration_s=1, load=0.1), log).capacity
-        assert capacity is not None
+        throughput = run_loadgen_sync(LoadgenConfig(url=url, lanes=MIX, capacity_clients=16, capacity_duration_s=40,
+                                                    duration_s=1, load=0.1), log).capacity
+        assert throughput is not None
+        # The issue's and `rtx plan`'s capacity: the lowest rate at which a lane misses its target, in the model, on
+        # the profile the server learnt during the closed-loop phase. Loads are fractions of it unless asked for
+        # fractions of the closed-loop throughput.
+        learnt, _ = from_server(url, 16)
+        lane_planner = Planner(served, learnt, MIX, requests=args.plan_requests, seed=1, log=log)
+        lane_capacities = {lane.name: lane_planner.capacity(lane.name) for lane in MIX}
+        capacity = throughput if args.capacity == "throughput" else min(lane_capacities.values())
+        log(f"closed-loop throughput {throughput:.3f} requests/s; lanes' capacities "
+            f"{ {k: round(v, 3) for k, v in lane_capacities.items()} }; loads are fractions of {capacity:.3f}")
         for i, load in enumerate(loads):
             # Logprobs name each chunk's tokens: the first token is timed when it comes, not when text first does
             # (the detokenizer holds back a token that ends inside a character).
@@ -111,7 +125,8 @@ def main() -> int:
     print(f"# python benchmarks/queueing_validation.py {' '.join(sys.argv[1:])}")
     print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()}, "
           f"{profile.base_s * 1000:.1f} ms + {profile.per_token_s * 1000:.2f} ms/token, {blocks} KV blocks, "
-          f"capacity {capacity:.3f} requests/s (closed loop, 16 clients)")
+          f"closed-loop throughput {throughput:.3f} requests/s (16 clients), lanes' capacities "
+          f"{ {k: round(v, 3) for k, v in lane_capacities.items()} }: loads are fractions of {capacity:.3f}")
     print(f"{'load':>5} {'rate':>6} {'lane':<9} {'figure':<9} {'client':>7} {'engine':>7} {'in-proc':>8} "
           f"{'learnt':>7} {'trace':>7}   ratios to the engine's figure (TTFT) or the client's (ITL); then "
           f"the learnt profile's range over {REALIZATIONS} other arrival sequences of the phase's length")
@@ -153,7 +168,9 @@ def main() -> int:
                                                        for n in predictions)
                       + (f"  {_s(min(drawn))}-{_s(max(drawn))}" if drawn else ""))
     if args.json:
-        Path(args.json).write_text(json.dumps({"profile": profile.to_json(), "capacity": capacity, "rows": rows,
+        Path(args.json).write_text(json.dumps({"profile": profile.to_json(), "capacity": capacity,
+                                               "throughput": throughput, "lane_capacities": lane_capacities,
+                                               "rows": rows,
                                                "learnt": [live.to_json() for *_, live, _ in phases]}, indent=2))
     return 0
 

@@ -39,7 +39,7 @@ from rtxcore.bench.loadgen.stats import percentile
 from rtxcore.bench.loadgen.workload import plan_requests
 from rtxcore.capacity.planner import Planner, summarize
 from rtxcore.capacity.profile import from_server, measure
-from rtxcore.capacity.simulation import arrivals_of, poisson_arrivals, simulate
+from rtxcore.capacity.simulation import arrivals_of, simulate
 from rtxcore.contracts.scheduler import SchedulerConfig
 from rtxcore.engine.config import EngineConfig
 from rtxcore.metrics.timeline import read_timelines
@@ -137,9 +137,8 @@ def main() -> int:
             "learnt_trace": summarize(report.offered_rate, simulate(
                 served, live, arrivals_of(plan_requests(config, report.offered_rate)), seed=1)),
         }
-        realizations = [summarize(report.offered_rate, simulate(
-            served, live, poisson_arrivals(report.offered_rate, args.duration, MIX, seed=100 + k), seed=k))
-            for k in range(REALIZATIONS)]
+        # The planner's other sequences (`rtx plan --window`): arrivals seeded 100 + k, steps' draws k.
+        windows = Planner(served, live, MIX, seed=0).windows(report.offered_rate, args.duration, REALIZATIONS)
         print(f"# at {load}x the server had learnt {live.base_s * 1000:.1f} ms + "
               f"{live.per_token_s * 1000:.2f} ms/token, {_spreads(live)}")
         for lane in report.lanes:
@@ -158,15 +157,14 @@ def main() -> int:
                         if lane.name in prediction.lanes else None
                     row[f"{name}_s"] = predicted
                     row[f"{name}_ratio"] = predicted / base if predicted and base else None
-                drawn = [v for p in realizations if lane.name in p.lanes
-                         and (v := getattr(p.lanes[lane.name], key)[f"p{quantile}"]) is not None]
-                row["realizations_s"] = drawn
-                row["inside_realizations"] = bool(drawn) and base is not None and min(drawn) <= base <= max(drawn)
+                drawn = windows.lanes.get(lane.name, {}).get(key, {}).get(f"p{quantile}")
+                row["realizations_s"] = list(drawn) if drawn else []
+                row["inside_realizations"] = drawn is not None and base is not None and drawn[0] <= base <= drawn[1]
                 rows.append(row)
                 print(f"{load:>5.2f} {report.offered_rate:>6.3f} {lane.name:<9} {figure:<9} {_s(client):>7} "
                       f"{_s(engine):>7} " + " ".join(f"{_s(row[n + '_s'])}/{_r(row[n + '_ratio'])}"
                                                        for n in predictions)
-                      + (f"  {_s(min(drawn))}-{_s(max(drawn))}" if drawn else ""))
+                      + (f"  {_s(drawn[0])}-{_s(drawn[1])}" if drawn else ""))
     if args.json:
         Path(args.json).write_text(json.dumps({"profile": profile.to_json(), "capacity": capacity,
                                                "throughput": throughput, "lane_capacities": lane_capacities,

@@ -62,6 +62,36 @@ def summarize(rate: float, result: SimulationResult) -> Prediction:
 
 
 @dataclass(slots=True)
+class WindowRange:
+    """What one window of ``window_s`` seconds at a rate can show: each lane's figures, least and most over ``count``
+    Poisson sequences of that length. A tail figure of a lane near its own saturation moves a lot between windows
+    (and a prediction over many arrivals holds rarer bursts than one window does), so a measured window is judged,
+    and an alert threshold set, against this range rather than one number."""
+    window_s: float
+    count: int
+    lanes: dict[str, dict[str, dict[str, tuple[float, float]]]]  # lane -> "ttft_s"/"itl_s" -> "p95" -> (min, max)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"window_s": self.window_s, "count": self.count,
+                "lanes": {lane: {key: {q: list(r) for q, r in figures.items()} for key, figures in f.items()}
+                          for lane, f in self.lanes.items()}}
+
+
+def window_ranges(predictions: Sequence[Prediction], window_s: float) -> WindowRange:
+    lanes: dict[str, dict[str, dict[str, tuple[float, float]]]] = {}
+    for name in sorted({lane for p in predictions for lane in p.lanes}):
+        lanes[name] = {}
+        for key in ("ttft_s", "itl_s"):
+            lanes[name][key] = {}
+            for q in ("p50", "p95", "p99"):
+                drawn = [v for p in predictions if name in p.lanes
+                         and (v := getattr(p.lanes[name], key)[q]) is not None]
+                if drawn:
+                    lanes[name][key][q] = (min(drawn), max(drawn))
+    return WindowRange(window_s, len(predictions), lanes)
+
+
+@dataclass(slots=True)
 class Planner:
     served: EngineConfig
     profile: StepTimeProfile
@@ -79,6 +109,14 @@ class Planner:
             arrivals = poisson_arrivals(rate, self.requests / rate, self.mix, self.seed)
             self._cache[rate] = summarize(rate, simulate(self.served, self.profile, arrivals, self.seed))
         return self._cache[rate]
+
+    def windows(self, rate: float, window_s: float, count: int) -> WindowRange:
+        """Each figure's range over ``count`` other Poisson sequences at ``rate``, each ``window_s`` long."""
+        predictions = [summarize(rate, simulate(self.served, self.profile,
+                                                poisson_arrivals(rate, window_s, self.mix, self.seed + 100 + k),
+                                                self.seed + k))
+                       for k in range(count)]
+        return window_ranges(predictions, window_s)
 
     def target(self, lane: str) -> float:
         return self.served.scheduling.lanes[lane].ttft_target_s

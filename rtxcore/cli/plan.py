@@ -54,6 +54,10 @@ def add_parser(sub) -> None:
                    help="simulated arrivals per prediction (default: 3000; the p99 of a lane with a tenth of them "
                         "rests on 3 requests)")
     g.add_argument("--seed", type=int, default=0, help="seed of arrival times, lanes and lengths")
+    g.add_argument("--window", type=finite_float, default=None, metavar="SECONDS",
+                   help="also give each figure's range over --windows Poisson sequences this long at each rate: "
+                        "what one window of live load (an alert's, a benchmark's) can show")
+    g.add_argument("--windows", type=int, default=8, help="sequences for --window (default: 8)")
     p.add_argument("--json", dest="json_path", type=output_file, default=None, help="also write the plan as JSON")
     p.set_defaults(run=run)
 
@@ -77,6 +81,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--target-rate must be > 0, got {args.target_rate:g}")
     if any(r <= 0 for r in args.rate):
         raise ConfigError("--rate must be > 0")
+    if args.window is not None and args.window <= 0:
+        raise ConfigError(f"--window must be > 0 seconds, got {args.window:g}")
+    if not 2 <= args.windows <= 100:
+        raise ConfigError(f"--windows must be between 2 and 100, got {args.windows}")
     config_file = load_serve_config(args.config)
     served = engine_config(args, config_file)
     served.scheduling.lanes = config_file.lanes
@@ -114,6 +122,10 @@ def run(args: argparse.Namespace) -> int:
                           "capacity to plan from")
     predictions = [planner.predict(load * capacity) for load in loads] + [planner.predict(r) for r in args.rate]
     at_headroom = planner.predict(HEADROOM * capacity)
+    predicted = [p.to_json() for p in predictions]
+    if args.window is not None:
+        for p, row in zip(predictions, predicted):
+            row["windows"] = planner.windows(p.rate, args.window, args.windows).to_json()
     report = {
         "command": "rtx " + " ".join(sys.argv[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -122,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         "max_num_batched_tokens": served.scheduling.max_num_batched_tokens,
         "simulated_requests": args.requests, "seed": args.seed,
         "capacity_per_lane": capacities, "capacity": capacity,
-        "predictions": [p.to_json() for p in predictions],
+        "predictions": predicted,
         "autoscaling": {"replica_share_of_capacity": HEADROOM,
                         "queue_depth_per_pod": round(at_headroom.mean_waiting, 2),
                         "ttft_p95_s": {k: v.ttft_s["p95"] for k, v in at_headroom.lanes.items()}},
@@ -177,6 +189,11 @@ def _render(report: dict) -> str:
             t, i = lp["ttft_s"], lp["itl_s"]
             lines.append(f"{head}  {lane:<9} {_ms(t['p50']):>9} {_ms(t['p95']):>7} {_ms(t['p99']):>7} "
                          f"{_ms(i['p50']):>8} {_ms(i['p95']):>6} {_ms(i['p99']):>6} {lp['refused']:>7}")
+        if "windows" in pred:
+            w = pred["windows"]
+            lines.append(" " * 23 + f"TTFT p95 over {w['count']} windows of {w['window_s']:g} s: " + ", ".join(
+                f"{lane} {_ms(f['ttft_s']['p95'][0])}-{_ms(f['ttft_s']['p95'][1])}"
+                for lane, f in w["lanes"].items() if "p95" in f["ttft_s"]) + " ms")
     a = report["autoscaling"]
     lines += ["", f"autoscaling at {a['replica_share_of_capacity']:.0%} of capacity: scale out above "
                   f"{a['queue_depth_per_pod']} requests waiting per pod, or a lane's p95 TTFT above "

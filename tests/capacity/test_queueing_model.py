@@ -74,6 +74,28 @@ def test_capacity_is_where_a_lane_starts_missing_its_target():
     assert light.utilization < heavy.utilization
 
 
+def test_window_ranges_spread_over_short_windows_and_close_in_over_long_ones():
+    """`rtx plan --window`: each figure's least and most over other Poisson sequences of one window's length. The
+    tail of short windows rests on a few requests and spreads; ten times longer windows hold nearly the same."""
+    served = EngineConfig(scheduler="sla-lanes", num_kv_blocks=256,
+                          scheduling=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128))
+    mix = [LaneProfile("standard", 1.0, LengthRange(32, 64), LengthRange(8, 16))]
+    planner = Planner(served, StepTimeProfile(0.02, 0.001), mix, requests=300, seed=3)
+    rate = 0.7 * planner.saturation_rate()
+    short, long = planner.windows(rate, 20 / rate, 4), planner.windows(rate, 200 / rate, 4)
+    assert short.count == long.count == 4 and short.window_s == pytest.approx(20 / rate)
+
+    def width(w, key, q):
+        low, high = w.lanes["standard"][key][q]
+        assert 0 < low <= high
+        return high - low
+
+    assert width(short, "ttft_s", "p95") > width(long, "ttft_s", "p95") > 0
+    assert width(short, "ttft_s", "p50") > width(long, "ttft_s", "p50")
+    assert json.loads(json.dumps(short.to_json()))["lanes"]["standard"]["ttft_s"]["p95"] == \
+        list(short.lanes["standard"]["ttft_s"]["p95"])
+
+
 def test_rtx_plan_reports_capacity_predictions_replicas_and_thresholds(tmp_path):
     out = tmp_path / "plan.json"
     proc = rtx("plan", "--model", "dummy:tiny", "--scheduler", "sla-lanes", "--num-kv-blocks", "256",
@@ -81,15 +103,21 @@ def test_rtx_plan_reports_capacity_predictions_replicas_and_thresholds(tmp_path)
                    "--lane-mix", "realtime=0.2,standard=0.8", "--requests", "300", "--loads", "0.5,0.8",
                    # Short answers: a simulation costs host time per step, and this checks the plan, not the lengths.
                    "--output-tokens", "realtime=4:8", "--output-tokens", "standard=8:16",
-                   "--target-rate", "50", "--json", str(out), timeout=600)
+                   "--target-rate", "50", "--window", "20", "--windows", "3", "--json", str(out), timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert "capacity (requests/s" in proc.stdout and "replicas for 50 requests/s:" in proc.stdout
+    assert proc.stdout.count("TTFT p95 over 3 windows of 20 s: realtime ") == 2
     plan = json.loads(out.read_text())
     assert set(plan["capacity_per_lane"]) == {"realtime", "standard"}
     assert plan["capacity"] == min(plan["capacity_per_lane"].values()) > 0
     assert [round(p["rate"] / plan["capacity"], 3) for p in plan["predictions"]] == [0.5, 0.8]
     assert plan["replicas"] >= 50 / plan["capacity"]
     assert plan["autoscaling"]["queue_depth_per_pod"] >= 0
+    for p in plan["predictions"]:
+        assert p["windows"]["window_s"] == 20 and p["windows"]["count"] == 3
+        for lane in ("realtime", "standard"):
+            low, high = p["windows"]["lanes"][lane]["ttft_s"]["p95"]
+            assert 0 < low <= high
 
 
 @pytest.mark.parametrize("args, message", [
@@ -100,6 +128,9 @@ def test_rtx_plan_reports_capacity_predictions_replicas_and_thresholds(tmp_path)
       "--output-tokens", "vip=1:2"), "lane vip, which the config does not define"),
     (("--step-time", "0", "0", "--num-kv-blocks", "64"), "not both 0"),
     (("--step-time", "20", "1", "--num-kv-blocks", "64", "--requests", "10"), "--requests must be at least 100"),
+    (("--step-time", "20", "1", "--num-kv-blocks", "64", "--window", "0"), "--window must be > 0 seconds"),
+    (("--step-time", "20", "1", "--num-kv-blocks", "64", "--window", "60", "--windows", "1"),
+     "--windows must be between 2 and 100"),
     (("--step-time", "20", "1", "--num-kv-blocks", "64", "--lane-mix", "standard=1", "--prompt-tokens",
       "standard=3000:3000"), "cannot take a standard request of 3000 prompt"),
 ])

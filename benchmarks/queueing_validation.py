@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import platform
 import subprocess
 import sys
@@ -99,6 +100,8 @@ def main() -> int:
         lane_planner = Planner(served, learnt, MIX, requests=args.plan_requests, seed=1, log=log)
         lane_capacities = {lane.name: lane_planner.capacity(lane.name) for lane in MIX}
         capacity = throughput if args.capacity == "throughput" else min(lane_capacities.values())
+        if not math.isfinite(capacity):
+            raise SystemExit("no lane ever misses its target in the model: no capacity to take fractions of")
         log(f"closed-loop throughput {throughput:.3f} requests/s; lanes' capacities "
             f"{ {k: round(v, 3) for k, v in lane_capacities.items()} }; loads are fractions of {capacity:.3f}")
         for i, load in enumerate(loads):
@@ -158,7 +161,7 @@ def main() -> int:
                     row[f"{name}_s"] = predicted
                     row[f"{name}_ratio"] = predicted / base if predicted and base else None
                 drawn = windows.lanes.get(lane.name, {}).get(key, {}).get(f"p{quantile}")
-                row["realizations_s"] = list(drawn) if drawn else []
+                row["realizations_range_s"] = list(drawn) if drawn else []
                 row["inside_realizations"] = drawn is not None and base is not None and drawn[0] <= base <= drawn[1]
                 rows.append(row)
                 print(f"{load:>5.2f} {report.offered_rate:>6.3f} {lane.name:<9} {figure:<9} {_s(client):>7} "

@@ -78,6 +78,8 @@ class WindowRange:
 
 
 def window_ranges(predictions: Sequence[Prediction], window_s: float) -> WindowRange:
+    """Each lane's percentiles, least and most over ``predictions`` (one per window); a lane or percentile no window
+    had a sample for is left out."""
     lanes: dict[str, dict[str, dict[str, tuple[float, float]]]] = {}
     for name in sorted({lane for p in predictions for lane in p.lanes}):
         lanes[name] = {}

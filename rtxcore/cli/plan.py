@@ -16,6 +16,10 @@ from rtxcore.cli.common import add_engine_options, engine_config, finite_float, 
 from rtxcore.cli.loadgen import add_lane_mix_options, lane_profiles
 from rtxcore.errors import ConfigError
 
+# Arrivals one --window sequence may hold: each is simulated step by step, several times per rate (about a minute
+# of host time for 100,000 here).
+MAX_WINDOW_ARRIVALS = 100_000
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
@@ -57,7 +61,7 @@ def add_parser(sub) -> None:
     g.add_argument("--window", type=finite_float, default=None, metavar="SECONDS",
                    help="also give each figure's range over --windows Poisson sequences this long at each rate: "
                         "what one window of live load (an alert's, a benchmark's) can show")
-    g.add_argument("--windows", type=int, default=8, help="sequences for --window (default: 8)")
+    g.add_argument("--windows", type=int, default=None, help="sequences for --window, 2 to 100 (default: 8)")
     p.add_argument("--json", dest="json_path", type=output_file, default=None, help="also write the plan as JSON")
     p.set_defaults(run=run)
 
@@ -83,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--rate must be > 0")
     if args.window is not None and args.window <= 0:
         raise ConfigError(f"--window must be > 0 seconds, got {args.window:g}")
-    if not 2 <= args.windows <= 100:
+    if args.windows is not None and args.window is None:
+        raise ConfigError("--windows needs --window SECONDS")
+    if args.windows is not None and not 2 <= args.windows <= 100:
         raise ConfigError(f"--windows must be between 2 and 100, got {args.windows}")
     config_file = load_serve_config(args.config)
     served = engine_config(args, config_file)
@@ -124,8 +130,13 @@ def run(args: argparse.Namespace) -> int:
     at_headroom = planner.predict(HEADROOM * capacity)
     predicted = [p.to_json() for p in predictions]
     if args.window is not None:
+        most = max(p.rate for p in predictions) * args.window
+        if most > MAX_WINDOW_ARRIVALS:
+            raise ConfigError(f"--window {args.window:g} s is {most:.0f} arrivals a sequence at the highest rate; "
+                              f"at most {MAX_WINDOW_ARRIVALS}")
         for p, row in zip(predictions, predicted):
-            row["windows"] = planner.windows(p.rate, args.window, args.windows).to_json()
+            log(f"{args.windows or 8} windows of {args.window:g} s at {p.rate:.3g} requests/s...")
+            row["windows"] = planner.windows(p.rate, args.window, args.windows or 8).to_json()
     report = {
         "command": "rtx " + " ".join(sys.argv[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -192,8 +203,8 @@ def _render(report: dict) -> str:
         if "windows" in pred:
             w = pred["windows"]
             lines.append(" " * 23 + f"TTFT p95 over {w['count']} windows of {w['window_s']:g} s: " + ", ".join(
-                f"{lane} {_ms(f['ttft_s']['p95'][0])}-{_ms(f['ttft_s']['p95'][1])}"
-                for lane, f in w["lanes"].items() if "p95" in f["ttft_s"]) + " ms")
+                f"{lane} " + (f"{_ms(f['ttft_s']['p95'][0])}-{_ms(f['ttft_s']['p95'][1])}" if "p95" in f["ttft_s"]
+                              else "-") for lane, f in w["lanes"].items()) + " ms")
     a = report["autoscaling"]
     lines += ["", f"autoscaling at {a['replica_share_of_capacity']:.0%} of capacity: scale out above "
                   f"{a['queue_depth_per_pod']} requests waiting per pod, or a lane's p95 TTFT above "

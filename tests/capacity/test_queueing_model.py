@@ -90,6 +90,8 @@ def test_window_ranges_spread_over_short_windows_and_close_in_over_long_ones():
         assert 0 < low <= high
         return high - low
 
+    # Seeded, so not flaky; with 4 windows a change to the simulation could flip a close pair, which these are not
+    # (the short windows' p95 spreads several times wider here).
     assert width(short, "ttft_s", "p95") > width(long, "ttft_s", "p95") > 0
     assert width(short, "ttft_s", "p50") > width(long, "ttft_s", "p50")
     assert json.loads(json.dumps(short.to_json()))["lanes"]["standard"]["ttft_s"]["p95"] == \
@@ -131,6 +133,11 @@ def test_rtx_plan_reports_capacity_predictions_replicas_and_thresholds(tmp_path)
     (("--step-time", "20", "1", "--num-kv-blocks", "64", "--window", "0"), "--window must be > 0 seconds"),
     (("--step-time", "20", "1", "--num-kv-blocks", "64", "--window", "60", "--windows", "1"),
      "--windows must be between 2 and 100"),
+    (("--step-time", "20", "1", "--num-kv-blocks", "64", "--windows", "4"), "--windows needs --window"),
+    # Checked once the rates are known, after the capacity search: short requests keep that quick.
+    (("--scheduler", "sla-lanes", "--step-time", "20", "1", "--num-kv-blocks", "64", "--window", "1e9",
+      "--requests", "300", "--lane-mix", "standard=1", "--prompt-tokens", "standard=32:32", "--output-tokens",
+      "standard=8:8"), "arrivals a sequence"),
     (("--step-time", "20", "1", "--num-kv-blocks", "64", "--lane-mix", "standard=1", "--prompt-tokens",
       "standard=3000:3000"), "cannot take a standard request of 3000 prompt"),
 ])

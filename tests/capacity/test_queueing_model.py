@@ -105,10 +105,10 @@ def test_rtx_plan_reports_capacity_predictions_replicas_and_thresholds(tmp_path)
                    "--lane-mix", "realtime=0.2,standard=0.8", "--requests", "300", "--loads", "0.5,0.8",
                    # Short answers: a simulation costs host time per step, and this checks the plan, not the lengths.
                    "--output-tokens", "realtime=4:8", "--output-tokens", "standard=8:16",
-                   "--target-rate", "50", "--window", "20", "--windows", "3", "--json", str(out), timeout=600)
+                   "--target-rate", "50", "--window", "4", "--windows", "3", "--json", str(out), timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert "capacity (requests/s" in proc.stdout and "replicas for 50 requests/s:" in proc.stdout
-    assert proc.stdout.count("TTFT p95 over 3 windows of 20 s: realtime ") == 2
+    assert proc.stdout.count("TTFT p95 over 3 windows of 4 s: realtime ") == 2
     plan = json.loads(out.read_text())
     assert set(plan["capacity_per_lane"]) == {"realtime", "standard"}
     assert plan["capacity"] == min(plan["capacity_per_lane"].values()) > 0
@@ -116,7 +116,7 @@ def test_rtx_plan_reports_capacity_predictions_replicas_and_thresholds(tmp_path)
     assert plan["replicas"] >= 50 / plan["capacity"]
     assert plan["autoscaling"]["queue_depth_per_pod"] >= 0
     for p in plan["predictions"]:
-        assert p["windows"]["window_s"] == 20 and p["windows"]["count"] == 3
+        assert p["windows"]["window_s"] == 4 and p["windows"]["count"] == 3
         for lane in ("realtime", "standard"):
             low, high = p["windows"]["lanes"][lane]["ttft_s"]["p95"]
             assert 0 < low <= high

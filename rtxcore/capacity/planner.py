@@ -50,9 +50,13 @@ class Prediction:
                 "mean_running": self.mean_running, "lanes": {k: v.to_json() for k, v in self.lanes.items()}}
 
 
+# The percentiles a prediction gives, by name.
+PERCENTILES = {"p50": 50, "p95": 95, "p99": 99}
+
+
 def _quantiles(values: list[float]) -> dict[str, float | None]:
     # rtx loadgen's percentiles, so that predicted and measured figures are computed alike.
-    return {"p50": percentile(values, 50), "p95": percentile(values, 95), "p99": percentile(values, 99)}
+    return {name: percentile(values, q) for name, q in PERCENTILES.items()}
 
 
 def summarize(rate: float, result: SimulationResult) -> Prediction:
@@ -85,7 +89,7 @@ def window_ranges(predictions: Sequence[Prediction], window_s: float) -> WindowR
         lanes[name] = {}
         for key in ("ttft_s", "itl_s"):
             lanes[name][key] = {}
-            for q in ("p50", "p95", "p99"):
+            for q in PERCENTILES:
                 drawn = [v for p in predictions if name in p.lanes
                          and (v := getattr(p.lanes[name], key)[q]) is not None]
                 if drawn:

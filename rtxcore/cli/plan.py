@@ -19,6 +19,8 @@ from rtxcore.errors import ConfigError
 # Arrivals one --window sequence may hold: each is simulated step by step, several times per rate (about a minute
 # of host time for 100,000 here).
 MAX_WINDOW_ARRIVALS = 100_000
+# --windows when only --window is given (None there tells a --windows given without --window apart).
+DEFAULT_WINDOWS = 8
 
 
 def add_parser(sub) -> None:
@@ -134,9 +136,10 @@ def run(args: argparse.Namespace) -> int:
         if most > MAX_WINDOW_ARRIVALS:
             raise ConfigError(f"--window {args.window:g} s is {most:.0f} arrivals a sequence at the highest rate; "
                               f"at most {MAX_WINDOW_ARRIVALS}")
+        count = args.windows or DEFAULT_WINDOWS
         for p, row in zip(predictions, predicted):
-            log(f"{args.windows or 8} windows of {args.window:g} s at {p.rate:.3g} requests/s...")
-            row["windows"] = planner.windows(p.rate, args.window, args.windows or 8).to_json()
+            log(f"{count} windows of {args.window:g} s at {p.rate:.3g} requests/s...")
+            row["windows"] = planner.windows(p.rate, args.window, count).to_json()
     report = {
         "command": "rtx " + " ".join(sys.argv[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -100,7 +100,8 @@ def conversations(args, engine: Engine, seed: int, rounds: int) -> tuple[list[li
 
 def copy_counts(after: OffloadStats | None, before: OffloadStats | None) -> dict[str, float]:
     """The tiers' copies in a load phase: steps that waited for a reload and how long, blocks copied down at
-    eviction (spilled), evictions that found their block below already (spill hits), blocks written back ahead."""
+    eviction (spilled), evictions that found their block below already (spill hits), blocks written back ahead,
+    blocks read from disk ahead of their reload (prefetched)."""
     if after is None or before is None:
         return {"copy_wait_steps": 0, "copy_wait_ms": 0}
     return {"copy_wait_steps": after.num_copy_wait_steps - before.num_copy_wait_steps,
@@ -109,7 +110,8 @@ def copy_counts(after: OffloadStats | None, before: OffloadStats | None) -> dict
             "copy_down_host_s": round(after.copy_down_host_seconds - before.copy_down_host_seconds, 3),
             "reload_host_s": round(after.reload_host_seconds - before.reload_host_seconds, 3),
             "spill_hits": after.num_spill_hits - before.num_spill_hits,
-            "written_back_blocks": after.num_written_back - before.num_written_back}
+            "written_back_blocks": after.num_written_back - before.num_written_back,
+            "prefetched_blocks": after.num_prefetched - before.num_prefetched}
 
 
 async def under_load(args, engine: Engine, requests: list[list[int]], rate: float, seed: int) -> dict[str, float]:
@@ -117,6 +119,8 @@ async def under_load(args, engine: Engine, requests: list[list[int]], rate: floa
     before = engine.core.kv_cache.stats
     tiers = engine.core.kv_tiers
     copies_before = dataclasses.replace(tiers.offload.stats) if tiers else None
+    disk = tiers.disk if tiers else None
+    skipped_before = disk.stats.num_skipped_busy if disk else 0
     ahead = engine.core.kv_cache.evict_ahead
     ahead_before = (ahead.num_evicted, ahead.num_batches) if ahead is not None else None
     served = serving_engine(engine)
@@ -155,6 +159,7 @@ async def under_load(args, engine: Engine, requests: list[list[int]], rate: floa
     return {"requests": len(tasks), "seconds": round(elapsed, 2), "hit_rate": round(hit / max(queried, 1), 4),
             "reloaded_tokens": stats.num_reloaded_tokens - before.num_reloaded_tokens, "preemptions": preemptions,
             **copy_counts(copies, copies_before),
+            **({"disk_skipped_blocks": disk.stats.num_skipped_busy - skipped_before} if disk else {}),
             **({"evicted_ahead_blocks": ahead.num_evicted - ahead_before[0],
                 "evict_ahead_batches": ahead.num_batches - ahead_before[1]}
                if ahead is not None and ahead_before is not None else {}),

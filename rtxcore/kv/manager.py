@@ -213,7 +213,7 @@ class KVCacheManager:
     def _find_hit(self, state: _RequestBlocks, max_hit_blocks: int,
                   fetched: dict[BlockHash, torch.Tensor] | None = None, fetched_at: float | None = None) -> None:
         """Extend the request's hit with the cached blocks that follow it, on the device or in a lower tier; with
-        ``fetched``, the bytes a prefetch started at ``fetched_at`` read (and no new prefetch)."""
+        ``fetched``, the bytes a prefetch started at ``fetched_at`` read (a run going on past them is read next)."""
         start = len(state.block_ids)
         for block_hash in state.block_hashes[start:max_hit_blocks]:
             block_id = self.pool.lookup(block_hash)
@@ -240,6 +240,8 @@ class KVCacheManager:
             if not state.prefetch.done():
                 return False
             self._extend_hit(req, state, state.prefetch)
+            if state.prefetch is not None:  # the run goes on on disk past the reads that were in flight: read on
+                return False
         return not self._pending or self._pending.arrived(state.block_ids)
 
     def _extend_hit(self, req: Request, state: _RequestBlocks, fetch: Prefetch) -> None:
@@ -384,18 +386,18 @@ class KVCacheManager:
         """Extend the request's hit with blocks a lower tier holds, copied into fresh device blocks from now on, so
         they are in place before the request's first step (prefetch at admission; on a GPU the copy runs while
         steps do, and the blocks stay pending until it has arrived). The run stops at the first block only a slow
-        tier (disk) holds: from there on, the blocks are read on worker threads (state.prefetch), unless
-        ``fetched`` has read them already."""
+        tier (disk) holds and ``fetched`` lacks: from there on, the blocks are read on worker threads
+        (state.prefetch), and ready() extends the hit with them once they are in."""
         keys = state.block_hashes[len(state.block_ids):max_hit_blocks]
         tiers = offload.pin_run(keys)
         slow = next((i for i, (key, tier) in enumerate(zip(keys, tiers))
                      if tier.reads_in_background and not (fetched and key in fetched)), len(tiers))
         if slow < len(tiers):
             # No more than the device could take now (the rest is computed): reads beyond it would be dropped.
-            num_read = max(0, self.pool.num_free_blocks - slow) if fetched is None else 0
+            num_read = max(0, self.pool.num_free_blocks - slow)
             if num_read:
                 fetch = offload.prefetch(keys[slow:slow + num_read], tiers[slow:slow + num_read])
-                if fetch.keys:
+                if fetch.keys or fetch.cut:  # cut with nothing read: reads in flight fill the cap; wait for them
                     state.prefetch = fetch
             # A block not read (past the cap, or the prefetch could not read it) is computed.
             for key, tier in zip(keys[slow + num_read:], tiers[slow + num_read:]):

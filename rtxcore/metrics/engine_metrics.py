@@ -332,7 +332,8 @@ class EngineMetrics:
                                   (f.kv_reload_blocks, st.num_loaded),
                                   (f.kv_reload_bytes, st.num_loaded * block_bytes),
                                   (f.kv_tier_evictions, st.num_evicted),
-                                  (f.kv_tier_corrupt_blocks, st.num_corrupt)):
+                                  (f.kv_tier_corrupt_blocks, st.num_corrupt),
+                                  (f.kv_tier_skipped_blocks, st.num_skipped_busy)):
                 self._add_total(family, name, total)
         self._add_total(f.kv_snapshot_blocks, None, engine.kv_tiers.num_snapshot_blocks)
         offload = engine.kv_tiers.offload

@@ -209,6 +209,9 @@ class Families:
             "bottom).", tier)
         self.kv_tier_corrupt_blocks = counter(
             "rtx_kv_tier_corrupt_blocks", "KV blocks found damaged when read back from a tier, and dropped.", tier)
+        self.kv_tier_skipped_blocks = counter(
+            "rtx_kv_tier_skipped_blocks", "KV blocks a tier did not store because its writes were too far behind (a "
+            "disk slower than the spills); they are recomputed if asked for again.", tier)
         self.kv_snapshot_blocks = counter(
             "rtx_kv_snapshot_blocks", "KV blocks written to disk by warm-restart snapshots.")
         self.kv_reload_latency = histogram(

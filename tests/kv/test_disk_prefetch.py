@@ -209,6 +209,40 @@ def test_two_requests_with_one_prefix_read_it_once(tmp_path):
     kv.check_invariants()
 
 
+def test_a_run_longer_than_the_reads_in_flight_is_read_on_not_computed(tmp_path, monkeypatch):
+    """With room for one block's read in flight, each of two requests reads its run one block after the other,
+    asking ready() at every step as a scheduler does, and gets the whole hit; none of it is computed."""
+    import rtxcore.kv.tiers.prefetch as prefetch_module
+
+    monkeypatch.setattr(prefetch_module, "PREFETCH_BYTES", WIDTH)
+    kv, offload, disk, cache = tiers(tmp_path, host_slots=0)
+    s = make_scheduler("fcfs", kv)
+    expected = first_turn_pushed_out(s, kv, cache, HISTORY)
+    disk.gate.set()
+    one, two = make_request(HISTORY + [9, 7]), make_request(HISTORY[:8] + [4, 4, 4, 4, 8])
+    s.add_request(one)
+    s.add_request(two)
+    first_step: dict[str, int] = {}  # tokens each request computed in its first step
+    for _ in range(1000):
+        out = s.schedule()
+        for req, n in zip(out.scheduled, out.num_scheduled_tokens):
+            if req.req_id not in first_step:
+                first_step[req.req_id] = n
+                blocks = kv.block_ids(req.req_id)[:req.num_computed_tokens // BLOCK_SIZE]
+                assert torch.equal(cache[blocks], expected[:len(blocks)]), "a block came back with other bytes"
+        kv.prepare_step(out.scheduled)
+        computed(kv, cache, out)
+        if len(first_step) == 2:
+            break
+        time.sleep(0.002)
+    else:
+        raise AssertionError("the requests never got their disk blocks")
+    assert first_step == {one.req_id: 2, two.req_id: 5}, "part of a run on disk was computed instead of read"
+    assert offload.stats.num_prefetched == disk.num_reads == 3, "a block was read twice"
+    assert no_pins(disk)
+    kv.check_invariants()
+
+
 def test_a_request_placed_without_asking_ready_computes_its_prefix(tmp_path):
     """A third-party scheduler that never asks ready() is still correct: the request computes what the reads would
     have brought, and their pins go once the reads end."""

@@ -331,3 +331,36 @@ def test_a_spill_to_disk_never_waits_for_the_file(tmp_path, monkeypatch):
     assert disk.pin(key(2)) and torch.equal(disk.load(key(2)), payload(2))
     disk.unpin(key(2))
     host.check_invariants(), disk.check_invariants()
+
+
+def test_a_disk_slower_than_the_spills_costs_blocks_never_a_wait(tmp_path, monkeypatch):
+    """Past the write backlog a spill leaves blocks out instead of waiting for the writer (which would hold every
+    running request's step), and counts them; a snapshot's copies (storing_all) wait for the writer instead, so a
+    snapshot holds every block it is given."""
+    import threading
+
+    import rtxcore.kv.tiers.disk as disk_tier_module
+
+    gate = threading.Event()
+    write_file = disk_tier_module.replace_atomically
+
+    def held(path, data, durable=True):
+        assert gate.wait(30), "the test never opened the gate"
+        write_file(path, data, durable)
+
+    monkeypatch.setattr(disk_tier_module, "replace_atomically", held)
+    monkeypatch.setattr(disk_tier_module, "WRITE_BACKLOG_BYTES", 2 * BLOCK_BYTES)
+    _, disk = tier_chain(tmp_path, 1, 8)
+    disk.store([key(n) for n in range(4)], torch.stack([payload(n) for n in range(4)]))  # returns: nothing waited
+    assert [key(n) in disk for n in range(4)] == [True, True, False, False]
+    assert disk.stats.num_skipped_busy == 2 and disk.stats.num_stored == 2
+
+    threading.Timer(0.2, gate.set).start()  # the writer catches up only later: storing_all must wait for it
+    with disk.storing_all():
+        disk.store([key(n) for n in range(4, 8)], torch.stack([payload(n) for n in range(4, 8)]))
+    assert all(key(n) in disk for n in range(4, 8)) and disk.stats.num_skipped_busy == 2
+    disk.flush()
+    for n in (0, 1, 4, 5, 6, 7):
+        assert disk.pin(key(n)) and torch.equal(disk.load(key(n)), payload(n))
+        disk.unpin(key(n))
+    disk.check_invariants()

@@ -38,8 +38,10 @@ class TierStats:
     num_loaded: int = 0
     # Blocks that left this tier to make room (handed to the tier below, or dropped at the bottom).
     num_evicted: int = 0
-    # Blocks that could not be stored: every slot pinned.
+    # Blocks that could not be stored: every slot pinned, or their write failed.
     num_rejected: int = 0
+    # Blocks not stored because the tier's writes were too far behind (a disk slower than the spills).
+    num_skipped_busy: int = 0
     # Blocks found damaged on read, and dropped.
     num_corrupt: int = 0
 
@@ -105,6 +107,9 @@ class KVTier(ABC):
             if key in self._slot_of:
                 self.touch(key)
                 continue
+            if self.busy():  # asked before a slot is taken: taking one may push a block out for nothing
+                self.stats.num_skipped_busy += 1
+                continue
             slot = self._take_slot()
             if slot is None:
                 self.stats.num_rejected += 1
@@ -122,6 +127,11 @@ class KVTier(ABC):
             self.policy.add(slot)
             self.stats.num_stored += 1
             self.num_changes += 1
+
+    def busy(self) -> bool:
+        """Whether the tier's writes are too far behind to take a block now (False by default: a tier in memory
+        stores at once)."""
+        return False
 
     def pin(self, key: BlockHash) -> bool:
         """Hold ``key``'s slot in place (no eviction) until :meth:`unpin`; False when the tier lacks it."""
@@ -236,7 +246,7 @@ class KVTier(ABC):
         assert key is not None, "the policy's candidates are occupied slots: they all hold a key"
         if self.below is not None and key not in self.below:
             try:
-                self.sync_for_host()
+                self.sync_slot_for_host(slot)
                 self.below.store([key], self._read(slot, key).unsqueeze(0))
             except TierReadError:
                 self.stats.num_corrupt += 1
@@ -264,6 +274,11 @@ class KVTier(ABC):
     def sync_for_host(self) -> None:  # noqa: B027
         """Wait for copies still writing into this tier, before the host reads its bytes (for another tier or a
         snapshot); readers on the device's stream need no wait."""
+
+    def sync_slot_for_host(self, slot: int) -> None:
+        """As :meth:`sync_for_host`, for one slot's bytes only (an eviction reads one slot: waiting for every copy
+        into the tier would wait for the step in flight, which the latest copies queue behind)."""
+        self.sync_for_host()
 
     def note_uploads(self) -> None:  # noqa: B027 -- a no-op default, as sync_for_host
         """Rows :meth:`load` returned were queued for an asynchronous copy to the device."""

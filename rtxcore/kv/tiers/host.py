@@ -109,6 +109,14 @@ class HostTier(KVTier):
             self._pending_writes.synchronize()
             self._pending_writes = None
 
+    def sync_slot_for_host(self, slot: int) -> None:
+        if slot in self._slots_unrecorded:  # written in this store: its copy is queued or issued, with no event yet
+            self._issue_queued()
+            self._record_writes()
+        event = self._slot_written.get(slot)
+        if event is not None:
+            event.synchronize()
+
     def _write(self, slot: int, key: BlockHash, data: torch.Tensor) -> None:
         if not data.is_cuda and self._pending_reads is not None:
             # A host-side write must not overtake an upload still queued from this buffer.

@@ -28,8 +28,10 @@ log = logging.getLogger("rtx.kv")
 # the GIL for buffers this large, so they run beside the engine's thread. One pool for the process (engines come and
 # go in one process; their threads should not).
 READ_THREADS = 4
-# Bytes of blocks being read at once, at most (pinned memory on a GPU, which torch's cache keeps): blocks past it are
-# computed instead. A lookup caps its reads at the device's free blocks too.
+# Bytes of blocks being read at once, at most (pinned memory on a GPU, which torch's cache keeps): a request whose run
+# goes past it reads the rest once reads in flight have ended. Computing the rest instead cost the hits: on an H100
+# (W4, 128 conversations, 512 KiB blocks), a disk tier with room for every history kept a hit rate of 0.837 against
+# the roomy cache's 0.934. A lookup caps its reads at the device's free blocks too (past those, blocks are computed).
 PREFETCH_BYTES = 256 << 20
 _readers: ThreadPoolExecutor | None = None
 
@@ -53,6 +55,9 @@ class Prefetch:
     collected: bool = False
     # Whether the blocks go up to the first tier if nobody reloads them (not after a reset of the cache).
     promote: bool = True
+    # Whether the run went on past the reads started (stopped at PREFETCH_BYTES): its request reads on once these are
+    # in, rather than computing what the disk holds.
+    cut: bool = False
 
     def done(self) -> bool:
         return all(read.done() for read in self.reads)
@@ -85,10 +90,11 @@ class BlockReads:
                     tier.unpin(key)
                     continue
                 if (len(self._reading) + 1) * tier.block_bytes > PREFETCH_BYTES:
-                    # Enough in flight: this block and the rest of the run are computed (a hit being a run from the
-                    # start, nothing after a gap is of use).
+                    # Enough in flight: this block and the rest of the run wait for a later prefetch (a hit being a
+                    # run from the start, nothing after a gap is of use now).
                     for later, later_tier in zip(keys[i:], tiers[i:]):
                         later_tier.unpin(later)
+                    fetch.cut = True
                     break
                 read = self._reading[key] = _block_readers().submit(tier.reader(key, pin_memory))
                 self.stats.num_prefetched += 1

@@ -45,20 +45,21 @@ def copy_to_disk(disk: DiskTier, device_blocks: list[tuple[int, BlockHash]],
     """Write what the disk tier lacks, host blocks first, device blocks last (most recent, so kept longest); returns
     the number of blocks written. :func:`write_index` then makes them a snapshot."""
     written = 0
-    if host is not None:
-        host.sync_for_host()
-        for key in host.keys():
-            if key not in disk:
-                try:
-                    disk.store([key], host.peek(key).unsqueeze(0))
-                except TierReadError:
-                    continue
-                written += key in disk
-    missing = [(block_id, key) for block_id, key in device_blocks if key not in disk]
-    for start in range(0, len(missing), _READ_BATCH):
-        batch = missing[start:start + _READ_BATCH]
-        disk.store([key for _, key in batch], read_blocks([block_id for block_id, _ in batch]))
-        written += sum(key in disk for _, key in batch)
+    with disk.storing_all():
+        if host is not None:
+            host.sync_for_host()
+            for key in host.keys():
+                if key not in disk:
+                    try:
+                        disk.store([key], host.peek(key).unsqueeze(0))
+                    except TierReadError:
+                        continue
+                    written += key in disk
+        missing = [(block_id, key) for block_id, key in device_blocks if key not in disk]
+        for start in range(0, len(missing), _READ_BATCH):
+            batch = missing[start:start + _READ_BATCH]
+            disk.store([key for _, key in batch], read_blocks([block_id for block_id, _ in batch]))
+            written += sum(key in disk for _, key in batch)
     return written
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+import rtxcore.kv.tiers.disk as disk_tier_module
 from rtxcore.kv.manager import KVCacheManager
 from rtxcore.kv.tiers.base import KVTier, TierReadError
 from rtxcore.kv.tiers.disk import DiskTier
@@ -35,6 +37,19 @@ def tier_chain(tmp_path, host_slots: int, disk_slots: int, policy: str = "lru") 
     disk = DiskTier(tmp_path, disk_slots, BLOCK_BYTES, POLICIES[policy](disk_slots), FINGERPRINT)
     host = HostTier(host_slots, BLOCK_BYTES, POLICIES[policy](host_slots), below=disk)
     return host, disk
+
+
+def held_disk_writes(monkeypatch) -> threading.Event:
+    """Block files are written only once the returned gate is set (a slow disk, or a writer behind)."""
+    gate = threading.Event()
+    write_file = disk_tier_module.replace_atomically
+
+    def held(path, data, durable=True):
+        assert gate.wait(30), "the test never opened the gate"
+        write_file(path, data, durable)
+
+    monkeypatch.setattr(disk_tier_module, "replace_atomically", held)
+    return gate
 
 
 def test_host_evictions_move_down_and_read_back_intact(tmp_path):
@@ -282,8 +297,6 @@ def test_a_block_bouncing_between_device_and_host_is_copied_down_once(tmp_path):
 def test_a_full_disk_costs_blocks_not_the_tier(tmp_path, monkeypatch):
     import errno
 
-    import rtxcore.kv.tiers.disk as disk_tier_module
-
     host, disk = tier_chain(tmp_path, 1, 4)
     host.store([key(1)], payload(1).unsqueeze(0))
 
@@ -304,18 +317,7 @@ def test_a_full_disk_costs_blocks_not_the_tier(tmp_path, monkeypatch):
 def test_a_spill_to_disk_never_waits_for_the_file(tmp_path, monkeypatch):
     """The file is written on the tier's own thread: a store returns while the write is held, reads meanwhile get
     the stored bytes, and a block removed before its write ran leaves no file behind."""
-    import threading
-
-    import rtxcore.kv.tiers.disk as disk_tier_module
-
-    gate = threading.Event()
-    write_file = disk_tier_module.replace_atomically
-
-    def held(path, data, durable=True):
-        assert gate.wait(30), "the test never opened the gate"
-        write_file(path, data, durable)
-
-    monkeypatch.setattr(disk_tier_module, "replace_atomically", held)
+    gate = held_disk_writes(monkeypatch)
     host, disk = tier_chain(tmp_path, 1, 1)
     host.store([key(1)], payload(1).unsqueeze(0))
     host.store([key(2)], payload(2).unsqueeze(0))  # key 1 goes down to disk: the call returned, the write is held
@@ -337,18 +339,7 @@ def test_a_disk_slower_than_the_spills_costs_blocks_never_a_wait(tmp_path, monke
     """Past the write backlog a spill leaves blocks out instead of waiting for the writer (which would hold every
     running request's step), and counts them; a snapshot's copies (storing_all) wait for the writer instead, so a
     snapshot holds every block it is given."""
-    import threading
-
-    import rtxcore.kv.tiers.disk as disk_tier_module
-
-    gate = threading.Event()
-    write_file = disk_tier_module.replace_atomically
-
-    def held(path, data, durable=True):
-        assert gate.wait(30), "the test never opened the gate"
-        write_file(path, data, durable)
-
-    monkeypatch.setattr(disk_tier_module, "replace_atomically", held)
+    gate = held_disk_writes(monkeypatch)
     monkeypatch.setattr(disk_tier_module, "WRITE_BACKLOG_BYTES", 2 * BLOCK_BYTES)
     _, disk = tier_chain(tmp_path, 1, 8)
     disk.store([key(n) for n in range(4)], torch.stack([payload(n) for n in range(4)]))  # returns: nothing waited

@@ -10,10 +10,10 @@ Files are written to a temporary name and renamed, so a crash leaves either the 
 fsynced one by one: losing a cache entry to a power cut costs a recomputation, not correctness. The storage calls
 are the only thing that knows about files, to leave room for NVMe queues or GPUDirect Storage behind the same tier.
 
-Writes and removals run on one thread of their own, in the order they were asked (a block removed and stored again
-ends as stored), so that a spill never holds the engine's thread for a file: the engine's thread only copies the
-block's bytes aside; the checksum and the file are the writer's. Until a block's write has ended, reads of it are
-served from those bytes. A write that fails (a full disk) costs that block once noticed
+Writes and removals run on writer threads of their own, each key's in the order they were asked (a block removed and
+stored again ends as stored), so that a spill never holds the engine's thread for a file: the engine's thread only
+copies the block's bytes aside; the checksum and the file are the writers'. Until a block's write has ended, reads of
+it are served from those bytes. A write that fails (a full disk) costs that block once noticed
 (:meth:`DiskTier.poll_writes`, every step); :meth:`DiskTier.flush` waits for them all (before a snapshot's index).
 A disk slower than the spills is not waited for either: past ``WRITE_BACKLOG_BYTES`` of writes not yet done, a block
 is not stored (it is recomputed if asked for again), so that a slow disk costs hits, never the running requests'
@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import logging
 import struct
+import zlib
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from functools import partial
-from hashlib import blake2b
 from pathlib import Path
 
 import torch
@@ -37,33 +37,38 @@ import torch
 from rtxcore.contracts.eviction import EvictionPolicy
 from rtxcore.files import replace_atomically
 from rtxcore.kv.hashing import HASH_SIZE, BlockHash
-from rtxcore.kv.tiers.base import KVTier, TierReadError
+from rtxcore.kv.tiers.base import KVTier, TierReadError, clone_host_bytes
 
 log = logging.getLogger("rtx.kv")
 
-MAGIC = b"RTXKVB01"
+# 02: a CRC-32 of the bytes where 01 had a blake2b digest (a 01 file fails the magic check and is removed).
+MAGIC = b"RTXKVB02"
 FINGERPRINT_SIZE = 20
 # magic, fingerprint, key, payload length, payload checksum
-_HEADER = struct.Struct(f"<8s{FINGERPRINT_SIZE}s{HASH_SIZE}sQ16s")
+_HEADER = struct.Struct(f"<8s{FINGERPRINT_SIZE}s{HASH_SIZE}sQI")
 SUFFIX = ".kvb"
 # Bytes of blocks waiting for their file (held in memory meanwhile): past this, blocks are not stored until the writer
 # catches up. Waiting for it instead held every running request: on an H100 (W4, 128 conversations over a disk tier)
 # the engine's thread spent 84 s of a 151 s load phase in stores, and TTFT p99 was 6x the roomy cache's.
 WRITE_BACKLOG_BYTES = 256 << 20
-# One writer thread for the process: operations run in the order asked, for every tier (engines come and go in one
-# process; their threads should not).
-_file_ops: ThreadPoolExecutor | None = None
+# Writer threads for the process (engines come and go in one process; their threads should not). A key's file
+# operations always go to the same thread, so they run in the order they were asked (a block removed and stored again
+# ends as stored); several threads, because one thread's checksums and copies bounded the blocks a second it wrote.
+WRITE_THREADS = 4
+_file_ops: list[ThreadPoolExecutor] = []
 
 
-def _queue_file_op(fn: Callable, *args) -> Future:
-    global _file_ops
-    if _file_ops is None:
-        _file_ops = ThreadPoolExecutor(1, thread_name_prefix="rtx-kv-write")
-    return _file_ops.submit(fn, *args)
+def _queue_file_op(key: BlockHash, fn: Callable, *args) -> Future:
+    if not _file_ops:
+        _file_ops.extend(ThreadPoolExecutor(1, thread_name_prefix=f"rtx-kv-write-{i}") for i in range(WRITE_THREADS))
+    return _file_ops[key[0] % len(_file_ops)].submit(fn, *args)
 
 
-def checksum(data: bytes | memoryview) -> bytes:
-    return blake2b(data, digest_size=16).digest()
+def checksum(data: bytes | memoryview) -> int:
+    """CRC-32: it finds a torn or damaged file (the header names the block, so a misplaced one fails anyway) at
+    5 GB/s on one core, where blake2b ran at 0.9 (0.56 on the GPU machine's cores), which bounded the disk tier's
+    writer thread below W4's spill rate at 128 conversations (benchmarks/disk_tier.py). zlib releases the GIL."""
+    return zlib.crc32(data)
 
 
 class DiskTier(KVTier):
@@ -76,12 +81,13 @@ class DiskTier(KVTier):
         self.blocks_dir = root / "blocks"
         self.blocks_dir.mkdir(parents=True, exist_ok=True)
         # Blocks whose write has not been seen to end, with the file's bytes (served to reads meanwhile); the writes
-        # in the order they were queued, with their sizes; the last file operation queued (what flush waits for).
+        # in the order they were queued, with their sizes (accounted as the oldest end: a conservative backlog).
         self._writing: dict[BlockHash, tuple[Future[OSError | None], torch.Tensor]] = {}
         self._writes: deque[tuple[BlockHash, Future[OSError | None], int]] = deque()
         self._backlog_bytes = 0
         self._storing_all = False
-        self._last_op: Future | None = None
+        # The last file operation queued on each writer thread (what flush waits for).
+        self._last_ops: dict[int, Future] = {}
 
     def store(self, keys: list[BlockHash], data: torch.Tensor) -> None:
         super().store(keys, data.cpu())  # one copy from the device for the batch, not one per file
@@ -117,6 +123,11 @@ class DiskTier(KVTier):
     def files(self) -> list[Path]:
         return sorted(self.blocks_dir.glob(f"*/*{SUFFIX}"))
 
+    def _queue(self, key: BlockHash, fn: Callable, *args) -> Future:
+        op = _queue_file_op(key, fn, *args)
+        self._last_ops[key[0] % WRITE_THREADS] = op
+        return op
+
     def busy(self) -> bool:
         self.poll_writes()
         while self._storing_all and self._backlog_bytes + self.block_bytes > WRITE_BACKLOG_BYTES and self._writes:
@@ -135,8 +146,8 @@ class DiskTier(KVTier):
             self._storing_all = False
 
     def _write(self, slot: int, key: BlockHash, data: torch.Tensor) -> None:
-        row = data.contiguous().clone()  # its own bytes: the caller reuses its rows at once
-        write = self._last_op = _queue_file_op(self._write_file, self.path(key), key, row)
+        row = clone_host_bytes(data)  # its own bytes: the caller reuses its rows at once
+        write = self._queue(key, self._write_file, self.path(key), key, row)
         self._writing[key] = (write, row)
         self._writes.append((key, write, row.numel()))
         self._backlog_bytes += row.numel()
@@ -170,8 +181,9 @@ class DiskTier(KVTier):
 
     def flush(self) -> None:
         """Wait until every file operation asked so far has ended, and account for them."""
-        if self._last_op is not None:
-            self._last_op.result()
+        for op in self._last_ops.values():
+            op.result()
+        self._last_ops.clear()
         self.poll_writes()
 
     # A block file is read and checked in milliseconds (a page-cache hit still copies and hashes it): too long for
@@ -182,7 +194,7 @@ class DiskTier(KVTier):
         # The path is fixed while the key is pinned; the call reads only the file and the tier's constants.
         writing = self._writing.get(key)
         if writing is not None:
-            return partial(_copied, writing[1], pin_memory)
+            return partial(clone_host_bytes, writing[1], pin_memory)
         return partial(self._read_file, self.path(key), key, pin_memory)
 
     def _read(self, slot: int, key: BlockHash) -> torch.Tensor:
@@ -213,7 +225,7 @@ class DiskTier(KVTier):
 
     def _drop(self, slot: int, key: BlockHash) -> None:
         self._writing.pop(key, None)
-        self._last_op = _queue_file_op(_remove_file, self.path(key))  # after its write, if that is still queued
+        self._queue(key, _remove_file, self.path(key))  # after its write, if that is still queued
 
     def _check_header(self, header: bytes, key: BlockHash) -> int:
         if len(header) != _HEADER.size:
@@ -226,11 +238,6 @@ class DiskTier(KVTier):
         if file_key != key:
             raise TierReadError("holds another block than its name says")
         return length
-
-
-def _copied(row: torch.Tensor, pin_memory: bool) -> torch.Tensor:
-    """A copy of a block's bytes still waiting for their file (the tier drops its own once the file is written)."""
-    return torch.empty_like(row, pin_memory=pin_memory).copy_(row)
 
 
 def _remove_file(path: Path) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from rtxcore.contracts.eviction import EvictionPolicy
 from rtxcore.kv.hashing import BlockHash
-from rtxcore.kv.tiers.base import KVTier
+from rtxcore.kv.tiers.base import KVTier, copy_host_bytes
 from rtxcore.kv.tiers.row_copier import RowCopier
 
 
@@ -127,7 +127,7 @@ class HostTier(KVTier):
             self._writes_unrecorded = True
             self._slots_unrecorded.append(slot)
         else:
-            self._buffer[slot].copy_(data)
+            copy_host_bytes(self._buffer[slot], data)
 
     def _read(self, slot: int, key: BlockHash) -> torch.Tensor:
         if self._queued:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rtxcore.kv.hashing import BlockHash
-from rtxcore.kv.tiers.base import KVTier, TierReadError
+from rtxcore.kv.tiers.base import KVTier, TierReadError, copy_host_bytes
 from rtxcore.kv.tiers.prefetch import BlockReads, Prefetch
 from rtxcore.kv.tiers.row_copier import RowCopier
 from rtxcore.transfer import to_device
@@ -390,7 +390,7 @@ class KVOffload:
             return
         staged = torch.empty((len(pageable), rows[pageable[0]].numel()), dtype=torch.uint8, pin_memory=True)
         for j, i in enumerate(pageable):
-            staged[j].copy_(rows[i])
+            copy_host_bytes(staged[j], rows[i])
             rows[i] = staged[j]
 
 

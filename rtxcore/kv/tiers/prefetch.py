@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rtx.kv")
 
-# Worker threads reading block files: a few reads in flight keep an NVMe queue busy; the checksum (blake2b) releases
+# Worker threads reading block files: a few reads in flight keep an NVMe queue busy; the checksum (CRC-32) releases
 # the GIL for buffers this large, so they run beside the engine's thread. One pool for the process (engines come and
 # go in one process; their threads should not).
 READ_THREADS = 4

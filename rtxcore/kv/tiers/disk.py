@@ -58,10 +58,10 @@ WRITE_THREADS = 4
 _file_ops: list[ThreadPoolExecutor] = []
 
 
-def _queue_file_op(key: BlockHash, fn: Callable, *args) -> Future:
+def _queue_file_op(writer: int, fn: Callable, *args) -> Future:
     if not _file_ops:
         _file_ops.extend(ThreadPoolExecutor(1, thread_name_prefix=f"rtx-kv-write-{i}") for i in range(WRITE_THREADS))
-    return _file_ops[key[0] % len(_file_ops)].submit(fn, *args)
+    return _file_ops[writer].submit(fn, *args)
 
 
 def checksum(data: bytes | memoryview) -> int:
@@ -124,8 +124,8 @@ class DiskTier(KVTier):
         return sorted(self.blocks_dir.glob(f"*/*{SUFFIX}"))
 
     def _queue(self, key: BlockHash, fn: Callable, *args) -> Future:
-        op = _queue_file_op(key, fn, *args)
-        self._last_ops[key[0] % WRITE_THREADS] = op
+        writer = key[0] % WRITE_THREADS  # a key's operations always on the same writer
+        op = self._last_ops[writer] = _queue_file_op(writer, fn, *args)
         return op
 
     def busy(self) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -15,20 +16,22 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def write_all(fd: int, data: bytes) -> None:
+def write_all(fd: int, data: bytes | memoryview) -> None:
     """``os.write`` until every byte is out: a short write would leave a partial record for the next to follow."""
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
 
 
-def replace_atomically(path: Path, data: bytes, durable: bool = True) -> None:
-    """Write ``data`` to a temporary file beside ``path`` and rename it over ``path``: a crash leaves the old file
-    or the new one, never half of one. With ``durable``, both the file and the rename are fsynced."""
+def replace_atomically(path: Path, data: bytes | Sequence[bytes | memoryview], durable: bool = True) -> None:
+    """Write ``data`` (or its parts one after another: no copy joins them) to a temporary file beside ``path`` and
+    rename it over ``path``: a crash leaves the old file or the new one, never half of one. With ``durable``, both
+    the file and the rename are fsynced."""
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        write_all(fd, data)
+        for part in (data,) if isinstance(data, bytes) else data:
+            write_all(fd, part)
         if durable:
             os.fsync(fd)
     finally:

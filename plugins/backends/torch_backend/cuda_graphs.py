@@ -9,7 +9,10 @@ their K/V into the null block 0, which nothing reads.
 
 from __future__ import annotations
 
-from typing import Callable
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -18,6 +21,9 @@ from rtx_kernels.decode_attention import choose_num_splits
 from rtx_plugins.backends.torch_backend.triton_attention import TritonAttentionMetadata
 from rtxcore.contracts.backend import ForwardBatch
 
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE  # at run time its import is circular (torch's own note)
+
 
 def batch_size_ladder(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 16 up to ``max_batch`` (padding waste at most 15 rows)."""
@@ -25,6 +31,25 @@ def batch_size_ladder(max_batch: int) -> list[int]:
     if not sizes or sizes[-1] < max_batch:
         sizes.append(max_batch)
     return sizes
+
+
+@contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, pool: _POOL_HANDLE | None = None) -> Iterator[None]:
+    """``torch.cuda.graph`` as every capture here needs it, in a process that does other CUDA work beside it.
+
+    Thread-local error mode: the KV tiers' worker threads (prefetch reads into pinned memory, which query events) and
+    another engine's steps may run while this thread captures; in the default global mode any of their calls
+    invalidated the capture ("operation failed due to a previous error during capture", seen on an H200 in
+    tests/kv). Garbage collection paused: a finalizer run inside the capture (a pinned tensor's free queries its
+    events) would invalidate it from this thread."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 # (input_ids [n], positions [n], metadata) -> logits [n, vocab] float32
@@ -70,7 +95,7 @@ class DecodeGraphs:
             self._forward(inputs.ids, inputs.pos, meta)  # compiles the kernels, warms the allocator
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with capturing(graph, pool):
                 self._logits[size] = self._forward(inputs.ids, inputs.pos, meta)
             pool = graph.pool()
             self._graphs[size] = graph

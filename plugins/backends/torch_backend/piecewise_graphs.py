@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from rtx_plugins.backends.torch_backend.cuda_graphs import capturing
 from rtx_plugins.backends.torch_backend.model import LlamaForCausalLM
 from rtx_plugins.backends.torch_backend.triton_attention import TritonAttentionMetadata, attend, rotate_and_store
 from rtxcore.contracts.backend import ForwardBatch
@@ -67,7 +68,7 @@ class PiecewiseGraphs:
             for i in range(len(self._model.layers) + 1):
                 self._segment(i, size)  # compiles the kernels, warms the allocator outside the capture
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with capturing(graph, pool):
                     self._segment(i, size)
                 pool = graph.pool()
                 graphs.append(graph)

@@ -7,10 +7,12 @@ threads that prefetch them.
 A host tier of 256 slots over a disk tier with room for every block (as in W4's disk configuration, a host tier far
 smaller than the disk's), in this process's memory and a temporary directory. The blocks go into the host tier 64 at
 a time (a spill's chunk; at ``--rate`` blocks a second, else as fast as the stores return), each store evicting as
-many to the disk tier: "engine thread" is the seconds those stores take, "writer" the blocks per second until every
-file is written (a flush), "skipped" the blocks the disk tier left out because its writes were behind. Then every
-block on disk is read back through the tier's reader on the prefetch's worker threads. To measure another tree, run
-this file with that tree first on PYTHONPATH (a tree that never skips reports 0).
+many: "engine thread" is the seconds those stores take, "writer" the blocks per second until every file is written
+(a flush), "skipped" the blocks the disk tier left out because its writes were behind, "copied on the engine thread"
+the blocks the host tier lent the disk tier's writer (written through) and took back before the writer had copied
+them (a host tier cycling faster than the writes). Then every block on disk is read back through the tier's reader on
+the prefetch's worker threads. To measure another tree, run this file with that tree first on PYTHONPATH (a tree that
+never skips reports 0; one without write-through, None copies).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def run(args) -> dict:
         written_s = time.perf_counter() - start
         stored = len(disk)
         skipped = getattr(disk.stats, "num_skipped_busy", 0)
+        engine_copies = getattr(host.stats, "num_lent_copies", None)  # None: a tree before write-through
         keys = disk.keys()
         for k in keys:
             disk.pin(k)
@@ -71,7 +74,7 @@ def run(args) -> dict:
     return {"blocks_to_disk": args.blocks, "block_kib": args.block_kib, "offered_blocks_per_s": args.rate or None,
             "engine_thread_s": round(engine_s, 3),
             "engine_thread_us_per_block": round(1e6 * engine_s / max(stored + skipped, 1), 1),
-            "stored_on_disk": stored, "skipped": skipped,
+            "stored_on_disk": stored, "skipped": skipped, "copied_on_the_engine_thread": engine_copies,
             "writer_blocks_per_s": round(stored / written_s, 1), "written_mib_per_s": round(
                 stored * args.block_kib / 1024 / written_s, 1),
             "read_blocks_per_s": round(len(keys) / read_s, 1), "read_mib_per_s": round(

@@ -52,18 +52,53 @@ def held_disk_writes(monkeypatch) -> threading.Event:
     return gate
 
 
-def test_host_evictions_move_down_and_read_back_intact(tmp_path):
-    host, disk = tier_chain(tmp_path, 2, 4)
+def test_blocks_go_through_to_disk_as_they_arrive_and_read_back_intact(tmp_path):
+    host, disk = tier_chain(tmp_path, 2, 8)
     for n in range(5):
         host.store([key(n)], payload(n).unsqueeze(0))
-    # Host keeps the two newest; the three older went to disk rather than being dropped.
+    # Host keeps the two newest; every block went on to disk as it arrived, so evicting the three older moved nothing.
     assert set(host.keys()) == {key(3), key(4)}
-    assert set(disk.keys()) == {key(0), key(1), key(2)}
+    assert set(disk.keys()) == {key(n) for n in range(5)} and disk.stats.num_stored == 5
+    disk.flush()
+    assert all(disk.path(key(n)).exists() for n in range(5))
     for n in range(5):
-        tier = host if key(n) in host else disk
-        assert tier.pin(key(n))
-        assert torch.equal(tier.load(key(n)), payload(n))
-        tier.unpin(key(n))
+        for tier in (host, disk) if key(n) in host else (disk,):
+            assert tier.pin(key(n))
+            assert torch.equal(tier.load(key(n)), payload(n))
+            tier.unpin(key(n))
+    host.check_invariants(), disk.check_invariants()
+
+
+def writers_held() -> threading.Event:
+    """Every disk writer thread waits at the returned gate before the operations queued after this call."""
+    gate = threading.Event()
+    for writer in range(disk_tier_module.WRITE_THREADS):
+        disk_tier_module._queue_file_op(writer, gate.wait, 30)
+    return gate
+
+
+def test_a_lent_slot_is_written_again_only_once_its_bytes_are_copied(tmp_path):
+    """The host lends its rows to the disk tier's writer: a slot reused before the writer reached its block is copied
+    on the engine's thread first (counted), one the writer has copied is reused as it is; either way the file holds
+    the block the slot held when it was lent."""
+    host, disk = tier_chain(tmp_path, 1, 8)
+    gate = writers_held()
+    try:
+        host.store([key(1)], payload(1).unsqueeze(0))
+        host.store([key(2)], payload(2).unsqueeze(0))  # slot 0 again, while key 1's write waits in its queue
+        assert host.stats.num_lent_copies == 1
+        assert disk.pin(key(1)) and torch.equal(disk.load(key(1)), payload(1))
+        disk.unpin(key(1))
+    finally:
+        gate.set()
+    disk.flush()  # key 2's write has copied its row by now
+    host.store([key(3)], payload(3).unsqueeze(0))
+    assert host.stats.num_lent_copies == 1
+    disk.flush()
+    for n in (1, 2, 3):
+        assert disk.path(key(n)).exists()
+        assert disk.pin(key(n)) and torch.equal(disk.reader(key(n), False)(), payload(n))
+        disk.unpin(key(n))
     host.check_invariants(), disk.check_invariants()
 
 
@@ -298,19 +333,20 @@ def test_a_full_disk_costs_blocks_not_the_tier(tmp_path, monkeypatch):
     import errno
 
     host, disk = tier_chain(tmp_path, 1, 4)
-    host.store([key(1)], payload(1).unsqueeze(0))
 
     def no_space(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(disk_tier_module, "replace_atomically", no_space)
-    host.store([key(2)], payload(2).unsqueeze(0))  # evicts key 1 from host; the disk cannot take it
+    host.store([key(1)], payload(1).unsqueeze(0))  # written through: the disk cannot take it
     disk.flush()  # the write fails on the tier's own thread; the block leaves once that is seen
-    assert key(1) not in disk and disk.stats.num_rejected == 1 and len(disk) == 0
+    assert key(1) in host and key(1) not in disk and disk.stats.num_rejected == 1 and len(disk) == 0
     monkeypatch.undo()
-    host.store([key(3)], payload(3).unsqueeze(0))  # the disk has its slot back
+    host.store([key(2)], payload(2).unsqueeze(0))  # key 1 evicted from host, and the disk takes it now
     disk.flush()
-    assert key(2) in disk and disk.path(key(2)).exists()
+    assert all(key(n) in disk and disk.path(key(n)).exists() for n in (1, 2))
+    assert disk.pin(key(1)) and torch.equal(disk.load(key(1)), payload(1))
+    disk.unpin(key(1))
     host.check_invariants(), disk.check_invariants()
 
 
@@ -318,18 +354,18 @@ def test_a_spill_to_disk_never_waits_for_the_file(tmp_path, monkeypatch):
     """The file is written on the tier's own thread: a store returns while the write is held, reads meanwhile get
     the stored bytes, and a block removed before its write ran leaves no file behind."""
     gate = held_disk_writes(monkeypatch)
-    host, disk = tier_chain(tmp_path, 1, 1)
-    host.store([key(1)], payload(1).unsqueeze(0))
-    host.store([key(2)], payload(2).unsqueeze(0))  # key 1 goes down to disk: the call returned, the write is held
+    host, disk = tier_chain(tmp_path, 1, 2)
+    host.store([key(1)], payload(1).unsqueeze(0))  # written through: the call returned, the write is held
+    host.store([key(2)], payload(2).unsqueeze(0))  # key 1 leaves the host, its slot takes key 2: no wait either
     assert key(1) in disk and not disk.path(key(1)).exists()
     assert disk.pin(key(1))
     assert torch.equal(disk.load(key(1)), payload(1))
     assert torch.equal(disk.reader(key(1), False)(), payload(1))
     disk.unpin(key(1))
-    host.store([key(3)], payload(3).unsqueeze(0))  # key 2 down; key 1 (never on disk yet) evicted from it
+    host.store([key(3)], payload(3).unsqueeze(0))  # the disk's room is two: key 1 (never written yet) leaves it
     gate.set()
     disk.flush()
-    assert not disk.path(key(1)).exists() and disk.path(key(2)).exists()
+    assert key(1) not in disk and not disk.path(key(1)).exists() and disk.path(key(2)).exists()
     assert disk.pin(key(2)) and torch.equal(disk.load(key(2)), payload(2))
     disk.unpin(key(2))
     host.check_invariants(), disk.check_invariants()

@@ -7,6 +7,11 @@ hands the blocks it evicts to the disk tier below it, and the disk tier drops th
 brought back to the device keeps its copy here, so evicting it from the device again costs no copy. That, and a
 slot only ever being replaced when the tier is full, is what keeps blocks from thrashing between tiers.
 
+A tier that writes in the background (disk) can also take blocks *borrowed* (:meth:`KVTier.store_borrowed`): the tier
+above lends it the rows where the bytes already lie, and takes each back (:meth:`LentRow.give_back`) before writing
+there again. The host tier writes each block through to a disk tier so as it arrives: the disk tier's writer copies
+it off the engine's thread, and when the host tier later evicts the block, the disk has it already and nothing moves.
+
 A slot that is being read is *pinned*: it is not an eviction candidate until unpinned, so it never moves.
 """
 
@@ -16,6 +21,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -60,6 +66,17 @@ class TierStats:
     num_skipped_busy: int = 0
     # Blocks found damaged on read, and dropped.
     num_corrupt: int = 0
+    # Blocks lent to the tier below that this tier took back before its writer had copied them, copying them on the
+    # engine's thread instead (a tier cycling faster than the writes below).
+    num_lent_copies: int = 0
+
+
+class LentRow(Protocol):
+    """A row of one tier's memory that the tier below holds on loan (:meth:`KVTier.store_borrowed`)."""
+
+    def give_back(self) -> bool:
+        """Return once the borrower no longer reads the row (it copies it now if it had not yet: then True)."""
+        ...
 
 
 class KVTier(ABC):
@@ -143,6 +160,14 @@ class KVTier(ABC):
             self.policy.add(slot)
             self.stats.num_stored += 1
             self.num_changes += 1
+
+    def store_borrowed(self, keys: list[BlockHash], rows: list[torch.Tensor],
+                       ready: list[torch.cuda.Event | None]) -> list[LentRow | None]:
+        """Store blocks from rows the caller lends: ``ready[i]`` (when given) completes once ``rows[i]``'s bytes are
+        there, and the caller writes that row again only after the returned loan's :meth:`LentRow.give_back`. None
+        where the block was not taken so (the row is free at once). By default none is: a tier that copies at once
+        gains nothing by it."""
+        return [None] * len(keys)
 
     def busy(self) -> bool:
         """Whether the tier's writes are too far behind to take a block now (False by default: a tier in memory
@@ -258,7 +283,9 @@ class KVTier(ABC):
         self._note_pressure(1.0)
         key = self._key_of[slot]
         assert key is not None, "the policy's candidates are occupied slots: they all hold a key"
-        if self.below is not None and key not in self.below:
+        if self.below is not None and key in self.below:
+            self.below.touch(key)  # written through earlier: leaving this tier is its use there, as a store's is
+        elif self.below is not None:
             try:
                 self.sync_slot_for_host(slot)
                 self.below.store([key], self._read(slot, key).unsqueeze(0))

@@ -11,10 +11,13 @@ fsynced one by one: losing a cache entry to a power cut costs a recomputation, n
 are the only thing that knows about files, to leave room for NVMe queues or GPUDirect Storage behind the same tier.
 
 Writes and removals run on writer threads of their own, each key's in the order they were asked (a block removed and
-stored again ends as stored), so that a spill never holds the engine's thread for a file: the engine's thread only
-copies the block's bytes aside; the checksum and the file are the writers'. Until a block's write has ended, reads of
-it are served from those bytes. A write that fails (a full disk) costs that block once noticed
-(:meth:`DiskTier.poll_writes`, every step); :meth:`DiskTier.flush` waits for them all (before a snapshot's index).
+stored again ends as stored), so that a spill never holds the engine's thread for a file. The host tier above lends
+each block it takes (it writes through, :meth:`DiskTier.store_borrowed`): the writer copies the bytes out of the
+host's slot, then checksums and writes them; the engine's thread copies them only when the host tier needs that slot
+again before the writer got to it. A block handed down otherwise is copied aside on the engine's thread. Until a
+block's write has ended, reads of it are served from those bytes. A write that fails (a full disk) costs that block
+once noticed (:meth:`DiskTier.poll_writes`, every step); :meth:`DiskTier.flush` waits for them all (before a
+snapshot's index).
 A disk slower than the spills is not waited for either: past ``WRITE_BACKLOG_BYTES`` of writes not yet done, a block
 is not stored (it is recomputed if asked for again), so that a slow disk costs hits, never the running requests'
 steps.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import struct
+import threading
 import zlib
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -37,7 +41,7 @@ import torch
 from rtxcore.contracts.eviction import EvictionPolicy
 from rtxcore.files import replace_atomically
 from rtxcore.kv.hashing import HASH_SIZE, BlockHash
-from rtxcore.kv.tiers.base import KVTier, TierReadError, clone_host_bytes
+from rtxcore.kv.tiers.base import KVTier, LentRow, TierReadError, clone_host_bytes
 
 log = logging.getLogger("rtx.kv")
 
@@ -82,10 +86,13 @@ class DiskTier(KVTier):
         self.blocks_dir.mkdir(parents=True, exist_ok=True)
         # Blocks whose write has not been seen to end, with the file's bytes (served to reads meanwhile); the writes
         # in the order they were queued, with their sizes (accounted as the oldest end: a conservative backlog).
-        self._writing: dict[BlockHash, tuple[Future[OSError | None], torch.Tensor]] = {}
+        self._writing: dict[BlockHash, _Writing] = {}
         self._writes: deque[tuple[BlockHash, Future[OSError | None], int]] = deque()
         self._backlog_bytes = 0
         self._storing_all = False
+        # Within store_borrowed: each lent key's event (None: its bytes are there), and the loans it took.
+        self._lending: dict[BlockHash, torch.cuda.Event | None] | None = None
+        self._lent: dict[BlockHash, _Writing] = {}
         # The last file operation queued on each writer thread (what flush waits for).
         self._last_ops: dict[int, Future] = {}
 
@@ -145,18 +152,34 @@ class DiskTier(KVTier):
         finally:
             self._storing_all = False
 
-    def _write(self, slot: int, key: BlockHash, data: torch.Tensor) -> None:
-        row = clone_host_bytes(data)  # its own bytes: the caller reuses its rows at once
-        write = self._queue(key, self._write_file, self.path(key), key, row)
-        self._writing[key] = (write, row)
-        self._writes.append((key, write, row.numel()))
-        self._backlog_bytes += row.numel()
+    def store_borrowed(self, keys: list[BlockHash], rows: list[torch.Tensor],
+                       ready: list[torch.cuda.Event | None]) -> list[LentRow | None]:
+        self._lending, self._lent = dict(zip(keys, ready)), {}
+        try:
+            super().store(keys, rows)  # type: ignore[arg-type]  # rows, one by one, as a tensor's
+        finally:
+            self._lending = None
+        lent, self._lent = self._lent, {}
+        return [lent.get(key) for key in keys]
 
-    def _write_file(self, path: Path, key: BlockHash, row: torch.Tensor) -> OSError | None:
-        """On the writer thread: the header (with the checksum) and the file. The block's bytes go to the file from
-        where they lie: copying them into one ``bytes`` with the header held the GIL for two 512 KiB copies a block,
-        which the engine's thread waited for (the checksum and the writes release it)."""
-        payload = row.numpy().data
+    def _write(self, slot: int, key: BlockHash, data: torch.Tensor) -> None:
+        if self._lending is not None:  # the lender's row, until the writer (or give_back) copies it
+            writing = _Writing(data, self._lending[key])
+            self._lent[key] = writing
+        else:  # its own bytes: the caller reuses its rows at once
+            writing = _Writing(clone_host_bytes(data), None, borrowed=False)
+        writing.write = self._queue(key, self._write_file, self.path(key), key, writing)
+        self._writing[key] = writing
+        self._writes.append((key, writing.write, data.numel()))
+        self._backlog_bytes += data.numel()
+
+    def _write_file(self, path: Path, key: BlockHash, writing: _Writing) -> OSError | None:
+        """On the writer thread: the block's bytes made its own (a borrowed row is copied first), the header with
+        the checksum, and the file. The bytes go to the file from where they lie: copying them into one ``bytes``
+        with the header held the GIL for two 512 KiB copies a block, which the engine's thread waited for (the
+        copy, the checksum and the writes release it)."""
+        writing.give_back()
+        payload = writing.row.numpy().data
         header = _HEADER.pack(MAGIC, self.fingerprint, key, len(payload), checksum(payload))
         try:
             path.parent.mkdir(exist_ok=True)
@@ -172,7 +195,7 @@ class DiskTier(KVTier):
             key, write, num_bytes = self._writes.popleft()
             self._backlog_bytes -= num_bytes
             current = self._writing.get(key)
-            if current is None or current[0] is not write:
+            if current is None or current.write is not write:
                 continue  # removed (or stored again) since: this write's outcome no longer matters
             del self._writing[key]
             error = write.result()
@@ -196,13 +219,15 @@ class DiskTier(KVTier):
         # The path is fixed while the key is pinned; the call reads only the file and the tier's constants.
         writing = self._writing.get(key)
         if writing is not None:
-            return partial(clone_host_bytes, writing[1], pin_memory)
+            writing.give_back()  # a copy of its own: the lender may write its row before this read runs
+            return partial(clone_host_bytes, writing.row, pin_memory)
         return partial(self._read_file, self.path(key), key, pin_memory)
 
     def _read(self, slot: int, key: BlockHash) -> torch.Tensor:
         writing = self._writing.get(key)
         if writing is not None:
-            return writing[1]
+            writing.give_back()
+            return writing.row
         return self._read_file(self.path(key), key, False)
 
     def _read_file(self, path: Path, key: BlockHash, pin_memory: bool) -> torch.Tensor:
@@ -240,6 +265,31 @@ class DiskTier(KVTier):
         if file_key != key:
             raise TierReadError("holds another block than its name says")
         return length
+
+
+class _Writing:
+    """A block whose file is being written: its bytes (served to reads meanwhile) and the write. A borrowed row is
+    the lender's (its bytes there once ``ready`` completes) until the writer or the lender, whichever comes first,
+    copies it (:meth:`give_back`)."""
+
+    __slots__ = ("row", "ready", "borrowed", "write", "_lock")
+
+    def __init__(self, row: torch.Tensor, ready: torch.cuda.Event | None, borrowed: bool = True):
+        self.row = row
+        self.ready = ready
+        self.borrowed = borrowed
+        self.write: Future[OSError | None]
+        self._lock = threading.Lock()
+
+    def give_back(self) -> bool:
+        with self._lock:  # held by the other side at most for its copy
+            if not self.borrowed:
+                return False
+            if self.ready is not None:
+                self.ready.synchronize()  # the copy from the device into the lender's row
+            self.row = clone_host_bytes(self.row)
+            self.borrowed, self.ready = False, None
+            return True
 
 
 def _remove_file(path: Path) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from rtxcore.contracts.eviction import EvictionPolicy
 from rtxcore.kv.hashing import BlockHash
-from rtxcore.kv.tiers.base import KVTier, copy_host_bytes
+from rtxcore.kv.tiers.base import KVTier, LentRow, copy_host_bytes
 from rtxcore.kv.tiers.row_copier import RowCopier
 
 
@@ -44,12 +44,38 @@ class HostTier(KVTier):
         self._queued: list[tuple[int, torch.Tensor]] = []
         # Made at the first copy from a device (which it then knows).
         self._row_copier: RowCopier | None = None
+        # Slots written by the store under way; then, per slot, its loan to the tier below (see _write_through),
+        # taken back before the slot is written again.
+        self._stored_now: list[tuple[int, BlockHash]] = []
+        self._lent: dict[int, LentRow] = {}
 
     def store(self, keys: list[BlockHash], data: torch.Tensor) -> None:
         super().store(keys, data)
         if data.is_cuda:
             self._issue_queued()
             self._record_writes()
+        self._write_through()
+
+    def _write_through(self) -> None:
+        """Lend the blocks this store wrote to the tier below: a disk tier's writer copies each from its slot, off
+        the engine's thread, and writes its file.
+
+        Handing a block down only at its eviction copied it aside on the engine's thread, so that its slot could take
+        the next block: W4 at 128 conversations over a disk tier spent 30.9 s of an 86 s phase in stores on an
+        H200. Written through, a block is on disk by the time it is evicted, and the eviction moves nothing; the
+        engine's thread copies a block only when the tier cycles faster than the writer reaches it."""
+        stored, self._stored_now = self._stored_now, []
+        below = self.below
+        if below is None or not stored:
+            return
+        lend = [(slot, key) for slot, key in stored if self._slot_of.get(key) == slot and key not in below]
+        if not lend:
+            return
+        ends = below.store_borrowed([key for _, key in lend], [self._buffer[slot] for slot, _ in lend],
+                                    [self._slot_written.get(slot) for slot, _ in lend])
+        for (slot, _), end in zip(lend, ends):
+            if end is not None:
+                self._lent[slot] = end
 
     def _issue_queued(self) -> None:
         queued, self._queued = self._queued, []
@@ -118,6 +144,10 @@ class HostTier(KVTier):
             event.synchronize()
 
     def _write(self, slot: int, key: BlockHash, data: torch.Tensor) -> None:
+        lent = self._lent.pop(slot, None)
+        if lent is not None and lent.give_back():
+            self.stats.num_lent_copies += 1
+        self._stored_now.append((slot, key))
         if not data.is_cuda and self._pending_reads is not None:
             # A host-side write must not overtake an upload still queued from this buffer.
             self._pending_reads.synchronize()

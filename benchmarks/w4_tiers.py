@@ -120,7 +120,10 @@ async def under_load(args, engine: Engine, requests: list[list[int]], rate: floa
     tiers = engine.core.kv_tiers
     copies_before = dataclasses.replace(tiers.offload.stats) if tiers else None
     disk = tiers.disk if tiers else None
-    skipped_before = disk.stats.num_skipped_busy if disk else 0
+    host = tiers.host if tiers else None
+    # Blocks the disk tier skipped (its writes behind) and stored, and those the host tier lent it but copied itself.
+    disk_before = (disk.stats.num_skipped_busy, disk.stats.num_stored,
+                   host.stats.num_lent_copies if host else 0) if disk else (0, 0, 0)
     ahead = engine.core.kv_cache.evict_ahead
     ahead_before = (ahead.num_evicted, ahead.num_batches) if ahead is not None else None
     served = serving_engine(engine)
@@ -159,7 +162,9 @@ async def under_load(args, engine: Engine, requests: list[list[int]], rate: floa
     return {"requests": len(tasks), "seconds": round(elapsed, 2), "hit_rate": round(hit / max(queried, 1), 4),
             "reloaded_tokens": stats.num_reloaded_tokens - before.num_reloaded_tokens, "preemptions": preemptions,
             **copy_counts(copies, copies_before),
-            **({"disk_skipped_blocks": disk.stats.num_skipped_busy - skipped_before} if disk else {}),
+            **({"disk_skipped_blocks": disk.stats.num_skipped_busy - disk_before[0],
+                "disk_stored_blocks": disk.stats.num_stored - disk_before[1],
+                "host_lent_copies": (host.stats.num_lent_copies if host else 0) - disk_before[2]} if disk else {}),
             **({"evicted_ahead_blocks": ahead.num_evicted - ahead_before[0],
                 "evict_ahead_batches": ahead.num_batches - ahead_before[1]}
                if ahead is not None and ahead_before is not None else {}),

@@ -148,6 +148,26 @@ def test_a_block_evicted_by_its_own_store_reaches_disk_intact(tmp_path):
         assert torch.equal(disk.load(key(n)), data[n - 1].cpu()), f"block {n} reached disk before its bytes"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the copy into the host is queued")
+def test_a_block_written_through_to_disk_waits_for_its_bytes(tmp_path):
+    """The host tier lends a block to the disk tier's writer as soon as its copy from the device is queued: the
+    writer (and a read served from the lent row meanwhile) must wait for that copy to land, however late it runs."""
+    block_bytes = 1 << 16
+    disk = DiskTier(tmp_path, 8, block_bytes, POLICIES["lru"](8), FINGERPRINT)
+    host = HostTier(4, block_bytes, POLICIES["lru"](4), below=disk, pin_memory=True)
+    data = torch.stack([payload(n).repeat(block_bytes // BLOCK_BYTES) for n in range(1, 4)]).cuda()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(_GPU_SLEEP_CYCLES)  # the copies into the host buffer queue behind it
+    host.store([key(n) for n in range(1, 4)], data)
+    assert all(key(n) in disk for n in range(1, 4)), "written through at the store"
+    assert disk.pin(key(1)) and torch.equal(disk.load(key(1)), data[0].cpu()), "a read before its bytes landed"
+    disk.unpin(key(1))
+    disk.flush()
+    for n in (2, 3):
+        assert disk.pin(key(n)) and torch.equal(disk.reader(key(n), False)(), data[n - 1].cpu())
+        disk.unpin(key(n))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the copy reads pinned host memory")
 def test_pinned_rows_outlive_the_copy_that_reads_them(tmp_path):
     """Rows read from disk are staged in pinned memory that only the reload refers to. The copy reads them by

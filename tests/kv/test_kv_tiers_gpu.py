@@ -131,18 +131,25 @@ def test_a_reload_copies_beside_the_step_in_flight():
         assert torch.equal(c[:, 0], c[:, 4])
 
 
+def stored_behind_the_gpu(tmp_path, host_slots: int, num_blocks: int) -> tuple[HostTier, DiskTier, torch.Tensor]:
+    """A pinned host tier over a disk tier of 8 blocks, and keys 1..num_blocks stored into it from the device while
+    the GPU is busy: the copies into the host buffer queue behind a long kernel. Returns the device's blocks too."""
+    block_bytes = 1 << 16
+    disk = DiskTier(tmp_path, 8, block_bytes, POLICIES["lru"](8), FINGERPRINT)
+    host = HostTier(host_slots, block_bytes, POLICIES["lru"](host_slots), below=disk, pin_memory=True)
+    data = torch.stack([payload(n).repeat(block_bytes // BLOCK_BYTES) for n in range(1, num_blocks + 1)]).cuda()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(_GPU_SLEEP_CYCLES)
+    host.store([key(n) for n in range(1, num_blocks + 1)], data)
+    return host, disk, data
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="needs a CUDA device: copies to the host tier are asynchronous")
 def test_a_block_evicted_by_its_own_store_reaches_disk_intact(tmp_path):
     """One store larger than the host tier evicts slots it wrote earlier in the same call: their copies from the
     device must have landed before they are read for the disk tier."""
-    block_bytes = 1 << 16
-    disk = DiskTier(tmp_path, 8, block_bytes, POLICIES["lru"](8), FINGERPRINT)
-    host = HostTier(2, block_bytes, POLICIES["lru"](2), below=disk, pin_memory=True)
-    data = torch.stack([payload(n).repeat(block_bytes // BLOCK_BYTES) for n in range(1, 5)]).cuda()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(_GPU_SLEEP_CYCLES)  # the copies into the host buffer queue behind it
-    host.store([key(n) for n in range(1, 5)], data)
+    host, disk, data = stored_behind_the_gpu(tmp_path, host_slots=2, num_blocks=4)
     torch.cuda.synchronize()
     for n in (1, 2):
         assert torch.equal(disk.load(key(n)), data[n - 1].cpu()), f"block {n} reached disk before its bytes"
@@ -152,13 +159,7 @@ def test_a_block_evicted_by_its_own_store_reaches_disk_intact(tmp_path):
 def test_a_block_written_through_to_disk_waits_for_its_bytes(tmp_path):
     """The host tier lends a block to the disk tier's writer as soon as its copy from the device is queued: the
     writer (and a read served from the lent row meanwhile) must wait for that copy to land, however late it runs."""
-    block_bytes = 1 << 16
-    disk = DiskTier(tmp_path, 8, block_bytes, POLICIES["lru"](8), FINGERPRINT)
-    host = HostTier(4, block_bytes, POLICIES["lru"](4), below=disk, pin_memory=True)
-    data = torch.stack([payload(n).repeat(block_bytes // BLOCK_BYTES) for n in range(1, 4)]).cuda()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(_GPU_SLEEP_CYCLES)  # the copies into the host buffer queue behind it
-    host.store([key(n) for n in range(1, 4)], data)
+    host, disk, data = stored_behind_the_gpu(tmp_path, host_slots=4, num_blocks=3)
     assert all(key(n) in disk for n in range(1, 4)), "written through at the store"
     assert disk.pin(key(1)) and torch.equal(disk.load(key(1)), data[0].cpu()), "a read before its bytes landed"
     disk.unpin(key(1))

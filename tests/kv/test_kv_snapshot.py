@@ -99,18 +99,21 @@ def test_a_damaged_block_is_recomputed_not_loaded(tmp_path, caplog):
     first = engine(kv_disk_dir=str(tmp_path))
     tokens, _, _ = run(first, prompts)
     first.core.save_kv_snapshot()
-    files = sorted(tmp_path.glob("blocks/*/*.kvb"))
-    for path in files:  # flip one byte of every block's KV
+    damaged = {}
+    for path in sorted(tmp_path.glob("blocks/*/*.kvb")):  # flip one byte of every block's KV
         raw = bytearray(path.read_bytes())
         raw[-3] ^= 0x40
-        path.write_bytes(bytes(raw))
+        damaged[path] = bytes(raw)
+        path.write_bytes(damaged[path])
     second = engine(kv_disk_dir=str(tmp_path))
     with caplog.at_level(logging.WARNING, logger="rtx.kv"):
         again, _, cached = run(second, prompts)
+    second.core.kv_tiers.disk.flush()  # every write asked for has landed
     assert again == tokens and cached == 0
-    # The request's disk blocks are read together: each one found damaged is dropped, its file removed.
-    removed = [path for path in files if not path.exists()]
-    assert "damaged" in caplog.text and second.core.kv_tiers.disk.stats.num_corrupt == len(removed) >= 1
+    # The request's disk blocks are read together: each one found damaged is dropped, its file removed. A block
+    # recomputed and spilled again may be written back under the same name, now intact.
+    dropped = [path for path, raw in damaged.items() if not path.exists() or path.read_bytes() != raw]
+    assert "damaged" in caplog.text and second.core.kv_tiers.disk.stats.num_corrupt == len(dropped) >= 1
 
 
 def test_offload_settings_are_checked():

@@ -33,10 +33,10 @@ from rtxcore.server.http.protocol import (
     parse_chat,
     parse_completion,
     parse_embedding,
-    structured_output_field,
 )
 from rtxcore.server.http.responses import serve_generation
 from rtxcore.server.http.sse import EventStreamResponse
+from rtxcore.server.http.structured_fields import structured_output_field
 from rtxcore.server.serving.embedding import embed
 from rtxcore.server.serving.formats import ResponseSpec
 from rtxcore.server.serving.generation import Generation, Speculation, encode_prediction, tokenize

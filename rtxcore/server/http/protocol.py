@@ -11,8 +11,8 @@ from typing import Any
 
 from rtxcore.errors import InvalidRequestError
 from rtxcore.lanes import check_lane_name
-from rtxcore.sampling_params import STRUCTURED_OUTPUT_KINDS, SamplingParams, is_int
-from rtxcore.server.serving.json_schema import closed_objects
+from rtxcore.sampling_params import SamplingParams, is_int
+from rtxcore.server.http.structured_fields import structured_output, structured_output_field
 from rtxcore.server.serving.limits import MAX_BATCH
 from rtxcore.server.serving.tool_calls import ToolRequest, parse_tools, required_grammar
 
@@ -260,7 +260,7 @@ def _openai_sampling(body: dict[str, Any]) -> dict[str, Any]:
     for name in ("logit_bias", "allowed_token_ids", "banned_token_ids", "logits_processors"):
         if body.get(name) is not None:
             params[name] = body[name]
-    structured = _structured_output(body)
+    structured = structured_output(body)
     if structured is not None:
         params["structured_output"] = structured
     stop = body.get("stop")
@@ -322,71 +322,6 @@ def _num_choices(body: dict[str, Any], num_prompts: int) -> tuple[int, int]:
         raise InvalidRequestError(f"{param} x prompts is {best_of * num_prompts}: at most {MAX_BATCH} choices are "
                                   "sampled per request", param=param)
     return n, best_of
-
-
-# vLLM's older names for structured output, each one kind of SamplingParams.structured_output.
-_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-                  "guided_grammar": "grammar"}
-
-
-def structured_output_field(body: dict[str, Any]) -> str | None:
-    """The body's field that asked for structured output: what an error about the grammar names."""
-    for name in ("response_format", "structured_outputs", *_GUIDED_FIELDS):
-        if body.get(name) is not None:
-            return name
-    return None
-
-
-def _structured_output(body: dict[str, Any]) -> dict[str, Any] | None:
-    """The one grammar a body asks its output to follow: OpenAI's ``response_format``, vLLM's ``structured_outputs``
-    object, or vLLM's ``guided_*`` fields; None for free text."""
-    found: list[tuple[str, dict[str, Any]]] = []
-    response_format = body.get("response_format")
-    if response_format is not None:
-        spec = _response_format(response_format)
-        if spec is not None:
-            found.append(("response_format", spec))
-    structured = body.get("structured_outputs")
-    if structured is not None:
-        if not isinstance(structured, dict):
-            raise InvalidRequestError("structured_outputs must be an object", param="structured_outputs")
-        given = {k: v for k, v in structured.items() if v is not None and v is not False}
-        unknown = sorted(set(given) - set(STRUCTURED_OUTPUT_KINDS))
-        if unknown:
-            raise InvalidRequestError(f"structured_outputs.{unknown[0]} is not supported (supported: "
-                                      f"{', '.join(STRUCTURED_OUTPUT_KINDS)})", param="structured_outputs")
-        found += [("structured_outputs", {k: v}) for k, v in given.items()]
-    for name, kind in _GUIDED_FIELDS.items():
-        if body.get(name) is not None:
-            found.append((name, {kind: body[name]}))
-    if len(found) > 1:
-        names = sorted({name for name, _ in found})
-        raise InvalidRequestError(f"only one structured output may be asked for; got {' and '.join(names)}"
-                                  if len(names) > 1 else f"{names[0]} must name one kind of structured output",
-                                  param=found[1][0])
-    return found[0][1] if found else None
-
-
-def _response_format(value: Any) -> dict[str, Any] | None:
-    kind = value.get("type") if isinstance(value, dict) else None
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"json_object": True}
-    if kind == "json_schema":
-        spec = value.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-            raise InvalidRequestError("response_format.json_schema must be an object with a 'name' and a 'schema'",
-                                      param="response_format")
-        schema = spec.get("schema", {})
-        if not isinstance(schema, dict):
-            raise InvalidRequestError("response_format.json_schema.schema must be a JSON Schema object",
-                                      param="response_format")
-        # OpenAI's strict mode: an object takes only the properties it lists (the grammar engine, like JSON Schema,
-        # otherwise allows others).
-        return {"json": closed_objects(schema) if spec.get("strict") is True else schema}
-    raise InvalidRequestError("response_format.type must be 'text', 'json_object' or 'json_schema'",
-                              param="response_format")
 
 
 def _include_usage(body: dict[str, Any], stream: bool) -> bool:

@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
 
     from rtxcore.cli.progress import Progress
     from rtxcore.errors import ConfigError
-    from rtxcore.quant.pipeline import QuantizeOptions, quantize_model, render_table
+    from rtxcore.quant.pipeline import QuantizeOptions, quantize_model
+    from rtxcore.quant.report import render_table
     from rtxcore.registry import load_plugins
 
     registry = load_plugins()

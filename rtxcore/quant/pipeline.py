@@ -24,6 +24,7 @@ from rtxcore.quant.evaluation import backend_perplexity, piece_nlls, prefill_log
 from rtxcore.quant.format_costs import FormatCosts
 from rtxcore.quant.layer_errors import Attempt, GroupChoice, choose
 from rtxcore.quant.planned_source import PlannedSource
+from rtxcore.quant.report import build_report, fallback_reason, short_name
 from rtxcore.registry import PluginRegistry
 from rtxcore.transfer import release_device_memory
 
@@ -201,10 +202,10 @@ def _choose_each(groups: list[list[str]], weights: dict[str, torch.Tensor], stat
         try:
             choice = choose(names, weights, stats, options.method, quantizer_for, options.max_layer_error)
         except ValueError as exc:  # a shape the method cannot take
-            raise ConfigError(f"cannot quantize {', '.join(map(_short, names))}: {exc}") from None
+            raise ConfigError(f"cannot quantize {', '.join(map(short_name, names))}: {exc}") from None
         choices.append(choice)
         if choice.method != options.method:
-            log(f"{', '.join(map(_short, names))}: {fallback_reason(choice)}")
+            log(f"{', '.join(map(short_name, names))}: {fallback_reason(choice)}")
         num_done += len(names)
         if progress is not None:
             progress(num_done, num_layers)
@@ -226,7 +227,7 @@ def _plan(registry: PluginRegistry, source: ModelSource, options: QuantizeOption
             group = planner.group_formats(names, weights, calib.stats, chain, quantizer_for,
                                           costs.cost if costs is not None else None)
         except ValueError as exc:
-            raise ConfigError(f"cannot quantize {', '.join(map(_short, names))}: {exc}") from None
+            raise ConfigError(f"cannot quantize {', '.join(map(short_name, names))}: {exc}") from None
         if options.max_layer_error is not None:  # a layer budget still rules out the formats that exceed it
             group.chosen = next(i for i, f in enumerate(group.formats)
                                 if all(e.relative <= options.max_layer_error for e in f.errors.values()))
@@ -358,74 +359,3 @@ def _evaluate(registry: PluginRegistry, directory: Path, options: QuantizeOption
     return {"text": "pydoc_data topics, first half (disjoint from calibration)", "tokens": len(eval_ids),
             "ppl_original": round(ppl_original, 4), "ppl_quantized": round(ppl, 4),
             "ppl_increase": round(ppl - ppl_original, 4)}
-
-
-def fallback_reason(choice: GroupChoice) -> str:
-    if choice.reason is not None:
-        return choice.reason
-    steps = []
-    for attempt in choice.attempts:
-        over = attempt.over_budget
-        if over:
-            worst = max(over, key=lambda n: attempt.errors[n].relative)
-            steps.append(f"{attempt.method} over budget ({_short(worst)}: relative output error "
-                         f"{attempt.errors[worst].relative:.4f} > {attempt.budget})")
-    final = choice.method or "unquantized (checkpoint precision)"
-    return "; ".join(steps) + f" -> {final}"
-
-
-def _short(name: str) -> str:
-    return name.removeprefix("model.").removesuffix(".weight")
-
-
-def _nbytes(value: torch.Tensor | QuantizedTensor) -> int:
-    if isinstance(value, QuantizedTensor):
-        return sum(t.numel() * t.element_size() for t in value.tensors.values())
-    return value.numel() * value.element_size()
-
-
-def build_report(source: ModelSource, options: QuantizeOptions, choices: list[GroupChoice], calibration_tokens: int,
-                 tensors: dict) -> dict[str, Any]:
-    layers, fallbacks = [], []
-    for choice in choices:
-        for name in choice.names:
-            row: dict[str, Any] = {"name": name, "method": choice.method}
-            if choice.method is not None:
-                error = choice.errors[name]
-                row.update(relative_error=round(error.relative, 6), snr_db=round(error.snr_db, 2),
-                           budget=choice.attempts[-1].budget)
-            layers.append(row)
-        if choice.method != options.method:
-            fallbacks.append({"layers": choice.names, "to": choice.method, "reason": fallback_reason(choice),
-                              "attempts": [{"method": a.method, "budget": a.budget,
-                                            "relative_errors": {n: round(e.relative, 6) for n, e in a.errors.items()},
-                                            "over_budget": a.over_budget} for a in choice.attempts]})
-    return {
-        "model": source.name, "method": options.method,
-        "max_layer_error": options.max_layer_error,
-        "calibration": {"text": str(options.calibration_file) if options.calibration_file is not None
-                        else "pydoc_data topics, second half", "tokens": calibration_tokens,
-                        "chunk_len": options.chunk_len},
-        "layers": layers, "fallbacks": fallbacks,
-        "bytes": {"source_files": _source_bytes(source), "quantized": sum(_nbytes(t) for t in tensors.values())},
-    }
-
-
-def _source_bytes(source: ModelSource) -> int:
-    path = Path(source.path)
-    if path.is_file():
-        return path.stat().st_size
-    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
-
-
-def render_table(report: dict[str, Any]) -> str:
-    """The per-layer table ``rtx quantize`` prints."""
-    lines = [f"{'layer':<40} {'method':<10} {'rel. error':>10} {'SNR dB':>8}"]
-    for row in report["layers"]:
-        method = row["method"] or "float"
-        error = f"{row['relative_error']:.4f}" if row["method"] else "-"
-        snr = f"{row['snr_db']:.1f}" if row["method"] else "-"
-        lines.append(f"{_short(row['name']):<40} {method:<10} {error:>10} {snr:>8}")
-    for fb in report["fallbacks"]:
-        lines.append(f"fallback: {', '.join(_short(n) for n in fb['layers'])}: {fb['reason']}")
-    return "\n".join(lines)

@@ -103,6 +103,8 @@ RULES: dict[str, str] = {
     "logits_processor.apply_pure": "apply() does not advance a state: the same call twice gives the same logits",
     "logits_processor.proposed_rows": "a row after proposed tokens scores as a state advanced over them, and leaves "
                                       "its state as it found it",
+    "logits_processor.forced_tokens": "forced_tokens() gives at most the tokens asked for, each one apply() allows "
+                                      "after those before it, and leaves its state as it found it",
     "logits_processor.advance": "advance() takes the tokens the processor's own logits choose (their argmax), step "
                                 "after step",
     "logits_processor.resume": "new_state(prepared, tokens) scores as a new state advanced over the same tokens",

@@ -5,9 +5,10 @@ engine builds it, ``cls(LogitsProcessorContext(...))``, from the tiny random-wei
 no tokenizer), or from the default model's where ``prepare()`` asks for a tokenizer. Then directly: ``prepare()``
 takes every example and refuses wrong arguments with ``ValueError``; ``apply()`` changes its rows only, leaves each
 row something to sample, does not advance a state, and scores a row after proposed tokens as a state that generated
-them; states follow the processor's own greedy choices through ``advance()``, rebuild from output tokens in
-``new_state()`` and end in ``finish()``. Through the engine: greedy requests with each example complete, every
-output token allowed by the processor.
+them; the tokens ``forced_tokens()`` gives are ones ``apply()`` allows, one after another; states follow the
+processor's own greedy choices through ``advance()``, rebuild from output tokens in ``new_state()`` and end in
+``finish()``. Through the engine: greedy requests with each example complete, every output token allowed by the
+processor.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ WRONG_ARGS: tuple[Any, ...] = (object(), {"bogus": 1})
 NUM_WALK_STEPS = 6
 # Output tokens of each request through the engine.
 ENGINE_MAX_TOKENS = 8
+# Most tokens forced_tokens() is asked for.
+MAX_FORCED_ASKED = 8
 # Prompts of the engine's requests: token ids for the tiny model (no tokenizer), text for the default model.
 TINY_PROMPT = [5, 9, 13]
 TEXT_PROMPT = "The answer is"
@@ -278,6 +281,32 @@ def check_proposed_rows(h: Harness, seed: int = 3) -> None:
         require(_same(h.scores(state, before[0], rule), plain_before), rule,
                 f"example {i} ({_short(h.examples[i])}): after rows with proposed tokens {tokens}, a plain row of "
                 f"the state scores differently from before them")
+
+
+def check_forced_tokens(h: Harness, seed: int = 7) -> None:
+    """Along each example's own greedy tokens: forced_tokens() gives a list of at most the tokens asked for, each one
+    that apply() allows after those before it, and leaves the state as it found it."""
+    rule = "logits_processor.forced_tokens"
+    for i, tokens in enumerate(walk(h, [h.new_state(i, rule) for i in range(len(h.prepared))], seed)):
+        for k in range(1 + len(tokens)):
+            state = h.new_state(i, rule, tokens[:k])
+            logits = random_logits(1, h.vocab_size, seed + k)[0]
+            before = h.scores(state, logits, rule)
+            forced = _call(rule, "forced_tokens", h.processor.forced_tokens, state, MAX_FORCED_ASKED)
+            where = f"example {i} ({_short(h.examples[i])}) after {tokens[:k]}"
+            require(isinstance(forced, list) and len(forced) <= MAX_FORCED_ASKED
+                    and all(type(t) is int and 0 <= t < h.vocab_size for t in forced), rule,
+                    f"{where}: forced_tokens(state, {MAX_FORCED_ASKED}) returned {_short(forced)}, not a list of at "
+                    f"most {MAX_FORCED_ASKED} token ids")
+            require(_same(h.scores(state, logits, rule), before), rule,
+                    f"{where}: forced_tokens() changed how the state scores")
+            if not forced:
+                continue
+            rows = random_logits(len(forced), h.vocab_size, seed + k)
+            h.apply(rows, [RowContext(j, state, forced[:j]) for j in range(len(forced))], rule)
+            for j, token in enumerate(forced):
+                require(bool(torch.isfinite(rows[j, token])), rule,
+                        f"{where}: forced token {token} (number {j} of {forced}) is one apply() does not allow there")
 
 
 def check_resume(h: Harness, seed: int = 4) -> None:

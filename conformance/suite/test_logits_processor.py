@@ -1,7 +1,7 @@
 """Logits-processor contract: example arguments declared and prepared, wrong ones refused with ValueError; apply()
 changes its rows only, leaves something to sample, does not advance a state and scores rows after proposed tokens
-as generated; states advance by the processor's own choices, resume from output tokens, stay independent and
-finish; greedy requests through the engine keep to the processor."""
+as generated; forced tokens are ones it allows; states advance by the processor's own choices, resume from output
+tokens, stay independent and finish; greedy requests through the engine keep to the processor."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from rtx_conformance.checks.logits_processor import (
     check_apply_pure,
     check_engine,
     check_finish,
+    check_forced_tokens,
     check_independent_states,
     check_prepare,
     check_proposed_rows,
@@ -74,6 +75,11 @@ def test_apply_pure(harness):
 @pytest.mark.rtx_rules("logits_processor.builds", "logits_processor.proposed_rows")
 def test_proposed_rows(harness):
     check_proposed_rows(harness)
+
+
+@pytest.mark.rtx_rules("logits_processor.builds", "logits_processor.forced_tokens")
+def test_forced_tokens(harness):
+    check_forced_tokens(harness)
 
 
 @pytest.mark.rtx_rules("logits_processor.builds", "logits_processor.advance")

@@ -100,6 +100,14 @@ class StructuredOutput(LogitsProcessor):
             matcher.consume_tokens(list(output_token_ids))
         return GrammarState(matcher)
 
+    def forced_tokens(self, state: GrammarState, max_tokens: int) -> list[int]:
+        # llguidance's fast-forward tokens: the canonical tokenization of the bytes the grammar forces (a key, a
+        # quote and a colon), stopping short of a token the next free bytes could merge with.
+        matcher = state.matcher
+        if matcher.is_error() or matcher.is_stopped():
+            return []
+        return matcher.compute_ff_tokens()[:max_tokens]
+
     def advance(self, state: GrammarState, token_ids: Sequence[int]) -> None:
         # A refused token (a stop token with ignore_eos, a token an early exit kept) leaves the matcher in its
         # error state; apply() then allows only the end of the sequence.

@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 
 # The range SpeculativeConfig accepts, checked by argparse so that the error names the flag.
 MIN_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS = 1, 16
+# --grammar-proposals, as SpeculativeConfig.grammar_proposals.
+GRAMMAR_PROPOSALS = {"auto": None, "on": True, "off": False}
 
 
 def add_speculative_options(p: argparse.ArgumentParser) -> None:
@@ -37,6 +39,10 @@ def add_speculative_options(p: argparse.ArgumentParser) -> None:
     s.add_argument("--no-speculative-adaptive", action="store_true",
                    help="always propose --num-speculative-tokens (default: each request's count follows how many "
                         "of its proposals are accepted)")
+    s.add_argument("--grammar-proposals", choices=sorted(GRAMMAR_PROPOSALS), default=None,
+                   help="propose the tokens a structured-output request's grammar forces (keys, quotes, brackets) "
+                        "and verify them in one step; output stays the same. auto (the default): where steps run "
+                        "one after another anyway, on a CPU or with --speculative")
 
 
 def num_speculative_tokens(text: str) -> int:
@@ -108,7 +114,9 @@ def speculative_config(args: argparse.Namespace, config_file: ServeConfigFile | 
         base, method=method, options=options,
         num_speculative_tokens=(args.num_speculative_tokens if args.num_speculative_tokens is not None
                                 else base.num_speculative_tokens),
-        adaptive=False if args.no_speculative_adaptive else base.adaptive)
+        adaptive=False if args.no_speculative_adaptive else base.adaptive,
+        grammar_proposals=(GRAMMAR_PROPOSALS[args.grammar_proposals] if args.grammar_proposals is not None
+                           else base.grammar_proposals))
 
 
 def _check_registered(method: str, where: str) -> None:
@@ -125,7 +133,7 @@ def speculative_cli_args(args: argparse.Namespace) -> list[str]:
     """The speculative options of ``args`` as command-line arguments (to start ``rtx serve`` with the same ones)."""
     out: list[str] = []
     for flag, value in (("--speculative", args.speculative), ("--num-speculative-tokens", args.num_speculative_tokens),
-                        ("--draft-model", args.draft_model)):
+                        ("--draft-model", args.draft_model), ("--grammar-proposals", args.grammar_proposals)):
         if value is not None:
             out += [flag, str(value)]
     for key, value in args.speculative_option:

@@ -15,7 +15,9 @@ fields, any other plugin from ``logits_processors: {name: args}``). A processor'
 
 Speculative decoding verifies proposed tokens: a request then has several rows, the row after ``j`` proposed tokens
 scored as if they had been generated (``RowContext.proposed``). A stateful processor (a grammar) advances over them,
-fills the row and rolls back.
+fills the row and rolls back. A processor whose state can leave a single way on (a grammar inside a key or a
+punctuation run) says so through :meth:`LogitsProcessor.forced_tokens`: the engine proposes those tokens, and the
+next step verifies them together instead of generating them one step each.
 """
 
 from __future__ import annotations
@@ -89,6 +91,12 @@ class LogitsProcessor(ABC):
     def apply(self, logits: torch.Tensor, rows: Sequence[RowContext]) -> None:
         """Change ``logits`` (float [num_rows, vocab_size], on the device) in place at the given rows, in as few
         device operations as the processor can."""
+
+    def forced_tokens(self, state: Any, max_tokens: int) -> list[int]:
+        """At most ``max_tokens`` tokens that the state lets through as the only way on from here (the tokens a
+        grammar forces next); empty when the choice is open, the default. They are proposed like a speculative
+        proposer's and verified by the target, so a wrong one costs a logits row, never output."""
+        return []
 
     def advance(self, state: Any, token_ids: Sequence[int]) -> None:
         """Tokens the request generated since the state last saw one, in order. Stateless processors ignore them."""

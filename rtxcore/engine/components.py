@@ -82,14 +82,27 @@ def build_components(config: EngineConfig, registry: PluginRegistry | None, sour
     proposers: dict[str, Proposer] = {ASSISTED: registry.create("proposer", ASSISTED, context)}
     if spec.method is not None:
         proposers[spec.method] = registry.create("proposer", spec.method, context)
-    speculator = Speculator(spec, proposers, kv_cache, model_config.vocab_size, max_model_len,
-                            allowed=scheduler.allows_speculation)
     # Every installed processor is ready: a request asks for one by name. Each builds its tables on first use.
     logits_context = LogitsProcessorContext(tokenizer, model_config.vocab_size, list(eos), backend.device)
     logits = LogitsProcessing({name: registry.create("logits_processor", name, logits_context)
                                for name in registry.names("logits_processor")})
+    grammar_proposals = spec.grammar_proposals
+    if grammar_proposals is None:  # where steps run one after another anyway
+        grammar_proposals = not steps_overlap(config, backend)
+    speculator = Speculator(spec, proposers, kv_cache, model_config.vocab_size, max_model_len,
+                            allowed=scheduler.allows_speculation,
+                            forced_tokens=logits.forced_tokens if grammar_proposals else None)
     return EngineComponents(registry, source, backend, tokenizer, max_model_len, kv_tiers, kv_cache, scheduler,
                             sampler, output_processor, speculator, logits)
+
+
+def steps_overlap(config: EngineConfig, backend: ExecutionBackend) -> bool:
+    """Whether the engine launches each step before reading the last one's tokens: by default where the model runs
+    on an accelerator, but not with a proposer, which needs the accepted tokens on the host (requests that bring
+    their own tokens make the overlapped step run a serial one while they last)."""
+    if config.async_scheduling is not None:
+        return config.async_scheduling
+    return backend.device.type != "cpu" and config.speculative.method is None
 
 
 def _load_draft(config: EngineConfig, registry: PluginRegistry, name: str) -> ExecutionBackend:

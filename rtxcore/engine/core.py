@@ -19,7 +19,7 @@ from rtxcore.capacity.step_time import StepTimeRecorder
 from rtxcore.contracts.sampler import SamplerOutput
 from rtxcore.contracts.scheduler import SchedulerOutput
 from rtxcore.engine.batch_builder import StepPlan, build_embedding_batch, build_step
-from rtxcore.engine.components import EngineComponents, build_components
+from rtxcore.engine.components import EngineComponents, build_components, steps_overlap
 from rtxcore.engine.config import EngineConfig
 from rtxcore.engine.faults import StepFaults
 from rtxcore.engine.input_processor import InputLimits, InputProcessor
@@ -58,11 +58,8 @@ class EngineCore:
         self.hold_s = 0.0
         # What this engine's steps take under the load it serves, for capacity planning (exported as metrics).
         self.step_times = StepTimeRecorder()
-        # Overlap the host's work with the device's: on by default where the model runs on an accelerator.
-        # Not with a proposer: proposing needs the accepted tokens on the host (requests that bring their own tokens
-        # make the overlapped step run a serial one while they last).
-        overlap = config.async_scheduling if config.async_scheduling is not None else (
-            self.backend.device.type != "cpu" and config.speculative.method is None)
+        # Overlap the host's work with the device's (see steps_overlap).
+        overlap = steps_overlap(config, self.backend)
         self.overlapped = overlap
         # Chosen once: each variant is its own method, not one method threaded with flags.
         if overlap:
@@ -111,8 +108,8 @@ class EngineCore:
             self.generators[req.req_id] = generator
         self.requests[req.req_id] = req
         self.output_processor.add(req)
+        self.logits.on_add(req)  # first: the speculator asks the request's grammar what it forces
         self.speculator.on_add(req, self.scheduler.num_running)
-        self.logits.on_add(req)
         if self._overlap is not None:
             self._overlap.on_add(req)
 

@@ -32,6 +32,8 @@ class RequestLogits:
     seen: int = 0
     # Some processor needs every sampled token before the next row (the overlapped step leaves the request alone).
     stateful: bool = False
+    # The processors that may force tokens (they override forced_tokens), asked in this order.
+    forcing: tuple[str, ...] = ()
 
 
 class LogitsProcessing:
@@ -71,6 +73,8 @@ class LogitsProcessing:
                          for name, prepared in logits.prepared.items()}
         logits.seen = len(outputs)
         logits.stateful = any(self.processors[name].stateful for name in logits.states)
+        logits.forcing = tuple(name for name in logits.states
+                               if type(self.processors[name]).forced_tokens is not LogitsProcessor.forced_tokens)
         self._num_active += 1
 
     def on_finish(self, req: Request) -> None:
@@ -107,6 +111,22 @@ class LogitsProcessing:
                 self.processors[name].apply(logits, processor_rows)
             except Exception as exc:
                 raise PluginFault("logits_processor", name, exc) from exc
+
+    def forced_tokens(self, req: Request, max_tokens: int) -> list[int]:
+        """At most ``max_tokens`` tokens that ``req``'s processors force next (the first processor that forces any),
+        having seen every token it generated; empty when none does."""
+        state = req.logits
+        if state is None or not state.forcing or not state.states:
+            return []
+        self._catch_up(req, state)
+        for name in state.forcing:
+            try:
+                tokens = self.processors[name].forced_tokens(state.states[name], max_tokens)
+            except Exception as exc:
+                raise PluginFault("logits_processor", name, exc) from exc
+            if tokens:
+                return list(tokens[:max_tokens])
+        return []
 
     def _catch_up(self, req: Request, state: RequestLogits) -> None:
         outputs = req.output_token_ids

@@ -26,6 +26,7 @@ authentication and speculative decoding.
     adaptive = true
     min_acceptance = 0.1
     disable_batch_size = 32     # false: no limit
+    grammar_proposals = true    # propose what grammars force; leave it out for "where steps run serially anyway"
 
     [speculative.options]       # the proposer's own settings (--speculative-option KEY=VALUE)
     prompt_lookup_max = 3
@@ -51,6 +52,7 @@ _SPECULATIVE_SETTINGS: dict[str, tuple[tuple[type, ...], str]] = {
     "adaptive": ((bool,), "true or false"),
     "min_acceptance": ((int, float), "a number"),
     "disable_batch_size": ((int,), "an integer or false"),
+    "grammar_proposals": ((bool,), "true or false"),
     "options": ((dict,), "a table ([speculative.options])"),
 }
 

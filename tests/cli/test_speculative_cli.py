@@ -26,6 +26,7 @@ num_speculative_tokens = 6
 adaptive = false
 min_acceptance = 0.2
 disable_batch_size = false
+grammar_proposals = false
 
 [speculative.options]
 prompt_lookup_max = 3
@@ -66,6 +67,7 @@ def test_unknown_method_lists_the_registered_ones(command):
     (["--num-speculative-tokens", "17"], "argument --num-speculative-tokens: '17' is not in [1, 16]"),
     (["--num-speculative-tokens", "four"], "argument --num-speculative-tokens: 'four' is not an integer"),
     (["--speculative-option", "layers"], "argument --speculative-option: 'layers' is not KEY=VALUE"),
+    (["--grammar-proposals", "yes"], "argument --grammar-proposals: invalid choice: 'yes'"),
     (["--speculative-option", "=3"], "argument --speculative-option: '=3' is not KEY=VALUE"),
     (["--speculative-option", "layers="], "argument --speculative-option: 'layers=' has no value"),
     (["--draft-model", "dummy:tiny"], "--draft-model sets an option of a proposer: it needs --speculative METHOD"),
@@ -95,6 +97,7 @@ def test_bad_flags_one_line_exit_2(command, args, fragment):
     ("[speculative]\nmin_acceptance = 1.5\n", "min_acceptance must be in [0, 1), got 1.5"),
     ("[speculative]\noptions = 3\n", "[speculative] options in {path} must be a table"),
     ("[speculative]\nk = 3\n", "unknown setting 'k' in [speculative] of {path}"),
+    ("[speculative]\ngrammar_proposals = 1\n", "[speculative] grammar_proposals in {path} must be true or false"),
     ("speculative = 3\n", "[speculative] in {path} must be a table"),
 ])
 def test_bad_config_file_one_line_exit_2(tmp_path, text, fragment):
@@ -111,7 +114,7 @@ def test_config_file_settings(tmp_path):
     path = config_file(tmp_path, FILE)
     assert load_serve_config(path).speculative == SpeculativeConfig(
         method="ngram", num_speculative_tokens=6, adaptive=False, min_acceptance=0.2, disable_batch_size=None,
-        options={"prompt_lookup_max": 3})
+        grammar_proposals=False, options={"prompt_lookup_max": 3})
     # Without flags the file's settings reach the engine as they are.
     assert speculative(file=path) == load_serve_config(path).speculative
 
@@ -122,7 +125,9 @@ def test_flags_override_the_file(tmp_path):
     assert (spec.method, spec.num_speculative_tokens, spec.adaptive) == ("ngram", 3, False)
     # Options merge key by key, the flag's winning; what the flags do not name stays the file's.
     assert spec.options == {"prompt_lookup_max": 3, "prompt_lookup_min": 2}
-    assert (spec.min_acceptance, spec.disable_batch_size) == (0.2, None)
+    assert (spec.min_acceptance, spec.disable_batch_size, spec.grammar_proposals) == (0.2, None, False)
+    assert speculative("--grammar-proposals", "on", file=path).grammar_proposals is True
+    assert speculative("--grammar-proposals", "auto", file=path).grammar_proposals is None
     assert speculative("--speculative-option", "prompt_lookup_max=5", file=path).options == {"prompt_lookup_max": 5}
     # Another method: the file's options were the file's method's.
     other = speculative("--speculative", "layer-skip", "--speculative-option", "exit_layer=1", file=path)
@@ -152,11 +157,13 @@ def test_option_values(text, value):
 def test_server_started_by_bench_gets_the_same_settings():
     """``rtx bench --serve`` starts ``rtx serve`` with engine_cli_args: the speculative flags must survive."""
     argv = ["--speculative", "ngram", "--num-speculative-tokens", "7", "--no-speculative-adaptive",
-            "--speculative-option", "prompt_lookup_max=2", "--speculative-option", "flag=true"]
+            "--grammar-proposals", "off", "--speculative-option", "prompt_lookup_max=2", "--speculative-option",
+            "flag=true"]
     bench = build_parser().parse_args(["bench", *argv])
     served = build_parser().parse_args(["serve", *engine_cli_args(bench)])
     assert engine_config(served).speculative == engine_config(bench).speculative
     assert engine_config(served).speculative.options == {"prompt_lookup_max": 2, "flag": True}
+    assert engine_config(served).speculative.grammar_proposals is False
 
 
 def test_bench_reports_acceptance(tmp_path):

@@ -19,8 +19,8 @@ from rtxcore.hookspecs import hookimpl
 from rtxcore.registry import load_plugins
 
 BUILTINS = ("logit_bias", "allowed_tokens", "banned_tokens", "structured_output")
-CHECKS = {"example_args", "builds", "prepare", "apply", "apply_pure", "proposed_rows", "advance", "resume",
-          "independent_states", "finish", "engine"}
+CHECKS = {"example_args", "builds", "prepare", "apply", "apply_pure", "proposed_rows", "forced_tokens", "advance",
+          "resume", "independent_states", "finish", "engine"}
 
 
 class Alternating(LogitsProcessor):
@@ -50,6 +50,10 @@ class Alternating(LogitsProcessor):
             value = logits[r.row, keep].clone()
             logits[r.row] = float("-inf")
             logits[r.row, keep] = value
+
+    def forced_tokens(self, state: dict[str, Any], max_tokens: int) -> list[int]:
+        # Every next token is forced.
+        return [state["pair"][(state["seen"] + j) % 2] for j in range(max_tokens)]
 
     def advance(self, state: dict[str, Any], token_ids: Sequence[int]) -> None:
         state["seen"] += len(token_ids)
@@ -94,6 +98,13 @@ class IgnoresProposed(Alternating):
         return r.state["seen"]
 
 
+class ForcesTheOther(Alternating):
+    """Says the token after the next one is forced."""
+
+    def forced_tokens(self, state: dict[str, Any], max_tokens: int) -> list[int]:
+        return [state["pair"][(state["seen"] + 1) % 2]]
+
+
 class ForgetsOutputs(Alternating):
     def new_state(self, prepared: tuple[int, int], output_token_ids: Sequence[int]) -> dict[str, Any]:
         return super().new_state(prepared, ())
@@ -132,6 +143,7 @@ class TestProcessors:
         register("nothing-left", NothingLeft)
         register("advances-in-apply", AdvancesInApply)
         register("ignores-proposed", IgnoresProposed)
+        register("forces-the-other", ForcesTheOther)
         register("forgets-outputs", ForgetsOutputs)
         register("shared-state", SharedState)
         register("strict-finish", StrictFinish)
@@ -163,6 +175,7 @@ def test_correct_processor_passes(processor_run, name):
     ("nothing-left", "[logits_processor.valid_logits]", "no finite logit left"),
     ("advances-in-apply", "[logits_processor.apply_pure]", "a second apply() with the same state"),
     ("ignores-proposed", "[logits_processor.proposed_rows]", "the row after proposed"),
+    ("forces-the-other", "[logits_processor.forced_tokens]", "is one apply() does not allow there"),
     ("forgets-outputs", "[logits_processor.resume]", "new_state with output tokens"),
     ("shared-state", "[logits_processor.independent_states]", "never advanced, now scores differently"),
     ("strict-finish", "[logits_processor.finish]", "never applied raised KeyError"),

@@ -24,6 +24,10 @@ class SpeculativeConfig:
     # With at least this many requests running, none speculates: a large batch keeps the device busy without it.
     # None: no limit.
     disable_batch_size: int | None = 32
+    # Propose the tokens a request's grammar forces (structured output: keys, quotes, brackets), verified like any
+    # proposal, whatever the method. None: where steps run one after another anyway (on a CPU, or with a method);
+    # not yet where steps overlap (a GPU without a method), as proposing needs each step's tokens on the host.
+    grammar_proposals: bool | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_speculative_tokens <= 16:

@@ -28,6 +28,10 @@ log = logging.getLogger("rtx.speculation")
 
 # The proposer of requests that bring their own tokens.
 ASSISTED = "assisted"
+# Where the tokens a request's grammar forces are counted (no plugin: the logits processor gives them).
+GRAMMAR = "grammar"
+# Most forced tokens proposed at once: a JSON key and its punctuation fit; longer runs go on in the next step.
+MAX_FORCED = 16
 # Largest accepted length the histogram counts separately.
 MAX_RUN = 16
 
@@ -54,9 +58,12 @@ class ProposerStats:
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, proposers: dict[str, Proposer], kv_cache: KVCacheManager,
-                 vocab_size: int, max_model_len: int, allowed: Callable[[], bool] = lambda: True):
+                 vocab_size: int, max_model_len: int, allowed: Callable[[], bool] = lambda: True,
+                 forced_tokens: Callable[[Request, int], list[int]] | None = None):
         """:param proposers: by name: the configured method's (if any) and ``assisted``.
-        :param allowed: False while speculation is off for everyone (brownout)."""
+        :param allowed: False while speculation is off for everyone (brownout).
+        :param forced_tokens: the tokens a request's logits processors force next (at most a number of them); None:
+            grammars propose nothing."""
         self.config = config
         self.proposers = proposers
         self.kv_cache = kv_cache
@@ -65,51 +72,75 @@ class Speculator:
         self.allowed = allowed
         self.tracker = AcceptanceTracker(config.num_speculative_tokens, config.min_acceptance, config.adaptive)
         self.stats: dict[str, ProposerStats] = {name: ProposerStats() for name in proposers}
+        self.forced_tokens = forced_tokens
+        if forced_tokens is not None:
+            self.stats[GRAMMAR] = ProposerStats()
         # Which proposer each request's pending proposal came from.
         self._proposed_by: dict[str, str] = {}
-        # Running requests that bring their own tokens: with none and no method, nothing speculates.
+        # Running requests that bring their own tokens, and those whose grammar may force some: with none of either
+        # and no method, nothing speculates.
         self.num_assisted = 0
+        self._forcing_ids: set[str] = set()
         # Tokens emitted by early exit since start-up.
         self.num_early_exits = 0
 
     @property
     def active(self) -> bool:
         """Whether any request may speculate now."""
-        return self.config.method is not None or self.num_assisted > 0
+        return self.config.method is not None or self.num_assisted > 0 or bool(self._forcing_ids)
 
     def on_add(self, req: Request, num_running: int) -> None:
+        if self._forcing(req):
+            self._forcing_ids.add(req.req_id)
         if req.draft_token_ids:
             self.num_assisted += 1
-            # Verified with the prompt itself: the first output token can already come with predicted ones.
-            self.propose([req], num_running)
+        if req.draft_token_ids or req.req_id in self._forcing_ids:
+            # Verified with the prompt itself: the first output token can already come with predicted or forced ones.
+            # Not a method's guesses: a proposer sees a request only once it has run.
+            self.propose([req], num_running, guesses=bool(req.draft_token_ids))
 
     def on_finish(self, req: Request) -> None:
+        self._forcing_ids.discard(req.req_id)
         if req.draft_token_ids:
             self.num_assisted -= 1
-        name = self._proposed_by.pop(req.req_id, None) or self._proposer_name(req)
+        self._proposed_by.pop(req.req_id, None)
+        name = self._proposer_name(req)
         if name is not None:
             self.proposers[name].finish(req)
         self.tracker.forget(req.req_id)
 
+    def _forcing(self, req: Request) -> bool:
+        return self.forced_tokens is not None and req.logits is not None and bool(req.logits.forcing)
+
     # -- after a step: propose --------------------------------------------------------------------------------------
 
-    def propose(self, reqs: Sequence[Request], num_running: int) -> None:
-        """Give each running request of ``reqs`` (those that just sampled) its proposed tokens for the next step."""
+    def propose(self, reqs: Sequence[Request], num_running: int, guesses: bool = True) -> None:
+        """Give each running request of ``reqs`` (those that just sampled) its proposed tokens for the next step:
+        what its grammar forces where it forces anything, else (with ``guesses``) its proposer's guess."""
         for req in reqs:
             req.spec_token_ids = []  # a proposal left unverified (the step had no room for it) is stale now
-        if not self.allowed() or (self.config.disable_batch_size is not None
-                                  and num_running >= self.config.disable_batch_size):
+        if not self.allowed():
             return
+        # A large batch keeps the device busy without guesses; forced tokens are no guess and still save steps.
+        guess = guesses and (self.config.disable_batch_size is None or num_running < self.config.disable_batch_size)
         groups: dict[str, tuple[list[Request], list[int]]] = {}
         for req in reqs:
             if req.status.finished or not req.speculative:
                 continue
-            name = self._proposer_name(req)
-            if name is None:
+            room = min(req.params.max_tokens - req.num_output_tokens - 1,  # the target's own token comes on top
+                       self.max_model_len - req.num_tokens)
+            if room <= 0:
                 continue
-            k = min(self.tracker.k(req.req_id),
-                    req.params.max_tokens - req.num_output_tokens - 1,  # the target's own token comes on top
-                    self.max_model_len - req.num_tokens)
+            if self.forced_tokens is not None and req.req_id in self._forcing_ids:
+                forced = self._valid_prefix(self.forced_tokens(req, min(room, MAX_FORCED)))
+                if forced:
+                    req.spec_token_ids = forced
+                    self._proposed_by[req.req_id] = GRAMMAR
+                    continue
+            name = self._proposer_name(req)
+            if name is None or not guess:
+                continue
+            k = min(self.tracker.k(req.req_id), room)
             if k <= 0:
                 continue
             if self.proposers[name].writes_target_kv and not self.kv_cache.allocate(req, 1 + k):
@@ -173,8 +204,8 @@ class Speculator:
         threshold = req.params.early_exit_threshold
         if threshold is None or accepted == len(proposed):
             return 0
-        name = self._proposed_by.get(req.req_id)
-        confidences = self.proposers[name].confidences(req) if name is not None else None
+        proposer = self.proposers.get(self._proposed_by.get(req.req_id, ""))
+        confidences = proposer.confidences(req) if proposer is not None else None
         if not confidences:
             return 0
         n = 0
@@ -200,6 +231,8 @@ class Speculator:
         stats.num_accepted_tokens += num_accepted
         stats.num_verifications += 1
         stats.accepted_runs[min(num_accepted, MAX_RUN)] += 1
+        if name == GRAMMAR:
+            return  # the proposer's count adapts to its own guesses, not to what a grammar forced
         if self.tracker.record(req.req_id, num_proposed, num_accepted):
             # Plain decoding for a while: what the proposer keeps for the request (a draft's cache) is freed now.
             self.proposers[name].finish(req)

@@ -12,6 +12,7 @@ import pytest
 from rtxcore.engine.config import EngineConfig
 from rtxcore.engine.llm import LLM
 from rtxcore.engine.speculation.config import SpeculativeConfig
+from rtxcore.engine.speculation.speculator import GRAMMAR
 from rtxcore.errors import InvalidRequestError
 from rtxcore.sampling_params import SamplingParams
 
@@ -112,8 +113,10 @@ def test_bad_grammar_is_refused_with_its_reason(default_engine, structured, reas
     assert reason in str(info.value)
 
 
-def test_speculation_keeps_the_grammar_and_the_tokens(registry, default_source, default_engine):
-    engine = LLM(EngineConfig(speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4)),
+@pytest.mark.parametrize("method", ["ngram", "layer-skip"])
+def test_speculation_keeps_the_grammar_and_the_tokens(registry, default_source, default_engine, method):
+    # Where the grammar forces nothing the method guesses (layer-skip writes the target's cache at its positions).
+    engine = LLM(EngineConfig(speculative=SpeculativeConfig(method=method, num_speculative_tokens=4)),
                  registry=registry, source=default_source)
     prompts = [_chat(engine, "Repeat this JSON: {\"name\": \"Bob\", \"age\": 30, \"role\": \"user\"}"), PROMPTS[0]]
     params = SamplingParams(max_tokens=60, temperature=0.0, structured_output={"json": PERSON})
@@ -121,6 +124,30 @@ def test_speculation_keeps_the_grammar_and_the_tokens(registry, default_source, 
     assert [r.token_ids for r in fast] == [r.token_ids for r in slow]
     for result in fast:
         jsonschema.validate(json.loads(result.text), PERSON)
+
+
+def test_forced_tokens_are_verified_in_one_step_and_change_no_token(registry, default_source, default_engine):
+    # On a CPU the engine proposes what a grammar forces (a key, its quotes and colon) by default; an engine that
+    # proposes nothing gives the very same tokens, one step each.
+    plain = LLM(EngineConfig(speculative=SpeculativeConfig(grammar_proposals=False)), registry=registry,
+                source=default_source)
+    prompts = [_chat(default_engine, p) for p in (*PROMPTS[:2], "Answer in JSON.", "Pick a colour.", "Write a sum.")]
+    params = [SamplingParams(max_tokens=60, temperature=0.0, structured_output={"json": PERSON})] * 2 + [
+        SamplingParams(max_tokens=30, temperature=0.0, structured_output={"json_object": True}),
+        SamplingParams(max_tokens=8, temperature=0.0, structured_output={"choice": ["light blue", "dark red"]}),
+        SamplingParams(max_tokens=12, temperature=0.0,
+                       structured_output={"grammar": 'root ::= "sum: " num " + " num\nnum ::= [1-9] [0-9]?'})]
+    stats = default_engine.core.speculator.stats[GRAMMAR]
+    before = (stats.num_proposed_tokens, stats.num_accepted_tokens)
+    forced = default_engine.generate(prompts, params)
+    assert [r.token_ids for r in forced] == [r.token_ids for r in plain.generate(prompts, params)]
+    proposed, accepted = stats.num_proposed_tokens - before[0], stats.num_accepted_tokens - before[1]
+    # PERSON's keys alone are forced: "name", "age" and "role" in each of the two objects.
+    assert accepted >= 12 and proposed >= accepted
+    assert GRAMMAR not in plain.core.speculator.stats
+    for result in forced[:2]:
+        jsonschema.validate(json.loads(result.text), PERSON)
+    assert forced[3].text in ("light blue", "dark red") and forced[4].text.startswith("sum: ")
 
 
 def test_overlapped_steps_give_the_serial_tokens(registry, default_source, default_engine):

@@ -1,11 +1,17 @@
 """The cost of structured output: tokens/s of a batch of JSON-schema requests against the same batch unconstrained.
 
     python benchmarks/structured_output.py [--model PATH] [--device cpu|cuda] [--batch 32] [--tokens 64] [--runs 3]
+        [--grammar-proposals auto|on|off] [--compare-plain]
 
 Both batches decode exactly ``--tokens`` tokens per request: the schema asks for more items than fit (so the grammar
 never ends a request early) and the free batch ignores EOS. Runs alternate (free, guided, free, ...) in one engine
 after a warm-up of each; the figure is the median of ``--runs``. The model needs a tokenizer (the default model, or
 its GGUF file given by path).
+
+The guided batch runs as the engine runs it by default, where the tokens a grammar forces are proposed and verified
+in one step (``--grammar-proposals`` sets it); ``--compare-plain`` also runs it on a second engine of the same model
+that proposes nothing (every token its own step), alternating with the others. The grammar's proposals are reported
+with their acceptance (tokens proposed and accepted, verifications).
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import time
 
 from rtxcore.engine.config import EngineConfig
 from rtxcore.engine.llm import LLM
+from rtxcore.engine.speculation.config import SpeculativeConfig
+from rtxcore.engine.speculation.speculator import GRAMMAR, ProposerStats
 from rtxcore.sampling_params import SamplingParams
 
 # Items no request can finish within its budget: every guided request runs to max_tokens, like the free ones.
@@ -41,16 +49,23 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--grammar-proposals", choices=["auto", "on", "off"], default="auto")
+    parser.add_argument("--compare-plain", action="store_true",
+                        help="also run the guided batch on an engine whose grammars propose nothing")
     args = parser.parse_args()
-    llm = LLM(EngineConfig(model=args.model, device=args.device))
+    proposals = {"auto": None, "on": True, "off": False}[args.grammar_proposals]
+    llm = LLM(EngineConfig(model=args.model, device=args.device,
+                           speculative=SpeculativeConfig(grammar_proposals=proposals)))
+    plain = LLM(EngineConfig(model=args.model, device=args.device,
+                             speculative=SpeculativeConfig(grammar_proposals=False))) if args.compare_plain else None
     prompts = [llm.inputs.apply_chat_template([{"role": "user", "content": f"List the steps of {TOPICS[i % 8]} "
                                                  f"as JSON (request {i})."}]) for i in range(args.batch)]
     free = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     guided = SamplingParams(max_tokens=args.tokens, temperature=0.0, structured_output={"json": SCHEMA})
 
-    def tokens_per_s(params: SamplingParams) -> float:
+    def tokens_per_s(params: SamplingParams, engine: LLM = llm) -> float:
         start = time.perf_counter()
-        results = llm.generate(prompts, params)
+        results = engine.generate(prompts, params)
         elapsed = time.perf_counter() - start
         count = sum(len(r.token_ids) for r in results)
         if count != args.batch * args.tokens:
@@ -58,16 +73,30 @@ def main() -> None:
         return count / elapsed
 
     tokens_per_s(free), tokens_per_s(guided)  # warm-up: kernels, graphs, the grammar's compile and lexer
-    rates: dict[str, list[float]] = {"free": [], "guided": []}
+    if plain is not None:
+        tokens_per_s(guided, plain)
+    rates: dict[str, list[float]] = {"free": [], "guided": [], **({"guided_plain": []} if plain else {})}
+    stats = llm.core.speculator.stats.get(GRAMMAR, ProposerStats())
+    before = (stats.num_proposed_tokens, stats.num_accepted_tokens, stats.num_verifications)
     for _ in range(args.runs):
         rates["free"].append(tokens_per_s(free))
         rates["guided"].append(tokens_per_s(guided))
+        if plain is not None:
+            rates["guided_plain"].append(tokens_per_s(guided, plain))
+    proposed, accepted, verifications = (now - then for now, then in zip(
+        (stats.num_proposed_tokens, stats.num_accepted_tokens, stats.num_verifications), before))
     sample = llm.generate(prompts[:1], SamplingParams(max_tokens=24, temperature=0.0,
                                                       structured_output={"json": SCHEMA}))[0].text
     free_s, guided_s = statistics.median(rates["free"]), statistics.median(rates["guided"])
-    print(json.dumps({"device": str(llm.core.backend.device), "batch": args.batch, "tokens": args.tokens,
-                      "free_tok_s": round(free_s, 1), "guided_tok_s": round(guided_s, 1),
-                      "ratio": round(guided_s / free_s, 3), "runs": rates, "guided_sample": sample}))
+    report = {"device": str(llm.core.backend.device), "batch": args.batch, "tokens": args.tokens,
+              "free_tok_s": round(free_s, 1), "guided_tok_s": round(guided_s, 1),
+              "ratio": round(guided_s / free_s, 3),
+              "grammar_proposals": {"proposed": proposed, "accepted": accepted, "verifications": verifications,
+                                    "of_guided_tokens": round(accepted / (args.runs * args.batch * args.tokens), 3)}}
+    if plain is not None:
+        plain_s = statistics.median(rates["guided_plain"])
+        report |= {"guided_plain_tok_s": round(plain_s, 1), "plain_ratio": round(plain_s / free_s, 3)}
+    print(json.dumps({**report, "runs": rates, "guided_sample": sample}))
 
 
 if __name__ == "__main__":

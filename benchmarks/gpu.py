@@ -150,6 +150,21 @@ def _real(tree: Tree, out: Path, suffix: str, hf: bool) -> list[Command]:
     return commands
 
 
+def _guided(tree: Tree, out: Path, suffix: str, hf: bool) -> list[Command]:
+    """Structured output against free generation on the default model's weights: the guided batch with the tokens
+    its grammar forces proposed, beside the same batch proposing nothing (structured_output.py --compare-plain)."""
+    if not MODEL_FILE:  # main() refuses the step without one
+        return []
+    commands = []
+    for tokens in ("64", "256"):
+        path = out / f"guided_{tokens}{suffix}.json"
+        commands.append(Command(tree.script("structured_output.py", "--model", MODEL_FILE[0], "--device", "cuda",
+                                            "--batch", "32", "--tokens", tokens, "--runs", "5",
+                                            "--grammar-proposals", "on", "--compare-plain", "--json", str(path)),
+                                f"guided_{tokens}{suffix}.log", path))
+    return commands
+
+
 STEPS: dict[str, Step] = {s.name: s for s in (
     Step("install", "nothing more than the install every call starts with (for commands run by hand afterwards)",
          lambda tree, out, suffix, hf: []),
@@ -175,6 +190,9 @@ STEPS: dict[str, Step] = {s.name: s for s in (
                "attention's FLOP/s", _bench("W7_llama1b", "W7", LLAMA_1B_LONG, "hf"), ab=True),
     Step("real", "the default model's real weights (--model-file): greedy == CPU in float32, W1 and W3 against HF "
                  "eager, fp8's perplexity against bf16's (fp8_quality.py)", _real),
+    Step("guided", "structured output on the default model's weights (--model-file): a batch of 32 JSON-schema "
+                   "requests against the same batch free, with the grammar's forced tokens proposed and without",
+         _guided),
     Step("quant", "quantized kernel tests, then W3 and W1 on llama-8b for bf16, int4, int8, int8-sq and fp8 "
                   "(quant_speed.py, medians of three)", _quant),
     Step("tiers", "the KV tier tests, then W4 with KV tiers on llama-1b (w4_tiers.py)", _tiers),
@@ -317,8 +335,9 @@ def run_ab(step: Step, trees: dict[str, Tree], out: Path, runs: int, hf: bool) -
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if "real" in args.steps and not args.model_file:
-        raise SystemExit("step real needs --model-file: the default model's GGUF on this machine")
+    for step in ("real", "guided"):
+        if step in args.steps and not args.model_file:
+            raise SystemExit(f"step {step} needs --model-file: the default model's GGUF on this machine")
     if args.model_file:
         MODEL_FILE[:] = [args.model_file]
     out = args.out.resolve()

@@ -1,7 +1,7 @@
 """The cost of structured output: tokens/s of a batch of JSON-schema requests against the same batch unconstrained.
 
     python benchmarks/structured_output.py [--model PATH] [--device cpu|cuda] [--batch 32] [--tokens 64] [--runs 3]
-        [--grammar-proposals auto|on|off] [--compare-plain]
+        [--grammar-proposals auto|on|off] [--compare-plain] [--json PATH]
 
 Both batches decode exactly ``--tokens`` tokens per request: the schema asks for more items than fit (so the grammar
 never ends a request early) and the free batch ignores EOS. Runs alternate (free, guided, free, ...) in one engine
@@ -52,6 +52,7 @@ def main() -> None:
     parser.add_argument("--grammar-proposals", choices=["auto", "on", "off"], default="auto")
     parser.add_argument("--compare-plain", action="store_true",
                         help="also run the guided batch on an engine whose grammars propose nothing")
+    parser.add_argument("--json", default=None, help="also write the report to this file")
     args = parser.parse_args()
     proposals = {"auto": None, "on": True, "off": False}[args.grammar_proposals]
     llm = LLM(EngineConfig(model=args.model, device=args.device,
@@ -96,7 +97,11 @@ def main() -> None:
     if plain is not None:
         plain_s = statistics.median(rates["guided_plain"])
         report |= {"guided_plain_tok_s": round(plain_s, 1), "plain_ratio": round(plain_s / free_s, 3)}
-    print(json.dumps({**report, "runs": rates, "guided_sample": sample}))
+    text = json.dumps({**report, "runs": rates, "guided_sample": sample})
+    print(text)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
 
 
 if __name__ == "__main__":

@@ -87,7 +87,7 @@ class DiskTier(KVTier):
         # Blocks whose write has not been seen to end, with the file's bytes (served to reads meanwhile); the writes
         # in the order they were queued, with their sizes (accounted as the oldest end: a conservative backlog).
         self._writing: dict[BlockHash, _Writing] = {}
-        self._writes: deque[tuple[BlockHash, Future[OSError | None], int]] = deque()
+        self._writes: deque[tuple[BlockHash, _Writing, int]] = deque()
         self._backlog_bytes = 0
         self._storing_all = False
         # Within store_borrowed: each lent key's event (None: its bytes are there), and the loans it took.
@@ -95,9 +95,12 @@ class DiskTier(KVTier):
         self._lent: dict[BlockHash, _Writing] = {}
         # The last file operation queued on each writer thread (what flush waits for).
         self._last_ops: dict[int, Future] = {}
+        # Within a store: the file operations it asks for, per writer thread, handed over together when it ends.
+        self._batches: dict[int, _Batch] | None = None
 
     def store(self, keys: list[BlockHash], data: torch.Tensor) -> None:
-        super().store(keys, data.cpu())  # one copy from the device for the batch, not one per file
+        with self._batched():
+            super().store(keys, data.cpu())  # one copy from the device for the batch, not one per file
 
     def path(self, key: BlockHash) -> Path:
         name = key.hex()
@@ -131,14 +134,44 @@ class DiskTier(KVTier):
         return sorted(self.blocks_dir.glob(f"*/*{SUFFIX}"))
 
     def _queue(self, key: BlockHash, fn: Callable, *args) -> Future:
+        """Run ``fn(*args)`` on ``key``'s writer thread after every operation asked for before it; the future ends
+        with it (within a store, with the store's operations on that thread)."""
         writer = key[0] % WRITE_THREADS  # a key's operations always on the same writer
+        if self._batches is not None:
+            batch = self._batches.get(writer)
+            if batch is None:
+                batch = self._batches[writer] = _Batch()
+            batch.ops.append(partial(fn, *args))
+            return batch.done
         op = self._last_ops[writer] = _queue_file_op(writer, fn, *args)
         return op
+
+    @contextmanager
+    def _batched(self) -> Iterator[None]:
+        """The file operations a store asks for go to each writer thread as one task when it ends: a task per block
+        cost the engine's thread a future, a queue lock and a wake-up each (a fifth of a spill's time there)."""
+        if self._batches is not None:
+            yield
+            return
+        self._batches = {}
+        try:
+            yield
+        finally:
+            self._hand_over()
+            self._batches = None
+
+    def _hand_over(self) -> None:
+        """Queue what the store under way asked for so far (at its end, or when it must wait for its own writes)."""
+        if self._batches:
+            for writer, batch in self._batches.items():
+                self._last_ops[writer] = _queue_file_op(writer, batch.run)
+            self._batches = {}
 
     def busy(self) -> bool:
         self.poll_writes()
         while self._storing_all and self._backlog_bytes + self.block_bytes > WRITE_BACKLOG_BYTES and self._writes:
-            self._writes[0][1].result()
+            self._hand_over()  # the oldest write may be this very store's
+            self._writes[0][1].write.result()
             self.poll_writes()
         return self._backlog_bytes + self.block_bytes > WRITE_BACKLOG_BYTES
 
@@ -156,7 +189,8 @@ class DiskTier(KVTier):
                        ready: list[torch.cuda.Event | None]) -> list[LentRow | None]:
         self._lending, self._lent = dict(zip(keys, ready)), {}
         try:
-            super().store(keys, rows)  # type: ignore[arg-type]  # rows, one by one, as a tensor's
+            with self._batched():
+                super().store(keys, rows)  # type: ignore[arg-type]  # rows, one by one, as a tensor's
         finally:
             self._lending = None
         lent, self._lent = self._lent, {}
@@ -168,12 +202,12 @@ class DiskTier(KVTier):
             self._lent[key] = writing
         else:  # its own bytes: the caller reuses its rows at once
             writing = _Writing(clone_host_bytes(data), None, borrowed=False)
-        writing.write = self._queue(key, self._write_file, self.path(key), key, writing)
+        writing.write = self._queue(key, self._write_file, key, writing)
         self._writing[key] = writing
-        self._writes.append((key, writing.write, data.numel()))
+        self._writes.append((key, writing, data.numel()))
         self._backlog_bytes += data.numel()
 
-    def _write_file(self, path: Path, key: BlockHash, writing: _Writing) -> OSError | None:
+    def _write_file(self, key: BlockHash, writing: _Writing) -> None:
         """On the writer thread: the block's bytes made its own (a borrowed row is copied first), the header with
         the checksum, and the file. The bytes go to the file from where they lie: copying them into one ``bytes``
         with the header held the GIL for two 512 KiB copies a block, which the engine's thread waited for (the
@@ -181,24 +215,23 @@ class DiskTier(KVTier):
         writing.give_back()
         payload = writing.row.numpy().data
         header = _HEADER.pack(MAGIC, self.fingerprint, key, len(payload), checksum(payload))
+        path = self.path(key)
         try:
             path.parent.mkdir(exist_ok=True)
             replace_atomically(path, (header, payload), durable=False)
-        except OSError as exc:  # answered, not raised: poll_writes reads it on the engine's thread
-            return exc
-        return None
+        except OSError as exc:  # kept, not raised: poll_writes reads it on the engine's thread
+            writing.error = exc
 
     def poll_writes(self) -> None:
         """Account for the writes that have ended: a failed one's block leaves the tier (a full or failing disk
         costs that block, never the engine)."""
-        while self._writes and self._writes[0][1].done():
-            key, write, num_bytes = self._writes.popleft()
+        while self._writes and self._writes[0][1].write.done():
+            key, writing, num_bytes = self._writes.popleft()
             self._backlog_bytes -= num_bytes
-            current = self._writing.get(key)
-            if current is None or current.write is not write:
+            if self._writing.get(key) is not writing:
                 continue  # removed (or stored again) since: this write's outcome no longer matters
             del self._writing[key]
-            error = write.result()
+            error = writing.error
             if error is not None and key in self:
                 log.warning("could not store KV block %s in the %s tier: %s", key.hex(), self.name, error)
                 self.stats.num_rejected += 1
@@ -272,13 +305,15 @@ class _Writing:
     the lender's (its bytes there once ``ready`` completes) until the writer or the lender, whichever comes first,
     copies it (:meth:`give_back`)."""
 
-    __slots__ = ("row", "ready", "borrowed", "write", "_lock")
+    __slots__ = ("row", "ready", "borrowed", "write", "error", "_lock")
 
     def __init__(self, row: torch.Tensor, ready: torch.cuda.Event | None, borrowed: bool = True):
         self.row = row
         self.ready = ready
         self.borrowed = borrowed
-        self.write: Future[OSError | None]
+        # Ends once the file is written (or its write failed, with the error kept).
+        self.write: Future[None]
+        self.error: OSError | None = None
         self._lock = threading.Lock()
 
     def give_back(self) -> bool:
@@ -290,6 +325,26 @@ class _Writing:
             self.row = clone_host_bytes(self.row)
             self.borrowed, self.ready = False, None
             return True
+
+
+class _Batch:
+    """One store's file operations for one writer thread, run in the order asked; ``done`` ends after the last."""
+
+    __slots__ = ("ops", "done")
+
+    def __init__(self) -> None:
+        self.ops: list[Callable[[], None]] = []
+        self.done: Future[None] = Future()
+
+    def run(self) -> None:
+        try:
+            for op in self.ops:
+                try:
+                    op()
+                except Exception:  # one block's surprise must not cost the others theirs
+                    log.exception("a KV block file operation failed")
+        finally:
+            self.done.set_result(None)
 
 
 def _remove_file(path: Path) -> None:

@@ -19,15 +19,11 @@ from typing import Any
 
 import torch
 
+from rtx_conformance.checks.logits_processor_harness import Harness, Models, call_checked, random_logits, short
 from rtx_conformance.rules import ContractViolation, require
-from rtxcore.contracts.logits_processor import LogitsProcessor, LogitsProcessorContext, RowContext
-from rtxcore.engine.config import EngineConfig
-from rtxcore.engine.llm import LLM
-from rtxcore.models.resolve import resolve_model
-from rtxcore.registry import ComponentRecord, PluginRegistry
+from rtxcore.contracts.logits_processor import RowContext
 from rtxcore.sampling_params import SamplingParams
 
-TINY_MODEL = "dummy:tiny"
 # Arguments no processor takes: prepare() must refuse each with ValueError (the engine answers only that as a 400).
 WRONG_ARGS: tuple[Any, ...] = (object(), {"bogus": 1})
 # Greedy steps a state takes by its processor's own choices.
@@ -41,131 +37,6 @@ TINY_PROMPT = [5, 9, 13]
 TEXT_PROMPT = "The answer is"
 
 
-class Models:
-    """The models the checks use, each loaded on first need and kept for the session: ``dummy:tiny`` for processors
-    that need no tokenizer, the default model for those whose ``prepare()`` asks for one."""
-
-    def __init__(self, registry: PluginRegistry):
-        self.registry = registry
-        self._contexts: dict[bool, LogitsProcessorContext] = {}
-        self._engines: dict[bool, LLM] = {}
-        # Processor name -> whether it needs a tokenizer.
-        self._needs_tokenizer: dict[str, bool] = {}
-        # Processor name -> its harness: one instance serves every check, as one serves every request of an engine.
-        self._harnesses: dict[str, Harness] = {}
-
-    def context(self, tokenizer: bool) -> LogitsProcessorContext:
-        if tokenizer not in self._contexts:
-            source = resolve_model(None if tokenizer else TINY_MODEL)
-            tok = source.tokenizer()
-            eos = tok.eos_token_ids if tok is not None else source.config.eos_token_ids
-            self._contexts[tokenizer] = LogitsProcessorContext(tok, source.config.vocab_size, list(eos),
-                                                               torch.device("cpu"))
-        return self._contexts[tokenizer]
-
-    def engine(self, tokenizer: bool) -> LLM:
-        if tokenizer not in self._engines:
-            config = EngineConfig(model=None if tokenizer else TINY_MODEL, device="cpu",
-                                  dtype="auto" if tokenizer else "float32", num_kv_blocks=64, max_model_len=512)
-            self._engines[tokenizer] = LLM(config, registry=self.registry)
-        return self._engines[tokenizer]
-
-    def needs_tokenizer(self, record: ComponentRecord) -> bool:
-        """Whether ``prepare()`` of an example, on the tiny model's context, refuses for want of a tokenizer."""
-        if record.name not in self._needs_tokenizer:
-            processor = build(record, self.context(tokenizer=False))
-            needs = False
-            for args in example_args(record):
-                try:
-                    processor.prepare(args)
-                except ValueError as exc:
-                    needs = needs or "tokenizer" in str(exc)
-                except Exception:  # the prepare check reports it, on the context the processor is tested with
-                    pass
-            self._needs_tokenizer[record.name] = needs
-        return self._needs_tokenizer[record.name]
-
-    def harness(self, record: ComponentRecord) -> Harness:
-        if record.name not in self._harnesses:
-            self._harnesses[record.name] = make_harness(record, self)
-        return self._harnesses[record.name]
-
-
-@dataclass(frozen=True, slots=True)
-class Harness:
-    """A processor built for the checks, with its example arguments and what prepare() made of each."""
-
-    record: ComponentRecord
-    processor: LogitsProcessor
-    examples: list[Any]
-    prepared: list[Any]
-    # True: built on the default model's context (prepare() asks for a tokenizer); the engine check runs on that
-    # model too.
-    tokenizer: bool
-
-    @property
-    def vocab_size(self) -> int:
-        return self.processor.context.vocab_size
-
-    @property
-    def eos_token_ids(self) -> list[int]:
-        return self.processor.context.eos_token_ids
-
-    def new_state(self, index: int, rule: str, output_token_ids: Sequence[int] = ()) -> Any:
-        return _call(rule, "new_state", self.processor.new_state, self.prepared[index], list(output_token_ids))
-
-    def apply(self, logits: torch.Tensor, rows: Sequence[RowContext], rule: str) -> None:
-        _call(rule, "apply", self.processor.apply, logits, list(rows))
-
-    def advance(self, state: Any, token_ids: Sequence[int], rule: str) -> None:
-        _call(rule, "advance", self.processor.advance, state, list(token_ids))
-
-    def scores(self, state: Any, logits: torch.Tensor, rule: str) -> torch.Tensor:
-        """``logits`` (one row) as apply() leaves them for a plain row of ``state``; ``logits`` is left alone."""
-        out = logits.clone().unsqueeze(0)
-        self.apply(out, [RowContext(0, state)], rule)
-        return out[0]
-
-
-def example_args(record: ComponentRecord) -> list[Any]:
-    rule = "logits_processor.example_args"
-    cls: type[LogitsProcessor] = record.cls
-    try:
-        described = cls.describe()
-    except Exception as exc:
-        raise ContractViolation(rule, f"describe() raised {type(exc).__name__}: {exc}") from exc
-    examples = described.get("example_args") if isinstance(described, dict) else None
-    if not isinstance(examples, list) or not examples:
-        raise ContractViolation(rule, f"describe() has no example_args (got {examples!r}): declare a list of "
-                                      f"arguments a request may give, describe() returning {{'example_args': [...]}}")
-    return examples
-
-
-def build(record: ComponentRecord, context: LogitsProcessorContext) -> LogitsProcessor:
-    try:
-        processor = record.cls(context)
-    except Exception as exc:
-        raise ContractViolation("logits_processor.builds", f"{type(exc).__name__}: {exc}") from exc
-    require(isinstance(processor, LogitsProcessor), "logits_processor.builds",
-            f"cls(context) made a {type(processor).__name__}")
-    return processor
-
-
-def make_harness(record: ComponentRecord, models: Models) -> Harness:
-    examples = example_args(record)
-    tokenizer = models.needs_tokenizer(record)
-    processor = build(record, models.context(tokenizer))
-    prepared = [_call("logits_processor.prepare", f"prepare({_short(args)})", processor.prepare, args)
-                for args in examples]
-    return Harness(record, processor, examples, prepared, tokenizer)
-
-
-def random_logits(num_rows: int, vocab_size: int, seed: int) -> torch.Tensor:
-    return torch.randn(num_rows, vocab_size, generator=torch.Generator().manual_seed(seed)) * 2
-
-
-# -- direct checks ------------------------------------------------------------------------------------------------
-
 def check_prepare(h: Harness) -> None:
     """Every example was prepared in the harness; here, wrong arguments."""
     rule = "logits_processor.prepare"
@@ -175,10 +46,10 @@ def check_prepare(h: Harness) -> None:
         except ValueError:
             continue
         except Exception as exc:
-            raise ContractViolation(rule, f"prepare({_short(args)}) raised {type(exc).__name__}: {exc}; a wrong "
+            raise ContractViolation(rule, f"prepare({short(args)}) raised {type(exc).__name__}: {exc}; a wrong "
                                           f"argument must raise ValueError (the engine answers that as a 400, "
                                           f"anything else fails the request as a server error)") from exc
-        raise ContractViolation(rule, f"prepare({_short(args)}) returned {_short(got)} instead of raising "
+        raise ContractViolation(rule, f"prepare({short(args)}) returned {short(got)} instead of raising "
                                       f"ValueError")
 
 
@@ -200,7 +71,7 @@ def check_apply(h: Harness, seed: int = 0) -> None:
     for i in range(num):
         alone = h.scores(h.new_state(i, rule=rule), before[1 + i], rule)
         require(_same(logits[1 + i], alone), rule,
-                f"example {i} ({_short(h.examples[i])}): its row in a batch of {num} differs from the row alone")
+                f"example {i} ({short(h.examples[i])}): its row in a batch of {num} differs from the row alone")
 
 
 def check_valid(logits: torch.Tensor, rows: Sequence[int], when: str) -> None:
@@ -256,7 +127,7 @@ def check_apply_pure(h: Harness, seed: int = 2) -> None:
     h.apply(second, rows, rule)
     for row in range(len(states)):
         require(_same(first[row], second[row]), rule,
-                f"example {row % num} ({_short(h.examples[row % num])}, {'advanced' if row >= num else 'fresh'}): "
+                f"example {row % num} ({short(h.examples[row % num])}, {'advanced' if row >= num else 'fresh'}): "
                 f"a second apply() with the same state changed the row differently")
 
 
@@ -276,10 +147,10 @@ def check_proposed_rows(h: Harness, seed: int = 3) -> None:
             reference = h.new_state(i, rule=rule)
             h.advance(reference, tokens[:j], rule)
             require(_same(logits[j], h.scores(reference, before[j], rule)), rule,
-                    f"example {i} ({_short(h.examples[i])}): the row after proposed {tokens[:j]} differs from a "
+                    f"example {i} ({short(h.examples[i])}): the row after proposed {tokens[:j]} differs from a "
                     f"plain row of a state advanced over them")
         require(_same(h.scores(state, before[0], rule), plain_before), rule,
-                f"example {i} ({_short(h.examples[i])}): after rows with proposed tokens {tokens}, a plain row of "
+                f"example {i} ({short(h.examples[i])}): after rows with proposed tokens {tokens}, a plain row of "
                 f"the state scores differently from before them")
 
 
@@ -292,11 +163,11 @@ def check_forced_tokens(h: Harness, seed: int = 7) -> None:
             state = h.new_state(i, rule, tokens[:k])
             logits = random_logits(1, h.vocab_size, seed + k)[0]
             before = h.scores(state, logits, rule)
-            forced = _call(rule, "forced_tokens", h.processor.forced_tokens, state, MAX_FORCED_ASKED)
-            where = f"example {i} ({_short(h.examples[i])}) after {tokens[:k]}"
+            forced = call_checked(rule, "forced_tokens", h.processor.forced_tokens, state, MAX_FORCED_ASKED)
+            where = f"example {i} ({short(h.examples[i])}) after {tokens[:k]}"
             require(isinstance(forced, list) and len(forced) <= MAX_FORCED_ASKED
                     and all(type(t) is int and 0 <= t < h.vocab_size for t in forced), rule,
-                    f"{where}: forced_tokens(state, {MAX_FORCED_ASKED}) returned {_short(forced)}, not a list of at "
+                    f"{where}: forced_tokens(state, {MAX_FORCED_ASKED}) returned {short(forced)}, not a list of at "
                     f"most {MAX_FORCED_ASKED} token ids")
             require(_same(h.scores(state, logits, rule), before), rule,
                     f"{where}: forced_tokens() changed how the state scores")
@@ -321,7 +192,7 @@ def check_resume(h: Harness, seed: int = 4) -> None:
             advanced = h.new_state(i, rule)
             h.advance(advanced, tokens[:k], rule)
             require(_same(got, h.scores(advanced, logits, rule)), rule,
-                    f"example {i} ({_short(h.examples[i])}): new_state with output tokens {tokens[:k]} scores "
+                    f"example {i} ({short(h.examples[i])}): new_state with output tokens {tokens[:k]} scores "
                     f"differently from a new state advanced over them")
 
 
@@ -341,7 +212,7 @@ def check_independent_states(h: Harness, seed: int = 5) -> None:
                 break
             tokens += taken
             require(_same(h.scores(waiting, logits, rule), fresh), rule,
-                    f"example {i} ({_short(h.examples[i])}): another state from the same prepared argument advanced "
+                    f"example {i} ({short(h.examples[i])}): another state from the same prepared argument advanced "
                     f"over {tokens}, and this one, never advanced, now scores differently")
 
 
@@ -355,7 +226,7 @@ def check_finish(h: Harness, seed: int = 6) -> None:
         advanced = h.new_state(i, rule=rule)
         walk(h, [advanced], seed, num_steps=2)
         for what, state in (("never applied", unused), ("applied", applied), ("advanced", advanced)):
-            _call(rule, f"finish() of a state {what}", h.processor.finish, state)
+            call_checked(rule, f"finish() of a state {what}", h.processor.finish, state)
 
 
 # -- through the engine ------------------------------------------------------------------------------------------
@@ -385,9 +256,9 @@ def check_engine(h: Harness, models: Models) -> EngineRun:
         except Exception as exc:
             for req_id in list(engine.core.requests):  # the engine is shared: leave it idle
                 engine.abort(req_id)
-            raise ContractViolation(rule, f"a request with {_short(args)}: {type(exc).__name__}: {exc}") from exc
+            raise ContractViolation(rule, f"a request with {short(args)}: {type(exc).__name__}: {exc}") from exc
         require(result.finish_reason is not None and len(result.token_ids) > 0, rule,
-                f"a request with {_short(args)} ended without output or a finish reason "
+                f"a request with {short(args)} ended without output or a finish reason "
                 f"({result.token_ids}, {result.finish_reason!r})")
         outputs.append(list(result.token_ids))
     for i, tokens in enumerate(outputs):
@@ -402,7 +273,7 @@ def _check_allowed(h: Harness, index: int, tokens: Sequence[int]) -> None:
     for position, token in enumerate(tokens):
         score = h.scores(state, flat, rule)[token]
         require(bool(torch.isfinite(score)), rule,
-                f"a request with {_short(h.examples[index])}: output token {position} ({token}) is one the "
+                f"a request with {short(h.examples[index])}: output token {position} ({token}) is one the "
                 f"processor refuses there (outputs {list(tokens)})")
         if token not in h.eos_token_ids:
             h.advance(state, [token], rule)
@@ -410,21 +281,6 @@ def _check_allowed(h: Harness, index: int, tokens: Sequence[int]) -> None:
 
 # -- helpers ------------------------------------------------------------------------------------------------------
 
-def _call(rule: str, what: str, fn: Any, *args: Any) -> Any:
-    try:
-        return fn(*args)
-    except ContractViolation:
-        raise
-    except Exception as exc:
-        raise ContractViolation(rule, f"{what} raised {type(exc).__name__}: {exc}") from exc
-
-
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-identical but for NaN, which check_valid reports on its own."""
     return bool(torch.equal(a, b)) or bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
-
-
-def _short(value: Any) -> str:
-    text = "an object()" if type(value) is object else repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-

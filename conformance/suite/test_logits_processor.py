@@ -8,9 +8,6 @@ from __future__ import annotations
 import pytest
 
 from rtx_conformance.checks.logits_processor import (
-    Harness,
-    Models,
-    build,
     check_advance,
     check_apply,
     check_apply_pure,
@@ -21,8 +18,8 @@ from rtx_conformance.checks.logits_processor import (
     check_prepare,
     check_proposed_rows,
     check_resume,
-    example_args,
 )
+from rtx_conformance.checks.logits_processor_harness import Harness, Models, build, example_args
 from rtx_conformance.rules import ContractViolation
 
 pytestmark = pytest.mark.rtx_kind("logits_processor")

@@ -1,9 +1,9 @@
 """Moving prefix-cache blocks between the device pool and the lower tiers (host memory, then disk).
 
 The device pool calls :meth:`KVOffload.spill` with the cached blocks it is about to reuse, before anything
-overwrites them; their bytes go to the first lower tier (unless it holds them already). At admission, the KV-cache
-manager asks :meth:`KVOffload.reload` for the part of a request's prefix that the device lacks but a lower tier
-holds, and the blocks come back into fresh device blocks before the request's first step runs.
+overwrites them; their bytes go to the first lower tier, unless some lower tier holds them already. At admission,
+the KV-cache manager asks :meth:`KVOffload.reload` for the part of a request's prefix that the device lacks but a
+lower tier holds, and the blocks come back into fresh device blocks before the request's first step runs.
 
 On a GPU a reload overlaps the steps: its bytes travel to a staging buffer on a copy stream of their own while the
 steps run, and :meth:`KVOffload.complete` puts them into their blocks on the steps' stream once they have arrived (a
@@ -48,7 +48,7 @@ WriteBlocks = Callable[[list[int], torch.Tensor], None]
 
 @dataclass(slots=True)
 class OffloadStats:
-    # Device blocks spilled to the first lower tier (copied), and those it already held (no copy).
+    # Device blocks spilled to the first lower tier (copied), and those a lower tier already held (no copy).
     num_spilled: int = 0
     num_spill_hits: int = 0
     # Device blocks copied to the first lower tier ahead of their eviction (rtxcore.kv.tiers.write_back).
@@ -125,20 +125,32 @@ class KVOffload:
     def spill(self, victims: list[tuple[int, BlockHash]]) -> None:
         """The device is reusing these cached blocks: keep their bytes in the first lower tier."""
         todo = []
-        top = self.top
         for block_id, key in victims:
-            if key in top:
-                top.touch(key)
+            holder = self._holder(key)
+            if holder is not None:
+                holder.touch(key)
                 self.stats.num_spill_hits += 1
             else:
                 todo.append((block_id, key))
         self._copy_down(todo)
         self.stats.num_spilled += len(todo)
 
+    def _holder(self, key: BlockHash) -> KVTier | None:
+        """The highest lower tier holding ``key``. A block the disk holds is not spilled again into the host tier
+        above it: its reload reads it from disk, off the engine's thread, as it would once the host tier evicted it.
+        Copied down again, every eviction of a block written through to disk cost the engine's thread a copy and a
+        store: W4 at 48 conversations over a small host tier on an H100 spilled 114,901 blocks in a 61 s load phase
+        and spent 9.5 s of it copying them down (docs/benchmarks.md)."""
+        for tier in self.tiers:
+            if key in tier:
+                return tier
+        return None
+
     def write_back(self, blocks: list[tuple[int, BlockHash]]) -> None:
         """Copy cached blocks the device keeps to the first lower tier ahead of their eviction (see
-        :mod:`rtxcore.kv.tiers.write_back`); those it holds already are left as they are (this is not a use)."""
-        todo = [(block_id, key) for block_id, key in blocks if key not in self.top]
+        :mod:`rtxcore.kv.tiers.write_back`); those a lower tier holds already are left as they are (this is not a
+        use)."""
+        todo = [(block_id, key) for block_id, key in blocks if self._holder(key) is None]
         self._copy_down(todo)
         self.stats.num_written_back += len(todo)
 

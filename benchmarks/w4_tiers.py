@@ -40,7 +40,7 @@ from rtxcore.bench.engine import Engine, build_engine, generate, serving_engine
 from rtxcore.bench.loadgen.stats import percentile
 from rtxcore.cli.bench import machine_description
 from rtxcore.contracts.scheduler import SchedulerConfig
-from rtxcore.kv.tiers.offload import OffloadStats
+from rtxcore.kv.tiers.offload_stats import OffloadStats
 from rtxcore.sampling_params import SamplingParams
 
 # roomy: a device cache with room for every conversation; offload: a small device cache over a host tier;

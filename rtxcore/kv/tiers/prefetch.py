@@ -12,15 +12,12 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from rtxcore.kv.hashing import BlockHash
 from rtxcore.kv.tiers.base import KVTier, TierReadError
-
-if TYPE_CHECKING:
-    from rtxcore.kv.tiers.offload import OffloadStats
+from rtxcore.kv.tiers.offload_stats import OffloadStats
 
 log = logging.getLogger("rtx.kv")
 

@@ -105,8 +105,6 @@ RULES: dict[str, str] = {
                                       "its state as it found it",
     "logits_processor.forced_tokens": "forced_tokens() gives at most the tokens asked for, each one apply() allows "
                                       "after those before it, and leaves its state as it found it",
-    "logits_processor.start_apply": "apply() after start_apply() changes the logits as apply() alone does: the "
-                                    "same rows, fewer, or a state advanced in between",
     "logits_processor.advance": "advance() takes the tokens the processor's own logits choose (their argmax), step "
                                 "after step",
     "logits_processor.resume": "new_state(prepared, tokens) scores as a new state advanced over the same tokens",

@@ -5,8 +5,7 @@ engine builds it, ``cls(LogitsProcessorContext(...))``, from the tiny random-wei
 no tokenizer), or from the default model's where ``prepare()`` asks for a tokenizer. Then directly: ``prepare()``
 takes every example and refuses wrong arguments with ``ValueError``; ``apply()`` changes its rows only, leaves each
 row something to sample, does not advance a state, and scores a row after proposed tokens as a state that generated
-them; the tokens ``forced_tokens()`` gives are ones ``apply()`` allows, one after another; ``start_apply()`` leaves
-what ``apply()`` does unchanged (same rows, fewer, or a state advanced in between); states follow the
+them; the tokens ``forced_tokens()`` gives are ones ``apply()`` allows, one after another; states follow the
 processor's own greedy choices through ``advance()``, rebuild from output tokens in ``new_state()`` and end in
 ``finish()``. Through the engine: greedy requests with each example complete, every output token allowed by the
 processor.
@@ -179,32 +178,6 @@ def check_forced_tokens(h: Harness, seed: int = 7) -> None:
             for j, token in enumerate(forced):
                 require(bool(torch.isfinite(rows[j, token])), rule,
                         f"{where}: forced token {token} (number {j} of {forced}) is one apply() does not allow there")
-
-
-def check_start_apply(h: Harness, seed: int = 8) -> None:
-    """Along the examples' own greedy tokens, all states in one batch after a row of no request: apply() after
-    start_apply() changes the logits as apply() alone does, given the same rows, fewer rows (a request finished in
-    between), or the same rows after one state advanced in between."""
-    rule = "logits_processor.start_apply"
-    walks = walk(h, [h.new_state(i, rule) for i in range(len(h.prepared))], seed)
-    for k in range(1 + max(len(t) for t in walks)):
-        states = [h.new_state(i, rule, t[:k]) for i, t in enumerate(walks)]
-        rows = [RowContext(1 + i, state) for i, state in enumerate(states)]
-        logits = random_logits(1 + len(rows), h.vocab_size, seed + k)
-        cases = [("the same rows", rows, None), ("all but the first row", rows[1:], None)]
-        cases += [(f"the same rows, example {i} advanced over {t[k]} in between", rows, (i, t[k]))
-                  for i, t in enumerate(walks) if k < len(t)][:1]
-        for case, applied, advance in cases:
-            got = logits.clone()
-            call_checked(rule, "start_apply", h.processor.start_apply, list(rows))
-            if advance is not None:
-                h.advance(states[advance[0]], [advance[1]], rule)
-            h.apply(got, applied, rule)
-            alone = logits.clone()
-            h.apply(alone, applied, rule)
-            require(_same(got, alone), rule,
-                    f"after {k} tokens, {case}: apply() after start_apply() changed the logits differently from "
-                    f"apply() alone")
 
 
 def check_resume(h: Harness, seed: int = 4) -> None:

@@ -18,7 +18,6 @@ from rtx_conformance.checks.logits_processor import (
     check_prepare,
     check_proposed_rows,
     check_resume,
-    check_start_apply,
 )
 from rtx_conformance.checks.logits_processor_harness import Harness, Models, build, example_args
 from rtx_conformance.rules import ContractViolation
@@ -78,11 +77,6 @@ def test_proposed_rows(harness):
 @pytest.mark.rtx_rules("logits_processor.builds", "logits_processor.forced_tokens")
 def test_forced_tokens(harness):
     check_forced_tokens(harness)
-
-
-@pytest.mark.rtx_rules("logits_processor.builds", "logits_processor.start_apply")
-def test_start_apply(harness):
-    check_start_apply(harness)
 
 
 @pytest.mark.rtx_rules("logits_processor.builds", "logits_processor.advance")

@@ -11,9 +11,6 @@ faster per token (4 µs against 16 µs per request per step), which is small bes
 Per request the state is a matcher copied from a template compiled once per grammar (llguidance keeps no cache of
 its own; copies share the template's lexer, which is built lazily, so a warm template also makes copies faster).
 Each step fills every row's mask in one call that releases the GIL, then applies all masks in a few device ops.
-Where steps overlap (a GPU), the engine asks for the masks (``start_apply``) once the previous step's tokens are read,
-and they are filled on a thread of their own while the engine's thread turns those tokens into outputs: on an H100,
-filling 32 masks took 0.8 ms of a guided step's 2.2 ms (a free step: 1.2 ms), all of it on the engine's thread.
 """
 
 from __future__ import annotations
@@ -23,7 +20,6 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,33 +41,6 @@ class GrammarState:
     matcher: llg.LLMatcher
 
 
-@dataclass(slots=True, eq=False)
-class StartedMasks:
-    """Masks being filled off the engine's thread for the rows of the next apply(): ``bitmask[i]`` is the mask of
-    row ``rows[i]``, whose state is ``states[i]`` (held here: the fill reads its matcher)."""
-
-    rows: list[int]
-    states: list[GrammarState]
-    bitmask: torch.Tensor
-    filled: Future[None] | None  # None: nothing to fill (every row's matcher in its error state)
-
-    def wait(self) -> None:
-        if self.filled is not None:
-            self.filled.result()
-
-    def masks_for(self, rows: Sequence[RowContext]) -> torch.Tensor | None:
-        """The masks of ``rows`` (a subset of the started rows, in order, with the same states), or None."""
-        if len(rows) == len(self.rows) and all(
-                r.row == row and r.state is state and not r.proposed for r, row, state in
-                zip(rows, self.rows, self.states)):
-            return self.bitmask
-        index = {row: i for i, row in enumerate(self.rows)}
-        picked = [index.get(r.row) for r in rows]
-        if any(i is None or self.states[i] is not r.state or r.proposed for i, r in zip(picked, rows)):
-            return None
-        return self.bitmask[torch.tensor(picked)]
-
-
 class StructuredOutput(LogitsProcessor):
     stateful = True
 
@@ -81,9 +50,6 @@ class StructuredOutput(LogitsProcessor):
         self._tokenizer: llg.LLTokenizer | None = None
         self._templates: OrderedDict[str, llg.LLMatcher] = OrderedDict()
         self._executor: llg.LLExecutor | None = None
-        # The thread that fills masks started ahead of apply(), and the masks it is filling.
-        self._fill_thread: ThreadPoolExecutor | None = None
-        self._started: StartedMasks | None = None
         # Bits of each byte value, per device: a mask byte indexes its eight allowed/forbidden flags.
         self._byte_bits: dict[torch.device, torch.Tensor] = {}
 
@@ -135,7 +101,6 @@ class StructuredOutput(LogitsProcessor):
         return GrammarState(matcher)
 
     def forced_tokens(self, state: GrammarState, max_tokens: int) -> list[int]:
-        self._drop_started()
         # llguidance's fast-forward tokens: the canonical tokenization of the bytes the grammar forces (a key, a
         # quote and a colon), stopping short of a token the next free bytes could merge with.
         matcher = state.matcher
@@ -146,49 +111,9 @@ class StructuredOutput(LogitsProcessor):
     def advance(self, state: GrammarState, token_ids: Sequence[int]) -> None:
         # A refused token (a stop token with ignore_eos, a token an early exit kept) leaves the matcher in its
         # error state; apply() then allows only the end of the sequence.
-        self._drop_started()
         state.matcher.consume_tokens(list(token_ids))
 
-    def start_apply(self, rows: Sequence[RowContext]) -> None:
-        self._drop_started()
-        if any(r.proposed for r in rows):
-            return  # verification rows: apply() fills them one by one
-        words = (self.context.vocab_size + 31) // 32
-        bitmask = torch.empty((len(rows), words), dtype=torch.int32, pin_memory=self.context.device.type == "cuda")
-        plain = self._plain_rows(rows, bitmask)
-        filled = None
-        if plain:
-            if self._fill_thread is None:
-                self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="rtx-grammar-masks")
-            filled = self._fill_thread.submit(self._executor_for().unsafe_compute_mask_ptr, plain,
-                                              bitmask.data_ptr(), 4 * words, len(rows))
-        self._started = StartedMasks([r.row for r in rows], [r.state for r in rows], bitmask, filled)
-
-    def _plain_rows(self, rows: Sequence[RowContext], bitmask: torch.Tensor) -> list[tuple[llg.LLMatcher, int]]:
-        """The (matcher, mask index) of each row to fill; a row whose matcher is in its error state allows only the end
-        of the sequence, filled here."""
-        plain = []
-        for i, r in enumerate(rows):
-            if r.state.matcher.is_error():
-                self._only_stop(bitmask[i])
-            else:
-                plain.append((r.state.matcher, i))
-        return plain
-
-    def _drop_started(self) -> None:
-        """Wait for masks being filled (their matchers must not change meanwhile) and forget them."""
-        started, self._started = self._started, None
-        if started is not None:
-            started.wait()
-
     def apply(self, logits: torch.Tensor, rows: Sequence[RowContext]) -> None:
-        started, self._started = self._started, None
-        if started is not None:
-            started.wait()
-            masks = started.masks_for(rows) if logits.shape[1] == self.context.vocab_size else None
-            if masks is not None:
-                self._apply_bitmask(logits, [r.row for r in rows], masks)
-                return
         words = (logits.shape[1] + 31) // 32
         row_bytes = 4 * words
         bitmask = torch.empty((len(rows), words), dtype=torch.int32, pin_memory=logits.device.type == "cuda")

@@ -11,10 +11,7 @@ fields, any other plugin from ``logits_processors: {name: args}``). A processor'
    the tokens the request has already generated (a request resumed after a restart rebuilds its state from them).
 3. :meth:`LogitsProcessor.apply` changes the logits rows of every request using the processor, in one batched call
    per step. Before it, each state has seen every generated token through :meth:`LogitsProcessor.advance`. Steps
-   with no request using any processor never call anything here. Where steps overlap (a GPU), the engine may call
-   :meth:`LogitsProcessor.start_apply` with the same rows first, as soon as the states have seen the last token and
-   before the logits exist, so that work which needs no logits (a grammar's masks) runs off the engine's thread while
-   it turns the previous step's tokens into outputs.
+   with no request using any processor never call anything here.
 
 Speculative decoding verifies proposed tokens: a request then has several rows, the row after ``j`` proposed tokens
 scored as if they had been generated (``RowContext.proposed``). A stateful processor (a grammar) advances over them,
@@ -94,12 +91,6 @@ class LogitsProcessor(ABC):
     def apply(self, logits: torch.Tensor, rows: Sequence[RowContext]) -> None:
         """Change ``logits`` (float [num_rows, vocab_size], on the device) in place at the given rows, in as few
         device operations as the processor can."""
-
-    def start_apply(self, rows: Sequence[RowContext]) -> None:
-        """The rows of the next :meth:`apply` are known before its logits are: start what needs no logits (filling a
-        grammar's masks) off the engine's thread, the default being nothing. The next call of any other method finishes
-        or drops it; :meth:`apply` changes the logits exactly as it would have without this call. The rows it then
-        gets may be fewer (a request finished in between), never others."""
 
     def forced_tokens(self, state: Any, max_tokens: int) -> list[int]:
         """At most ``max_tokens`` tokens that the state lets through as the only way on from here (the tokens a

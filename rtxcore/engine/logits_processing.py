@@ -112,28 +112,6 @@ class LogitsProcessing:
             except Exception as exc:
                 raise PluginFault("logits_processor", name, exc) from exc
 
-    def start_apply(self, reqs: Sequence[Request], last_tokens: dict[str, int]) -> None:
-        """The step's sampling requests (in row order, one row each) are known and its forward pass is queued: let
-        each processor start its part of :meth:`apply` that needs no logits. ``last_tokens`` holds each request's
-        token that was read from the device but is not in its output yet (the previous step's); the states see it
-        now, and :meth:`apply` does not give it to them again."""
-        if not self._num_active:
-            return
-        rows: dict[str, list[RowContext]] = defaultdict(list)
-        for row, req in enumerate(reqs):
-            state = req.logits
-            if state is None or not state.states:
-                continue
-            token = last_tokens.get(req.req_id)
-            self._catch_up(req, state, () if token is None else (token,))
-            for name, processor_state in state.states.items():
-                rows[name].append(RowContext(row, processor_state))
-        for name, processor_rows in rows.items():
-            try:
-                self.processors[name].start_apply(processor_rows)
-            except Exception as exc:
-                raise PluginFault("logits_processor", name, exc) from exc
-
     def forced_tokens(self, req: Request, max_tokens: int) -> list[int]:
         """At most ``max_tokens`` tokens that ``req``'s processors force next (the first processor that forces any),
         having seen every token it generated; empty when none does."""
@@ -150,15 +128,13 @@ class LogitsProcessing:
                 return list(tokens[:max_tokens])
         return []
 
-    def _catch_up(self, req: Request, state: RequestLogits, last: Sequence[int] = ()) -> None:
-        """Give the states the request's tokens they have not seen: those of its output, then ``last`` (tokens about
-        to join it, counted as seen from now)."""
+    def _catch_up(self, req: Request, state: RequestLogits) -> None:
         outputs = req.output_token_ids
-        if len(outputs) + len(last) > state.seen:
-            new = [*outputs[state.seen:], *last]
+        if len(outputs) > state.seen:
+            new = outputs[state.seen:]
             for name, processor_state in state.states.items():
                 try:
                     self.processors[name].advance(processor_state, new)
                 except Exception as exc:
                     raise PluginFault("logits_processor", name, exc) from exc
-            state.seen = len(outputs) + len(last)
+            state.seen = len(outputs)

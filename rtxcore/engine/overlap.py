@@ -90,9 +90,8 @@ class OverlappedSteps:
         if logits is not None and plan.sampling_reqs:
             if prev is not None and self._num_stateful_reqs:
                 # A grammar's mask for this step follows the previous step's tokens: read them now, while the
-                # device computes this step's forward pass (queued above), start the masks (filled off this
-                # thread while it turns those tokens into outputs), then mask and sample.
-                outputs, prev = outputs + self._process(prev, plan.sampling_reqs), None
+                # device computes this step's forward pass (queued above), then mask and sample.
+                outputs, prev = outputs + self._process(prev), None
             reqs, _, sampled = core.faults.sample(logits, plan, plan.sampling_reqs, None, plan.sampling)
             if sampled is not None:
                 self._in_flight = self._launch(reqs, sampled)
@@ -140,13 +139,9 @@ class OverlappedSteps:
                 self._released.add(req.req_id)
         return InFlightStep.launch(reqs, sampled)
 
-    def _process(self, step: InFlightStep, next_reqs: list[Request] | None = None) -> list[RequestOutput]:
-        """The step's tokens turned into outputs; with ``next_reqs`` (the sampling requests of the step launched
-        since), their logits processors start on the next sampling as soon as the tokens are read."""
+    def _process(self, step: InFlightStep) -> list[RequestOutput]:
         host = step.wait()
         reqs, requests = step.reqs, self.core.requests
-        if next_reqs is not None:
-            self.core.logits.start_apply(next_reqs, dict(zip((r.req_id for r in reqs), host.token_ids.tolist())))
         for req in reqs:
             req.num_pending_tokens -= 1
         # Requests that finished or were aborted since the step launched drop their token. Usually none did: then

@@ -19,8 +19,8 @@ from rtxcore.hookspecs import hookimpl
 from rtxcore.registry import load_plugins
 
 BUILTINS = ("logit_bias", "allowed_tokens", "banned_tokens", "structured_output")
-CHECKS = {"example_args", "builds", "prepare", "apply", "apply_pure", "proposed_rows", "forced_tokens", "start_apply",
-          "advance", "resume", "independent_states", "finish", "engine"}
+CHECKS = {"example_args", "builds", "prepare", "apply", "apply_pure", "proposed_rows", "forced_tokens", "advance",
+          "resume", "independent_states", "finish", "engine"}
 
 
 class Alternating(LogitsProcessor):
@@ -105,26 +105,6 @@ class ForcesTheOther(Alternating):
         return [state["pair"][(state["seen"] + 1) % 2]]
 
 
-class StaleStart(Alternating):
-    """Decides each row's token in start_apply() and keeps that decision, whatever happens before apply()."""
-
-    def __init__(self, context):
-        super().__init__(context)
-        self._started: dict[int, int] | None = None
-
-    def start_apply(self, rows: Sequence[RowContext]) -> None:
-        self._started = {r.row: self.position(r) for r in rows}
-
-    def position(self, r: RowContext) -> int:
-        if self._started is not None and r.row in self._started:
-            return self._started[r.row]
-        return super().position(r)
-
-    def apply(self, logits: torch.Tensor, rows: Sequence[RowContext]) -> None:
-        super().apply(logits, rows)
-        self._started = None
-
-
 class ForgetsOutputs(Alternating):
     def new_state(self, prepared: tuple[int, int], output_token_ids: Sequence[int]) -> dict[str, Any]:
         return super().new_state(prepared, ())
@@ -164,7 +144,6 @@ class TestProcessors:
         register("advances-in-apply", AdvancesInApply)
         register("ignores-proposed", IgnoresProposed)
         register("forces-the-other", ForcesTheOther)
-        register("stale-start", StaleStart)
         register("forgets-outputs", ForgetsOutputs)
         register("shared-state", SharedState)
         register("strict-finish", StrictFinish)
@@ -197,7 +176,6 @@ def test_correct_processor_passes(processor_run, name):
     ("advances-in-apply", "[logits_processor.apply_pure]", "a second apply() with the same state"),
     ("ignores-proposed", "[logits_processor.proposed_rows]", "the row after proposed"),
     ("forces-the-other", "[logits_processor.forced_tokens]", "is one apply() does not allow there"),
-    ("stale-start", "[logits_processor.start_apply]", "advanced over"),
     ("forgets-outputs", "[logits_processor.resume]", "new_state with output tokens"),
     ("shared-state", "[logits_processor.independent_states]", "never advanced, now scores differently"),
     ("strict-finish", "[logits_processor.finish]", "never applied raised KeyError"),

@@ -9,7 +9,6 @@ import re
 import jsonschema
 import pytest
 
-from rtx_plugins.logits_processors.structured_output import StartedMasks, StructuredOutput
 from rtxcore.engine.config import EngineConfig
 from rtxcore.engine.llm import LLM
 from rtxcore.engine.speculation.config import SpeculativeConfig
@@ -151,26 +150,9 @@ def test_forced_tokens_are_verified_in_one_step_and_change_no_token(registry, de
     assert forced[3].text in ("light blue", "dark red") and forced[4].text.startswith("sum: ")
 
 
-def test_overlapped_steps_give_the_serial_tokens(registry, default_source, default_engine, monkeypatch):
+def test_overlapped_steps_give_the_serial_tokens(registry, default_source, default_engine):
     # Asynchronous scheduling (the GPU default): a grammar's mask is filled after the previous step's tokens are
-    # read, while the next forward pass runs, on a thread of its own while the engine's makes the outputs
-    # (start_apply). Requests end at different steps (a choice after a token or two), so some steps apply fewer
-    # rows than were started.
-    used = {"started": 0, "applied": 0, "fewer": 0}
-    start_apply, masks_for = StructuredOutput.start_apply, StartedMasks.masks_for
-
-    def counted_start(self, rows):
-        used["started"] += 1
-        return start_apply(self, rows)
-
-    def counted_masks_for(self, rows):
-        masks = masks_for(self, rows)
-        used["applied"] += masks is not None
-        used["fewer"] += masks is not None and len(rows) < len(self.rows)
-        return masks
-
-    monkeypatch.setattr(StructuredOutput, "start_apply", counted_start)
-    monkeypatch.setattr(StartedMasks, "masks_for", counted_masks_for)
+    # read, while the next forward pass runs. Requests end at different steps (a choice after a token or two).
     overlapped = LLM(EngineConfig(async_scheduling=True), registry=registry, source=default_source)
     prompts = [_chat(default_engine, p) for p in (*PROMPTS[:2], "Is it raining?", "Count to five.")]
     params = [SamplingParams(max_tokens=48, temperature=0.0, structured_output={"json": PERSON}),
@@ -181,8 +163,6 @@ def test_overlapped_steps_give_the_serial_tokens(registry, default_source, defau
     assert [r.token_ids for r in overlapped.generate(prompts, params)] == [r.token_ids for r in serial]
     jsonschema.validate(json.loads(serial[0].text), PERSON)
     assert serial[2].text in ("yes", "no")
-    # Every guided step after the first few was started ahead, and its masks were the ones applied.
-    assert used["started"] >= 15 and used["applied"] >= used["started"] - 2 and used["fewer"] >= 1, used
 
 
 def test_preempted_guided_requests_recompute_to_the_same_tokens(registry, default_source, default_engine):

@@ -100,7 +100,8 @@ class KVOffload:
         return self.tiers[0]
 
     def spill(self, victims: list[tuple[int, BlockHash]]) -> None:
-        """The device is reusing these cached blocks: keep their bytes in the first lower tier."""
+        """The device is reusing these cached blocks: keep their bytes in a lower tier (the first, unless one
+        holds them already)."""
         todo = []
         for block_id, key in victims:
             holder = self._holder(key)
@@ -116,8 +117,8 @@ class KVOffload:
         """The highest lower tier holding ``key``. A block the disk holds is not spilled again into the host tier
         above it: its reload reads it from disk, off the engine's thread, as it would once the host tier evicted it.
         Copied down again, every eviction of a block written through to disk cost the engine's thread a copy and a
-        store: W4 at 48 conversations over a small host tier on an H100 spilled 114,901 blocks in a 61 s load phase
-        and spent 9.5 s of it copying them down (docs/benchmarks.md)."""
+        store: W4 at 48 conversations over a small host tier on an H100 copied 114,901 blocks down in a 61 s load
+        phase (9.5 s of the engine's thread), about half of them blocks the disk held (docs/benchmarks.md)."""
         for tier in self.tiers:
             if key in tier:
                 return tier

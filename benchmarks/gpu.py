@@ -103,11 +103,14 @@ def _quant(tree: Tree, out: Path, suffix: str, hf: bool) -> list[Command]:
 
 
 def _tiers(tree: Tree, out: Path, suffix: str, hf: bool) -> list[Command]:
+    # Issue 35's measurement at its first size, one seed (about 5 minutes on an H100: one call holds it beside the
+    # tests); run w4_tiers.py by hand with --seeds 1, 2 and --conversations 64 for the rest.
     path = out / "w4_tiers_llama1b.json"
     return [Command(tree.pytest("tests/kv"), "kv_tests.log"),
-            Command(tree.script("w4_tiers.py", "--model", "dummy:llama-1b", "--conversations", "32", "--turns", "8",
+            Command(tree.script("w4_tiers.py", "--model", "dummy:llama-1b", "--conversations", "48", "--turns", "12",
                                 "--new-tokens", "64", "--reply-tokens", "128", "--max-num-seqs", "16",
-                                "--max-num-batched-tokens", "2048", "--json", str(path)), "w4_tiers.log", path)]
+                                "--max-num-batched-tokens", "2048", "--configs", "roomy,offload,disk", "--seeds", "0",
+                                "--json", str(path)), "w4_tiers.log", path)]
 
 
 # The default model's weights on this machine (--model-file): its GGUF, carried over in parts.
@@ -195,7 +198,8 @@ STEPS: dict[str, Step] = {s.name: s for s in (
          _guided),
     Step("quant", "quantized kernel tests, then W3 and W1 on llama-8b for bf16, int4, int8, int8-sq and fp8 "
                   "(quant_speed.py, medians of three)", _quant),
-    Step("tiers", "the KV tier tests, then W4 with KV tiers on llama-1b (w4_tiers.py)", _tiers),
+    Step("tiers", "the KV tier tests, then W4 on llama-1b at 48 conversations of 12 turns, roomy against the offload "
+                  "and disk configurations, seed 0 (w4_tiers.py)", _tiers),
     Step("spec", "speculative decoding: its engine tests, W6 on the default model's weights (--model-file), early-"
                  "exit quality, and a verification step's cost for k = 1..8 on llama-8b with a llama-1b draft", _spec),
 )}

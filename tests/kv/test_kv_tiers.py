@@ -17,7 +17,7 @@ from rtxcore.kv.tiers.base import KVTier, TierReadError
 from rtxcore.kv.tiers.disk import DiskTier
 from rtxcore.kv.tiers.host import HostTier
 from rtxcore.kv.tiers.offload import KVOffload
-from tests.helpers.kv import POLICIES, make_request
+from tests.helpers.kv import POLICIES
 from tests.kv.test_kv_manager_properties import WorkloadMachine
 
 FINGERPRINT = bytes(20)
@@ -297,68 +297,6 @@ def test_long_tiered_workload_reloads(seed):
         m.tiers_consistent()
     assert m.kv.stats.num_reloaded_tokens > 0
     m.teardown()
-
-
-def test_a_block_bouncing_between_device_and_host_is_copied_down_once(tmp_path):
-    """Inclusive tiers: the host keeps its copy when a block goes back to the device, so evicting it again is a
-    touch, not a second copy (no thrashing)."""
-    device = torch.zeros((4, BLOCK_BYTES), dtype=torch.uint8)
-    copies: list[list[int]] = []
-
-    def read_blocks(block_ids):
-        copies.append(block_ids)
-        return device[block_ids].clone()
-
-    def write_blocks(block_ids, data):
-        device[block_ids] = data
-
-    host = HostTier(8, BLOCK_BYTES, POLICIES["lru"](8))
-    offload = KVOffload([host], read_blocks, write_blocks)
-    kv = KVCacheManager(4, 4, POLICIES["lru"](4), offload=offload)
-    a, b = make_request([1, 2, 3, 4, 5, 6, 7, 8, 9]), make_request([11, 12, 13, 14, 15, 16, 17, 18, 19])
-    for _ in range(3):
-        for req in (a, b):  # each needs all 3 usable blocks: running one evicts the other's
-            req.num_computed_tokens = kv.lookup_prefix(req)
-            assert kv.allocate(req, req.num_tokens - req.num_computed_tokens)
-            req.num_computed_tokens = req.num_tokens
-            kv.free(req)
-            req.num_computed_tokens = 0
-    # Four full blocks (two per prompt) were copied down once each, then only touched on later evictions.
-    assert host.stats.num_stored == 4 and sum(len(c) for c in copies) == 4
-    assert offload.stats.num_spill_hits > 0 and offload.stats.num_reloaded > 0
-    kv.check_invariants(), host.check_invariants()
-
-
-def test_a_block_the_disk_holds_is_not_copied_down_again(tmp_path):
-    """A host tier too small for the blocks over a disk with room for all: each block is copied down once and
-    written through to disk; evicted from the device again after the host tier let it go, it stays on disk alone
-    (a spill hit there), not copied to the host a second time."""
-    device = torch.zeros((4, BLOCK_BYTES), dtype=torch.uint8)
-    copies: list[list[int]] = []
-
-    def read_blocks(block_ids):
-        copies.append(block_ids)
-        return device[block_ids].clone()
-
-    def write_blocks(block_ids, data):
-        device[block_ids] = data
-
-    host, disk = tier_chain(tmp_path, 3, 16)
-    offload = KVOffload([host, disk], read_blocks, write_blocks)
-    kv = KVCacheManager(4, 4, POLICIES["lru"](4), offload=offload)
-    a, b = make_request([1, 2, 3, 4, 5, 6, 7, 8, 9]), make_request([11, 12, 13, 14, 15, 16, 17, 18, 19])
-    for _ in range(3):
-        for req in (a, b):  # each needs all 3 usable blocks: running one evicts the other's
-            req.num_computed_tokens = kv.lookup_prefix(req)
-            assert kv.allocate(req, req.num_tokens - req.num_computed_tokens)
-            req.num_computed_tokens = req.num_tokens
-            kv.free(req)
-            req.num_computed_tokens = 0
-            disk.flush()
-    # Four full blocks, each copied down once: later evictions found them on disk (or still in the host tier).
-    assert sum(len(c) for c in copies) == 4 and offload.stats.num_spilled == 4
-    assert len(disk) == 4 and offload.stats.num_spill_hits >= 4
-    kv.check_invariants(), host.check_invariants(), disk.check_invariants()
 
 
 def test_a_full_disk_costs_blocks_not_the_tier(tmp_path, monkeypatch):

@@ -114,11 +114,10 @@ class KVOffload:
         self.stats.num_spilled += len(todo)
 
     def _holder(self, key: BlockHash) -> KVTier | None:
-        """The highest lower tier holding ``key``. A block the disk holds is not spilled again into the host tier
-        above it: its reload reads it from disk, off the engine's thread, as it would once the host tier evicted it.
-        Copied down again, every eviction of a block written through to disk cost the engine's thread a copy and a
-        store: W4 at 48 conversations over a small host tier on an H100 copied 114,901 blocks down in a 61 s load
-        phase (9.5 s of the engine's thread), about half of them blocks the disk held (docs/benchmarks.md)."""
+        """The highest lower tier holding ``key``. A block the disk holds is not spilled into the host tier again:
+        its reload reads it from disk off the engine's thread. W4 at 48 conversations over a small host tier on an
+        H100 copied 114,901 blocks down in a 61 s phase (9.5 s of the engine's thread), about half of them blocks
+        the disk held (docs/benchmarks.md)."""
         for tier in self.tiers:
             if key in tier:
                 return tier

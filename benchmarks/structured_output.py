@@ -1,12 +1,14 @@
 """The cost of structured output: tokens/s of a batch of JSON-schema requests against the same batch unconstrained.
 
-    python benchmarks/structured_output.py [--model PATH] [--device cpu|cuda] [--batch 32] [--tokens 64] [--runs 3]
-        [--grammar-proposals auto|on|off] [--compare-plain] [--json PATH]
+    python benchmarks/structured_output.py [--model PATH] [--shape SHAPE] [--device cpu|cuda] [--batch 32]
+        [--tokens 64] [--runs 3] [--grammar-proposals auto|on|off] [--compare-plain] [--json PATH]
 
 Both batches decode exactly ``--tokens`` tokens per request: the schema asks for more items than fit (so the grammar
 never ends a request early) and the free batch ignores EOS. Runs alternate (free, guided, free, ...) in one engine
 after a warm-up of each; the figure is the median of ``--runs``. The model needs a tokenizer (the default model, or
-its GGUF file given by path).
+its GGUF file given by path). ``--shape llama-8b`` runs random weights of that shape (``dummy:llama-8b``) with the
+model's tokenizer and vocabulary instead: a model whose forward pass, not the host, sets the step time, which the
+default model on a GPU is not.
 
 The guided batch runs as the engine runs it by default, where the tokens a grammar forces are proposed and verified
 in one step (``--grammar-proposals`` sets it); ``--compare-plain`` also runs it on a second engine of the same model
@@ -17,6 +19,7 @@ with their acceptance (tokens proposed and accepted, verifications).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -25,6 +28,9 @@ from rtxcore.engine.config import EngineConfig
 from rtxcore.engine.llm import LLM
 from rtxcore.engine.speculation.config import SpeculativeConfig
 from rtxcore.engine.speculation.speculator import GRAMMAR, ProposerStats
+from rtxcore.models.dummy import SHAPES, DummySource
+from rtxcore.models.resolve import resolve_model
+from rtxcore.models.source import ModelSource
 from rtxcore.sampling_params import SamplingParams
 
 # Items no request can finish within its budget: every guided request runs to max_tokens, like the free ones.
@@ -42,9 +48,27 @@ TOPICS = ["baking bread", "changing a tyre", "planting a tree", "writing a lette
           "cleaning a bike", "painting a wall"]
 
 
+class ShapeWithTokenizer(DummySource):
+    """Random weights of a dummy shape, with another model's tokenizer (and so its vocabulary and special tokens):
+    dummy shapes have no tokenizer, and a grammar needs one."""
+
+    def __init__(self, shape: str, tokenizer_source: ModelSource):
+        super().__init__(shape)
+        vocab = tokenizer_source.config
+        self._config = dataclasses.replace(self._config, vocab_size=vocab.vocab_size, bos_token_id=vocab.bos_token_id,
+                                           eos_token_ids=vocab.eos_token_ids)
+        self.name = f"dummy:{shape}+{tokenizer_source.name}-tokenizer"
+        self._tokenizer_source = tokenizer_source
+
+    def tokenizer(self):
+        return self._tokenizer_source.tokenizer()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: the default model")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                        help="random weights of this shape with --model's tokenizer and vocabulary")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64)
@@ -55,10 +79,12 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the report to this file")
     args = parser.parse_args()
     proposals = {"auto": None, "on": True, "off": False}[args.grammar_proposals]
+    source = ShapeWithTokenizer(args.shape, resolve_model(args.model)) if args.shape else None
     llm = LLM(EngineConfig(model=args.model, device=args.device,
-                           speculative=SpeculativeConfig(grammar_proposals=proposals)))
+                           speculative=SpeculativeConfig(grammar_proposals=proposals)), source=source)
     plain = LLM(EngineConfig(model=args.model, device=args.device,
-                             speculative=SpeculativeConfig(grammar_proposals=False))) if args.compare_plain else None
+                             speculative=SpeculativeConfig(grammar_proposals=False)),
+                source=source) if args.compare_plain else None
     prompts = [llm.inputs.apply_chat_template([{"role": "user", "content": f"List the steps of {TOPICS[i % 8]} "
                                                  f"as JSON (request {i})."}]) for i in range(args.batch)]
     free = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
@@ -89,7 +115,8 @@ def main() -> None:
     sample = llm.generate(prompts[:1], SamplingParams(max_tokens=24, temperature=0.0,
                                                       structured_output={"json": SCHEMA}))[0].text
     free_s, guided_s = statistics.median(rates["free"]), statistics.median(rates["guided"])
-    report = {"device": str(llm.core.backend.device), "batch": args.batch, "tokens": args.tokens,
+    report = {"model": llm.core.source.name, "device": str(llm.core.backend.device), "batch": args.batch,
+              "tokens": args.tokens,
               "free_tok_s": round(free_s, 1), "guided_tok_s": round(guided_s, 1),
               "ratio": round(guided_s / free_s, 3),
               "grammar_proposals": {"proposed": proposed, "accepted": accepted, "verifications": verifications,

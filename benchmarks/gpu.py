@@ -154,11 +154,15 @@ def _real(tree: Tree, out: Path, suffix: str, hf: bool) -> list[Command]:
 
 
 def _guided(tree: Tree, out: Path, suffix: str, hf: bool) -> list[Command]:
-    """Structured output against free generation on the default model's weights: the guided batch with the tokens
-    its grammar forces proposed, beside the same batch proposing nothing (structured_output.py --compare-plain)."""
+    """Structured output against free generation: first where the forward pass sets the step time (llama-8b's
+    shape, random weights, the default model's tokenizer), then on the default model's weights, the guided batch
+    with the tokens its grammar forces proposed beside the same batch proposing nothing (--compare-plain)."""
     if not MODEL_FILE:  # main() refuses the step without one
         return []
-    commands = []
+    path = out / f"guided_llama8b{suffix}.json"
+    commands = [Command(tree.script("structured_output.py", "--model", MODEL_FILE[0], "--shape", "llama-8b", "--device",
+                                    "cuda", "--batch", "32", "--tokens", "64", "--runs", "5", "--json", str(path)),
+                        f"guided_llama8b{suffix}.log", path)]
     for tokens in ("64", "256"):
         path = out / f"guided_{tokens}{suffix}.json"
         commands.append(Command(tree.script("structured_output.py", "--model", MODEL_FILE[0], "--device", "cuda",
@@ -193,8 +197,9 @@ STEPS: dict[str, Step] = {s.name: s for s in (
                "attention's FLOP/s", _bench("W7_llama1b", "W7", LLAMA_1B_LONG, "hf"), ab=True),
     Step("real", "the default model's real weights (--model-file): greedy == CPU in float32, W1 and W3 against HF "
                  "eager, fp8's perplexity against bf16's (fp8_quality.py)", _real),
-    Step("guided", "structured output on the default model's weights (--model-file): a batch of 32 JSON-schema "
-                   "requests against the same batch free, with the grammar's forced tokens proposed and without",
+    Step("guided", "structured output (--model-file): a batch of 32 JSON-schema requests against the same batch "
+                   "free, on llama-8b's shape with the default model's tokenizer, then on the default model's "
+                   "weights with the grammar's forced tokens proposed and without",
          _guided),
     Step("quant", "quantized kernel tests, then W3 and W1 on llama-8b for bf16, int4, int8, int8-sq and fp8 "
                   "(quant_speed.py, medians of three)", _quant),

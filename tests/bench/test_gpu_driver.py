@@ -110,3 +110,17 @@ def test_a_b_table_without_baseline_or_second_tree(gpu):
     rows = gpu.ab_rows([("after", 1, bench_payload(1000.0, 1.0, base=None))])
     assert "after_vs_before" not in gpu.ab_summary(rows)
     assert "| after | 1 | 2026-12-01 10:00 UTC | 1,000.0 | 1.000 | - | - |" in gpu.ab_markdown("W3", "rtx", rows)
+
+
+def test_guided_step_measures_a_forward_bound_shape_first(gpu, tmp_path):
+    tree = gpu.Tree("after", tmp_path / "tree", tmp_path / "run")
+    gpu.MODEL_FILE[:] = ["/root/smol.gguf"]
+    try:
+        shape, *default_model = gpu.STEPS["guided"].commands(tree, tmp_path, "", True)
+    finally:
+        gpu.MODEL_FILE[:] = []
+    # llama-8b's random weights take the GGUF's tokenizer: a grammar needs one and dummy shapes have none.
+    assert shape.argv[shape.argv.index("--shape") + 1] == "llama-8b"
+    assert shape.argv[shape.argv.index("--model") + 1] == "/root/smol.gguf"
+    assert [c.argv[c.argv.index("--tokens") + 1] for c in default_model] == ["64", "256"]
+    assert all("--shape" not in c.argv and "--compare-plain" in c.argv for c in default_model)

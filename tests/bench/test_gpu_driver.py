@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.benchmark_scripts import benchmark_script
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def gpu():
-    spec = importlib.util.spec_from_file_location("rtx_bench_gpu_driver", REPO / "benchmarks" / "gpu.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    with benchmark_script("gpu") as module:
+        yield module
 
 
 def bench_payload(tokens_per_s: float, ms: float, base: float | None = 4000.0) -> dict:

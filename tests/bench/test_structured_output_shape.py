@@ -2,27 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 from rtxcore.models.dummy import SHAPES
 from rtxcore.models.resolve import resolve_model
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers.benchmark_scripts import benchmark_script
 
 
 def test_a_shape_takes_the_tokenizer_and_its_vocabulary():
-    spec = importlib.util.spec_from_file_location("rtx_bench_structured_output", REPO / "benchmarks" /
-                                                  "structured_output.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-        default = resolve_model(None)
+    default = resolve_model(None)
+    with benchmark_script("structured_output") as module:
         source = module.ShapeWithTokenizer("llama-8b", default)
-    finally:
-        del sys.modules[spec.name]
     assert source.config.vocab_size == default.config.vocab_size != SHAPES["llama-8b"].vocab_size
     assert source.config.eos_token_ids == default.config.eos_token_ids
     assert source.config.hidden_size == SHAPES["llama-8b"].hidden_size

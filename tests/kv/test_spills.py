@@ -39,7 +39,7 @@ def bounce_two_prompts(tiers, after_each=lambda: None):
     return kv, offload, copies
 
 
-def test_a_block_bouncing_between_device_and_host_is_copied_down_once(tmp_path):
+def test_a_block_bouncing_between_device_and_host_is_copied_down_once():
     """Inclusive tiers: the host keeps its copy when a block goes back to the device, so evicting it again is a
     touch, not a second copy (no thrashing)."""
     host = HostTier(8, BLOCK_BYTES, POLICIES["lru"](8))

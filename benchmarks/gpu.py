@@ -37,7 +37,9 @@ LLAMA_1B = ["--model", "dummy:llama-1b", "--max-num-batched-tokens", "8192", "--
 LLAMA_1B_LONG = ["--model", "dummy:llama-1b", "--max-num-batched-tokens", "8192", "--max-model-len", "8448"]
 LLAMA_8B = ["--model", "dummy:llama-8b", "--max-num-batched-tokens", "8192", "--max-model-len", "4096"]
 KERNEL_TESTS = ["tests/kernels/test_kernels_attention.py", "tests/kernels/test_kernels_elementwise.py",
-                "tests/kernels/test_kernels_gemv.py", "tests/kernels/test_kernels_row_copy.py"]
+                "tests/kernels/test_kernels_gemv.py", "tests/kernels/test_kernels_row_copy.py",
+                "tests/kernels/test_kernels_token_bitmask.py",
+                "tests/plugins/logits_processors/test_structured_output_masks.py"]
 QUANT_TESTS = ["tests/kernels/test_kernels_quant.py", "tests/kernels/test_kernels_quant_rows.py",
                "tests/plugins/quantizers/test_quantizer_int8_sq.py"]
 
@@ -175,7 +177,8 @@ def _guided(tree: Tree, out: Path, suffix: str, hf: bool) -> list[Command]:
 STEPS: dict[str, Step] = {s.name: s for s in (
     Step("install", "nothing more than the install every call starts with (for commands run by hand afterwards)",
          lambda tree, out, suffix, hf: []),
-    Step("tests", "the Triton kernel tests (attention, elementwise, GEMV) at real shapes on the GPU",
+    Step("tests", "the Triton kernel tests (attention, elementwise, GEMV, row copy, token bitmask) at real shapes on "
+                  "the GPU, and the structured-output processor's masks there",
          lambda tree, out, suffix, hf: [Command(tree.pytest(*KERNEL_TESTS), "kernel_tests.log")]),
     Step("greedy", "greedy tokens on the GPU (CUDA graphs and eager) == the CPU's, default model's shape, fp32",
          lambda tree, out, suffix, hf: [Command(tree.script("gpu_checks.py", str(out / "greedy.json"), "greedy"),

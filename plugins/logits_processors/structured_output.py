@@ -51,8 +51,8 @@ class StructuredOutput(LogitsProcessor):
         self._tokenizer: llg.LLTokenizer | None = None
         self._templates: OrderedDict[str, llg.LLMatcher] = OrderedDict()
         self._executor: llg.LLExecutor | None = None
-        # Bits of each byte value, per device: a mask byte indexes its eight allowed/forbidden flags.
-        self._byte_bits: dict[torch.device, torch.Tensor] = {}
+        # The bitmask kernel's compiled launches (rtx_kernels.launch), kept across steps.
+        self._launches: dict = {}
 
     @classmethod
     def describe(cls) -> dict[str, Any]:
@@ -117,7 +117,9 @@ class StructuredOutput(LogitsProcessor):
     def apply(self, logits: torch.Tensor, rows: Sequence[RowContext]) -> None:
         words = (logits.shape[1] + 31) // 32
         row_bytes = 4 * words
-        bitmask = torch.empty((len(rows), words), dtype=torch.int32, pin_memory=logits.device.type == "cuda")
+        # One buffer for the masks and, after them, the logits rows they go to: on a GPU one copy carries both.
+        packed = torch.empty(len(rows) * (words + 1), dtype=torch.int32, pin_memory=logits.device.type == "cuda")
+        bitmask = packed[:len(rows) * words].view(len(rows), words)
         plain: list[tuple[llg.LLMatcher, int]] = []
         for i, r in enumerate(rows):
             matcher = r.state.matcher
@@ -136,7 +138,7 @@ class StructuredOutput(LogitsProcessor):
                 matcher.rollback(taken)
         if plain:
             self._executor_for().unsafe_compute_mask_ptr(plain, bitmask.data_ptr(), row_bytes, len(rows))
-        self._apply_bitmask(logits, [r.row for r in rows], bitmask)
+        self._apply_bitmask(logits, [r.row for r in rows], packed, words)
 
     def _only_stop(self, row: torch.Tensor) -> None:
         row.zero_()
@@ -146,26 +148,25 @@ class StructuredOutput(LogitsProcessor):
 
     def _executor_for(self) -> llg.LLExecutor:
         if self._executor is None:
-            # The engine waits for the masks, so they are filled on several cores where there are spare ones (the
-            # GPU machine: 16 cores, 32 masks in 0.1 ms instead of 0.5); on a small CPU the model's own kernels
-            # need the cores, and one thread it is.
             self._executor = llg.LLExecutor(_mask_threads(self.context.device))
         return self._executor
 
-    def _apply_bitmask(self, logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
-        device = logits.device
-        if device.type == "cpu":
-            # numpy unpacks the forbidden bits in one pass: 3.4 ms against the table's 4.1 ms below for 32 rows of a
-            # 49k vocabulary on a 2-core Xeon. On a GPU the table's few kernels cost the host less than the copy.
+    def _apply_bitmask(self, logits: torch.Tensor, rows: list[int], packed: torch.Tensor, words: int) -> None:
+        bitmask = packed[:len(rows) * words].view(len(rows), words)
+        if logits.device.type == "cpu":
+            # numpy unpacks the forbidden bits in one pass: 3.4 ms against 4.1 ms for a byte table's gather, for 32
+            # rows of a 49k vocabulary on a 2-core Xeon.
             forbidden = np.unpackbits(~bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
             _fill_rows(logits, rows, torch.from_numpy(forbidden).view(torch.bool)[:, :logits.shape[1]])
             return
-        bits = self._byte_bits.get(device)
-        if bits is None:
-            values = torch.arange(256).unsqueeze(1) >> torch.arange(8)
-            bits = self._byte_bits[device] = (values & 1).bool().to(device)
-        mask = bitmask.to(device, non_blocking=True).view(torch.uint8).long()
-        _fill_rows(logits, rows, ~bits[mask].view(len(rows), -1)[:, :logits.shape[1]])
+        # On a GPU the engine's thread pays per launch: one copy and one kernel (rtx_kernels.token_bitmask).
+        from rtx_kernels.token_bitmask import apply_token_bitmask
+
+        every_row = rows == list(range(len(rows)))
+        if not every_row:
+            packed.numpy()[len(rows) * words:] = rows
+        apply_token_bitmask(logits, packed.to(logits.device, non_blocking=True), len(rows), words,
+                            not every_row, self._launches)
 
 
 def _fill_rows(logits: torch.Tensor, rows: list[int], forbidden: torch.Tensor) -> None:
@@ -177,8 +178,11 @@ def _fill_rows(logits: torch.Tensor, rows: list[int], forbidden: torch.Tensor) -
 
 
 def _mask_threads(device: torch.device) -> int:
-    cores = os.cpu_count() or 1
-    return 1 if device.type == "cpu" or cores < 4 else min(8, cores // 2)
+    # Measured on the GPU machine (16 cores, an H100; a batch of 32 JSON-schema requests on a host-bound model,
+    # docs/benchmarks.md): guided/free 0.490x with one thread, 0.494x with two, 0.476x with four and 0.453x with
+    # eight. Masks of a few dozen rows are too short to pay for waking more threads; on a small CPU the model's
+    # own kernels need the cores, and one thread it is.
+    return 1 if device.type == "cpu" or (os.cpu_count() or 1) < 4 else 2
 
 
 def _grammar(kind: str, value: Any) -> str:

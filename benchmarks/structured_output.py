@@ -1,7 +1,7 @@
 """The cost of structured output: tokens/s of a batch of JSON-schema requests against the same batch unconstrained.
 
     python benchmarks/structured_output.py [--model PATH] [--shape SHAPE] [--device cpu|cuda] [--batch 32]
-        [--tokens 64] [--runs 3] [--grammar-proposals auto|on|off] [--compare-plain] [--json PATH]
+        [--tokens 64] [--runs 3] [--grammar-proposals auto|on|off] [--compare-plain] [--mask-threads N] [--json PATH]
 
 Both batches decode exactly ``--tokens`` tokens per request: the schema asks for more items than fit (so the grammar
 never ends a request early) and the free batch ignores EOS. Runs alternate (free, guided, free, ...) in one engine
@@ -13,7 +13,8 @@ default model on a GPU is not.
 The guided batch runs as the engine runs it by default, where the tokens a grammar forces are proposed and verified
 in one step (``--grammar-proposals`` sets it); ``--compare-plain`` also runs it on a second engine of the same model
 that proposes nothing (every token its own step), alternating with the others. The grammar's proposals are reported
-with their acceptance (tokens proposed and accepted, verifications).
+with their acceptance (tokens proposed and accepted, verifications). ``--mask-threads`` sets the threads that fill
+the masks (the processor's option ``mask_threads``; default: its own choice, reported).
 """
 
 from __future__ import annotations
@@ -76,13 +77,16 @@ def main() -> None:
     parser.add_argument("--grammar-proposals", choices=["auto", "on", "off"], default="auto")
     parser.add_argument("--compare-plain", action="store_true",
                         help="also run the guided batch on an engine whose grammars propose nothing")
+    parser.add_argument("--mask-threads", type=int, default=None,
+                        help="structured_output's mask_threads option (default: the processor's own)")
     parser.add_argument("--json", default=None, help="also write the report to this file")
     args = parser.parse_args()
+    processor_options = {"structured_output": {"mask_threads": args.mask_threads}} if args.mask_threads else {}
     proposals = {"auto": None, "on": True, "off": False}[args.grammar_proposals]
     source = ShapeWithTokenizer(args.shape, resolve_model(args.model)) if args.shape else None
-    llm = LLM(EngineConfig(model=args.model, device=args.device,
+    llm = LLM(EngineConfig(model=args.model, device=args.device, logits_processor_options=processor_options,
                            speculative=SpeculativeConfig(grammar_proposals=proposals)), source=source)
-    plain = LLM(EngineConfig(model=args.model, device=args.device,
+    plain = LLM(EngineConfig(model=args.model, device=args.device, logits_processor_options=processor_options,
                              speculative=SpeculativeConfig(grammar_proposals=False)),
                 source=source) if args.compare_plain else None
     prompts = [llm.inputs.apply_chat_template([{"role": "user", "content": f"List the steps of {TOPICS[i % 8]} "
@@ -116,7 +120,7 @@ def main() -> None:
                                                       structured_output={"json": SCHEMA}))[0].text
     free_s, guided_s = statistics.median(rates["free"]), statistics.median(rates["guided"])
     report = {"model": llm.core.source.name, "device": str(llm.core.backend.device), "batch": args.batch,
-              "tokens": args.tokens,
+              "tokens": args.tokens, "mask_threads": llm.core.logits.processors["structured_output"].mask_threads,
               "free_tok_s": round(free_s, 1), "guided_tok_s": round(guided_s, 1),
               "ratio": round(guided_s / free_s, 3),
               "grammar_proposals": {"proposed": proposed, "accepted": accepted, "verifications": verifications,

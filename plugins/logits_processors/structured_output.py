@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from rtxcore.contracts.logits_processor import LogitsProcessor, LogitsProcessorContext, RowContext
+from rtxcore.errors import ConfigError
 from rtxcore.hookspecs import Register, hookimpl
 
 # Compiled grammars kept for reuse, most recently used first out last.
@@ -51,6 +52,7 @@ class StructuredOutput(LogitsProcessor):
         self._tokenizer: llg.LLTokenizer | None = None
         self._templates: OrderedDict[str, llg.LLMatcher] = OrderedDict()
         self._executor: llg.LLExecutor | None = None
+        self.mask_threads = _mask_threads(context.device, context.options.get("mask_threads"))
         # The bitmask kernel's compiled launches (rtx_kernels.launch), kept across steps.
         self._launches: dict = {}
 
@@ -58,7 +60,10 @@ class StructuredOutput(LogitsProcessor):
     def describe(cls) -> dict[str, Any]:
         return {"engine": f"llguidance {getattr(llg, '__version__', '')}".strip(),
                 "kinds": ["json", "json_object", "regex", "choice", "grammar"],
-                "example_args": [{"regex": "[a-c]{1,4}"}, {"choice": ["yes", "no"]}]}
+                "example_args": [{"regex": "[a-c]{1,4}"}, {"choice": ["yes", "no"]}],
+                # Threads that fill a step's token masks (llguidance's executor): 1 on a CPU, 2 where there are
+                # at least 4 cores.
+                "options": ["mask_threads"]}
 
     # -- admission (any thread) ------------------------------------------------------------------------------------
 
@@ -148,7 +153,7 @@ class StructuredOutput(LogitsProcessor):
 
     def _executor_for(self) -> llg.LLExecutor:
         if self._executor is None:
-            self._executor = llg.LLExecutor(_mask_threads(self.context.device))
+            self._executor = llg.LLExecutor(self.mask_threads)
         return self._executor
 
     def _apply_bitmask(self, logits: torch.Tensor, rows: list[int], packed: torch.Tensor, words: int) -> None:
@@ -177,7 +182,12 @@ def _fill_rows(logits: torch.Tensor, rows: list[int], forbidden: torch.Tensor) -
     logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
 
 
-def _mask_threads(device: torch.device) -> int:
+def _mask_threads(device: torch.device, option: Any) -> int:
+    """Threads that fill a step's masks: the ``mask_threads`` option, else the default below."""
+    if option is not None:
+        if isinstance(option, bool) or not isinstance(option, int) or option < 1:
+            raise ConfigError(f"structured_output option mask_threads must be a positive integer, got {option!r}")
+        return option
     # Measured on the GPU machine (16 cores, an H100; a batch of 32 JSON-schema requests on a host-bound model,
     # docs/benchmarks.md): guided/free 0.490x with one thread, 0.494x with two, 0.476x with four and 0.453x with
     # eight. Masks of a few dozen rows are too short to pay for waking more threads; on a small CPU the model's

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rtxcore.cli.processor_options import add_processor_options, processor_cli_args, processor_options
 from rtxcore.cli.progress import Progress
 from rtxcore.cli.speculation import add_speculative_options, speculative_cli_args, speculative_config
 from rtxcore.engine.config import EngineConfig
@@ -68,6 +69,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
     g.add_argument("--enforce-eager", action="store_true", help="run every step eagerly (no CUDA graphs)")
+    add_processor_options(g)
     g.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step's tokens before scheduling the next (on accelerators the default overlaps "
                         "the two)")
@@ -203,7 +205,7 @@ def engine_cli_args(args: argparse.Namespace) -> list[str]:
                         ("--kv-disk-eviction-policy", args.kv_disk_eviction_policy)):
         if value is not None:
             out += [flag, value]
-    return out + speculative_cli_args(args)
+    return out + processor_cli_args(args) + speculative_cli_args(args)
 
 
 def engine_config(args: argparse.Namespace, config_file: ServeConfigFile | None = None) -> EngineConfig:
@@ -226,6 +228,7 @@ def engine_config(args: argparse.Namespace, config_file: ServeConfigFile | None 
         kv_snapshot_interval_s=args.kv_snapshot_interval,
         scheduling=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs),
         speculative=speculative_config(args, config_file),
+        logits_processor_options=processor_options(args, config_file),
     )
 
 

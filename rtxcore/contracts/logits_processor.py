@@ -43,7 +43,8 @@ class LogitsProcessorContext:
     eos_token_ids: list[int]
     # Where the logits live.
     device: torch.device
-    # The processor's own settings (``--logits-processor-option``), empty by default.
+    # The processor's own settings (``--logits-processor-option NAME.KEY=VALUE``, the config file's
+    # ``[logits_processors.NAME]``): only those its describe() lists under "options"; empty by default.
     options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -73,7 +74,8 @@ class LogitsProcessor(ABC):
     @classmethod
     def describe(cls) -> dict[str, Any]:
         """What ``rtx plugins list --verbose`` shows; ``"example_args"`` (required by ``rtx plugins test``) lists
-        arguments a request may give, as ``prepare`` receives them."""
+        arguments a request may give, as ``prepare`` receives them; ``"options"`` names the settings the processor
+        takes in ``context.options`` (any other is refused before it is built)."""
         return {}
 
     @abstractmethod

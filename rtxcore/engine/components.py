@@ -14,7 +14,7 @@ from rtxcore.contracts.proposer import Proposer, ProposerContext
 from rtxcore.contracts.sampler import Sampler
 from rtxcore.contracts.scheduler import Scheduler
 from rtxcore.engine.config import EngineConfig
-from rtxcore.engine.logits_processing import LogitsProcessing
+from rtxcore.engine.logits_processing import LogitsProcessing, build_processors
 from rtxcore.engine.output_processor import OutputProcessor
 from rtxcore.engine.speculation.speculator import ASSISTED, Speculator
 from rtxcore.errors import ConfigError, PluginError
@@ -84,8 +84,7 @@ def build_components(config: EngineConfig, registry: PluginRegistry | None, sour
         proposers[spec.method] = registry.create("proposer", spec.method, context)
     # Every installed processor is ready: a request asks for one by name. Each builds its tables on first use.
     logits_context = LogitsProcessorContext(tokenizer, model_config.vocab_size, list(eos), backend.device)
-    logits = LogitsProcessing({name: registry.create("logits_processor", name, logits_context)
-                               for name in registry.names("logits_processor")})
+    logits = LogitsProcessing(build_processors(registry, logits_context, config.logits_processor_options))
     grammar_proposals = spec.grammar_proposals
     if grammar_proposals is None:  # where steps run one after another anyway
         grammar_proposals = not steps_overlap(config, backend)

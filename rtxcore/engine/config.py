@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from rtxcore.contracts.scheduler import SchedulerConfig
 from rtxcore.engine.speculation.config import SpeculativeConfig
@@ -63,6 +63,9 @@ class EngineConfig:
     scheduling: SchedulerConfig = field(default_factory=SchedulerConfig)
     # Speculative decoding (a proposer for every request, or only requests that bring their own tokens).
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    # Settings of the logits processors, by processor name (``--logits-processor-option NAME.KEY=VALUE``, the
+    # config file's ``[logits_processors.NAME]``); each processor takes the options its describe() lists.
+    logits_processor_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     # See BackendOptions.verify_artifact: set by a server that checks signed models.
     verify_artifact: Callable[[Path], object] | None = None
 

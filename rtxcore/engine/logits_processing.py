@@ -5,17 +5,20 @@ sampler. A step in which no request uses a processor costs one integer test."""
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rtxcore.contracts.logits_processor import LogitsProcessor, RowContext
+from rtxcore.contracts.logits_processor import LogitsProcessor, LogitsProcessorContext, RowContext
 from rtxcore.engine.faults import PluginFault
-from rtxcore.errors import InvalidRequestError
+from rtxcore.errors import ConfigError, InvalidRequestError
 from rtxcore.request import Request
 from rtxcore.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from rtxcore.registry import PluginRegistry
 
 # The request field behind each built-in processor, named in errors; other processors come from logits_processors.
 _PARAM_OF = {"logit_bias": "logit_bias", "allowed_tokens": "allowed_token_ids", "banned_tokens": "banned_token_ids",
@@ -34,6 +37,30 @@ class RequestLogits:
     stateful: bool = False
     # The processors that may force tokens (they override forced_tokens), asked in this order.
     forcing: tuple[str, ...] = ()
+
+
+def check_processor_options(registry: PluginRegistry, options: Mapping[str, Mapping[str, Any]]) -> None:
+    """:raises ConfigError: options for a processor that is not installed, or an option a processor does not list in
+        its describe()'s ``"options"`` (so a processor reads only settings it declared)."""
+    names = registry.names("logits_processor")
+    unknown = sorted(set(options) - set(names))
+    if unknown:
+        raise ConfigError(f"logits processor options for {unknown[0]!r}: no logits processor of that name is "
+                          f"installed (installed: {', '.join(names) or 'none'})")
+    for name, given in options.items():
+        cls: type[LogitsProcessor] = registry.get("logits_processor", name).cls
+        accepted = list(cls.describe().get("options", []))
+        extra = sorted(set(given) - set(accepted))
+        if extra:
+            raise ConfigError(f"unknown {name} option {extra[0]!r} (options: {', '.join(accepted) or 'none'})")
+
+
+def build_processors(registry: PluginRegistry, context: LogitsProcessorContext,
+                     options: Mapping[str, Mapping[str, Any]]) -> dict[str, LogitsProcessor]:
+    """Every installed logits processor, each with its own ``options`` in its context (checked first)."""
+    check_processor_options(registry, options)
+    return {name: registry.create("logits_processor", name, replace(context, options=dict(options.get(name, {}))))
+            for name in registry.names("logits_processor")}
 
 
 class LogitsProcessing:

@@ -44,7 +44,7 @@ from rtxcore.errors import ConfigError
 from rtxcore.lanes import DEFAULT_LANES, LaneSpec, parse_lanes
 from rtxcore.server.serving.authentication import AuthSettings
 
-_SECTIONS = ("lanes", "scheduler", "brownout", "tenants", "auth", "speculative")
+_SECTIONS = ("lanes", "scheduler", "brownout", "tenants", "auth", "speculative", "logits_processors")
 # [speculative] settings (SpeculativeConfig's fields): the types TOML may give each, and those in words.
 _SPECULATIVE_SETTINGS: dict[str, tuple[tuple[type, ...], str]] = {
     "method": ((str,), "a proposer name (a string)"),
@@ -68,6 +68,8 @@ class ServeConfigFile:
     auth: AuthSettings = field(default_factory=AuthSettings)
     # The [speculative] table; None without one. Command-line flags override it (rtxcore.cli.speculation).
     speculative: SpeculativeConfig | None = None
+    # The [logits_processors.NAME] tables: each processor's options. --logits-processor-option overrides them.
+    logits_processors: dict[str, dict[str, Any]] = field(default_factory=dict)
     # The file these settings came from, for messages; None without one.
     path: str | None = None
 
@@ -92,8 +94,13 @@ def load_serve_config(path: str | Path | None) -> ServeConfigFile:
     if "brownout" in data:
         options["brownout"] = data["brownout"]
     speculative = _parse_speculative(data["speculative"], path) if "speculative" in data else None
+    processors = data.get("logits_processors", {})
+    for name, table in processors.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"[logits_processors] {name} in {path} must be a table ([logits_processors.{name}]) "
+                              f"of that processor's options, got {table!r}")
     return ServeConfigFile(parse_lanes(data.get("lanes")), options, data.get("tenants", {}),
-                           AuthSettings.from_table(data.get("auth")), speculative, str(path))
+                           AuthSettings.from_table(data.get("auth")), speculative, processors, str(path))
 
 
 def _parse_speculative(table: dict[str, Any], path: str | Path) -> SpeculativeConfig:

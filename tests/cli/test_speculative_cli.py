@@ -3,19 +3,16 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import subprocess
 
 import pytest
 
 from rtxcore.cli.common import engine_cli_args, engine_config
-from rtxcore.cli.main import build_parser, main
+from rtxcore.cli.main import build_parser
 from rtxcore.cli.speculation import option_value
 from rtxcore.engine.speculation.config import SpeculativeConfig
 from rtxcore.server.serve_config import load_serve_config
-from tests.helpers.cli import assert_one_line_error, rtx
+from tests.helpers.cli import assert_config_file_error, assert_one_line_error, config_file, rtx, run_in_process
 
 AVAILABLE = "(available: assisted, draft, layer-skip, ngram)"
 
@@ -31,23 +28,6 @@ grammar_proposals = false
 [speculative.options]
 prompt_lookup_max = 3
 """
-
-
-def run_in_process(*argv: str) -> subprocess.CompletedProcess:
-    """``rtx ARGV`` in this process (no interpreter start per case), as a finished process for the error checks."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(list(argv))
-        except SystemExit as exc:  # argparse's usage errors
-            code = int(exc.code or 0)
-    return subprocess.CompletedProcess(["rtx", *argv], code, out.getvalue(), err.getvalue())
-
-
-def config_file(tmp_path, text: str) -> str:
-    path = tmp_path / "serve.toml"
-    path.write_text(text)
-    return str(path)
 
 
 def speculative(*argv: str, file: str | None = None) -> SpeculativeConfig:
@@ -101,9 +81,7 @@ def test_bad_flags_one_line_exit_2(command, args, fragment):
     ("speculative = 3\n", "[speculative] in {path} must be a table"),
 ])
 def test_bad_config_file_one_line_exit_2(tmp_path, text, fragment):
-    path = config_file(tmp_path, text)
-    assert_one_line_error(run_in_process("serve", "--model", "dummy:tiny", "--config", path),
-                          fragment.format(path=path))
+    assert_config_file_error(tmp_path, text, fragment)
 
 
 def test_no_config_file_no_table():

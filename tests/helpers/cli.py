@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+from rtxcore.cli.main import main
 
 RTX = str(Path(sys.executable).parent / "rtx")
 
@@ -21,3 +25,29 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, fragment: str) -> N
     assert len(errors) == 1, proc.stderr
     assert fragment in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def run_in_process(*argv: str) -> subprocess.CompletedProcess:
+    """``rtx ARGV`` in this process (no interpreter start per case), as a finished process for the error checks."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(argv))
+        except SystemExit as exc:  # argparse's usage errors
+            code = int(exc.code or 0)
+    return subprocess.CompletedProcess(["rtx", *argv], code, out.getvalue(), err.getvalue())
+
+
+def config_file(tmp_path: Path, text: str) -> str:
+    """A ``rtx serve --config`` file holding ``text``."""
+    path = tmp_path / "serve.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def assert_config_file_error(tmp_path: Path, text: str, fragment: str) -> None:
+    """``rtx serve --config FILE`` with ``text`` in FILE fails in one line holding ``fragment`` (``{path}`` in it
+    stands for the file's path)."""
+    path = config_file(tmp_path, text)
+    assert_one_line_error(run_in_process("serve", "--model", "dummy:tiny", "--config", path),
+                          fragment.format(path=path))

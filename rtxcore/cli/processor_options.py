@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from rtxcore.cli.speculation import key_value
+from rtxcore.cli.speculation import key_value, option_text
 
 if TYPE_CHECKING:
     from rtxcore.server.serve_config import ServeConfigFile
@@ -47,8 +47,8 @@ def processor_options(args: argparse.Namespace,
 
 
 def processor_cli_args(args: argparse.Namespace) -> list[str]:
-    """The flags again (to start ``rtx serve`` with the same ones), written so that they read back the same."""
+    """The flags again (to start ``rtx serve`` with the same ones)."""
     out: list[str] = []
     for name, key, value in args.logits_processor_option:
-        out += ["--logits-processor-option", f"{name}.{key}={str(value).lower() if isinstance(value, bool) else value}"]
+        out += ["--logits-processor-option", f"{name}.{key}={option_text(value)}"]
     return out

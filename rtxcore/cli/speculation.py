@@ -67,6 +67,12 @@ def key_value(text: str) -> tuple[str, Any]:
     return key, option_value(raw.strip())
 
 
+def option_text(value: Any) -> str:
+    """A value written so that :func:`option_value` reads it back the same (a bool as true/false, not Python's
+    True)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def option_value(raw: str) -> Any:
     """A proposer option's value as the config file would give it: ``true``/``false`` a bool, ``3`` an int, ``0.5``
     a float, anything else (``0-11,15``, a model name) the string itself. ``nan`` and ``inf`` stay strings: no
@@ -137,8 +143,7 @@ def speculative_cli_args(args: argparse.Namespace) -> list[str]:
         if value is not None:
             out += [flag, str(value)]
     for key, value in args.speculative_option:
-        # Written so that option_value reads back the same value (a bool as true/false, not Python's True).
-        out += ["--speculative-option", f"{key}={str(value).lower() if isinstance(value, bool) else value}"]
+        out += ["--speculative-option", f"{key}={option_text(value)}"]
     if args.no_speculative_adaptive:
         out.append("--no-speculative-adaptive")
     return out

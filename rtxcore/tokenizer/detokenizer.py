@@ -6,7 +6,13 @@ Two things make this more than ``decode(new_ids)``:
   (sentencepiece) decode a token differently at the start of a sequence. So each step decodes a short window that
   starts a few tokens back (``_prefix_offset``) and emits only what the window adds past the text already emitted
   (``_read_offset``), holding everything back while the window ends in an incomplete character. This is the
-  technique of vLLM's and TGI's incremental detokenizers: each step costs O(window), not O(output).
+  technique of vLLM's and TGI's incremental detokenizers: each step costs O(window), not O(output). The
+  ``tokenizers`` library runs it in Rust (``Tokenizer.decode_stream``), one call per token, and :meth:`update`
+  then costs half as much (2.9 against 5.9 µs a token on a 2-core Xeon; ``benchmarks/detokenizer.py``): every
+  running request pays it every step, and on a GPU, where a small model's step is host work, that was a fifth of
+  the tokens/s (docs/benchmarks.md). The offsets here follow what the stream emits; a run of invalid bytes (which
+  it would hold forever), a flush, and a stream that fails are decoded by hand, below, and a new stream starts at
+  the offsets that leaves.
 * A stop string can arrive split over several tokens. The tail of the text that could still grow into a stop string
   is held back, so a streamed delta never contains text that a later match would cut off.
 """
@@ -59,6 +65,8 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(self._tokens)
         self._prefix_text: str | None = None  # decode(tokens[prefix:read]), cached between steps
+        # The library's decoder, in step with the offsets above: it has seen every token up to len(_tokens).
+        self._stream = tokenizer.decode_stream(context, skip_special_tokens)
         self._held = ""  # decoded text held back because it may begin a stop string
         # The end of the emitted text, where a stop string may have begun when nothing is held back
         # (include_stop_str_in_output).
@@ -88,8 +96,11 @@ class IncrementalDetokenizer:
         """Add generated tokens; return the text they finalize (possibly '')."""
         if self._finished or not new_token_ids:
             return ""
-        self._tokens.extend(new_token_ids)
-        return self._emit(self._decode_step(force=False))
+        if self._stream is None:
+            self._tokens.extend(new_token_ids)
+            return self._emit(self._decode_step(force=False))
+        text, by_hand = self._stream_step(new_token_ids)
+        return self._emit(text + self._decode_step(force=False) if by_hand else text)
 
     def flush(self) -> str:
         """End the output (it finished for another reason than a stop string) and return what was held back.
@@ -108,6 +119,27 @@ class IncrementalDetokenizer:
         return out
 
     # -- internals -------------------------------------------------------------------------------------------
+
+    def _stream_step(self, new_token_ids: Sequence[int]) -> tuple[str, bool]:
+        """The text the library's decoder gives for the new tokens, the offsets moved past it, and whether the
+        tokens after it are left to the decoding by hand (they are in ``_tokens`` either way)."""
+        stream, tokens = self._stream, self._tokens
+        assert stream is not None
+        parts: list[str] = []
+        for i, token in enumerate(new_token_ids):
+            tokens.append(token)
+            try:
+                chunk = stream.step(token)
+            except Exception:  # its window disagreed with itself (see _advance): decode by hand from here on
+                self._stream = None
+                tokens.extend(new_token_ids[i + 1:])
+                return "".join(parts), True
+            if chunk is not None:
+                parts.append(chunk)
+                self._mark_read(len(tokens))
+        text = parts[0] if len(parts) == 1 else "".join(parts)
+        # Invalid bytes past the limit: released by hand, and the stream restarted after them.
+        return text, len(tokens) - self._read_offset > _MAX_PENDING_TOKENS
 
     def _decode_step(self, force: bool) -> str:
         """Text the tokens past ``_read_offset`` add, or '' while they end in an incomplete character."""
@@ -140,6 +172,12 @@ class IncrementalDetokenizer:
         # Decoders agree across windows when both start at the same token; if one ever does not, emitting
         # nothing is safer than emitting a wrong slice.
         delta = text[len(prefix_text):] if text.startswith(prefix_text) else ""
+        self._mark_read(read_offset)
+        if self._stream is not None:
+            self._restart_stream()
+        return delta
+
+    def _mark_read(self, read_offset: int) -> None:
         self._read_offset = read_offset
         # The next window starts a few tokens before the new read offset: enough context for decoders that treat
         # a sequence's first token specially, and a window as short as the tokens still pending allow.
@@ -150,7 +188,18 @@ class IncrementalDetokenizer:
             del self._tokens[:self._prefix_offset]
             self._read_offset -= self._prefix_offset
             self._prefix_offset = 0
-        return delta
+
+    def _restart_stream(self) -> None:
+        """A new library decoder at the offsets the decoding by hand left, fed the tokens still pending; where it
+        would emit any of them (which that decoding held back), decoding stays by hand."""
+        self._stream = self._tokenizer.decode_stream(self._tokens[self._prefix_offset:self._read_offset],
+                                                     self._skip_special)
+        try:
+            if self._stream is not None and any(self._stream.step(t) is not None
+                                                for t in self._tokens[self._read_offset:]):
+                self._stream = None
+        except Exception:
+            self._stream = None
 
     def _window_prefix_text(self) -> str:
         if self._prefix_text is None:

@@ -31,6 +31,21 @@ class SpecialTokens:
         return {"bos_token": self.bos, "eos_token": self.eos, "unk_token": self.unk, "pad_token": self.pad}
 
 
+class DecodeStream:
+    """The ``tokenizers`` library's own incremental decoder (``tokenizers.decoders.DecodeStream``) bound to one
+    backend: the prefix/read-offset technique in Rust, one call per token."""
+
+    __slots__ = ("_backend", "_stream")
+
+    def __init__(self, backend: tokenizers.Tokenizer, context_ids: Sequence[int], skip_special_tokens: bool):
+        self._backend = backend
+        self._stream = tokenizers.decoders.DecodeStream(list(context_ids), skip_special_tokens)
+
+    def step(self, token_id: int) -> str | None:
+        """Raises where the library's window does not decode consistently (the caller then decodes by itself)."""
+        return self._stream.step(self._backend, token_id)
+
+
 class Tokenizer:
     """Encode, decode and apply the chat template of one model.
 
@@ -176,6 +191,12 @@ class Tokenizer:
     def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of ``token_ids``; bytes that do not form complete UTF-8 become U+FFFD."""
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, context_ids: Sequence[int], skip_special_tokens: bool = True) -> DecodeStream | None:
+        """An incremental decoder after ``context_ids`` (decoded for context, never returned): ``step(id)`` gives
+        the text that id completes, or None while it ends in an incomplete character. None where this tokenizer
+        has none (then decode windows with :meth:`decode`)."""
+        return DecodeStream(self._backend, context_ids, skip_special_tokens)
 
     # -- chat ------------------------------------------------------------------------------------------------
 

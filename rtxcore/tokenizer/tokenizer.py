@@ -32,8 +32,8 @@ class SpecialTokens:
 
 
 class DecodeStream:
-    """The ``tokenizers`` library's own incremental decoder (``tokenizers.decoders.DecodeStream``) bound to one
-    backend: the prefix/read-offset technique in Rust, one call per token."""
+    """The ``tokenizers`` library's own incremental decoder (``tokenizers.decoders.DecodeStream``, given context ids
+    since 0.22) bound to one backend: the prefix/read-offset technique in Rust, one call per token."""
 
     __slots__ = ("_backend", "_stream")
 
@@ -194,8 +194,8 @@ class Tokenizer:
 
     def decode_stream(self, context_ids: Sequence[int], skip_special_tokens: bool = True) -> DecodeStream | None:
         """An incremental decoder after ``context_ids`` (decoded for context, never returned): ``step(id)`` gives
-        the text that id completes, or None while it ends in an incomplete character. None where this tokenizer
-        has none (then decode windows with :meth:`decode`)."""
+        the text that id completes, or None while it ends in an incomplete character. A subclass without one
+        returns None, and :class:`IncrementalDetokenizer` then decodes its windows with :meth:`decode`."""
         return DecodeStream(self._backend, context_ids, skip_special_tokens)
 
     # -- chat ------------------------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ divides ``x`` before it rounds.
 
 Done with torch operations, the same takes about eight kernels per linear layer (absolute value, row maximum,
 clamp, division, casts), each a launch and a pass over ``x``; at one token per step that cost more than the fp8
-product saved. Here each program owns a row: one pass finds its maximum, a second writes the quantized values.
+product saved. Here each program owns a row. A row of up to 16,384 values is loaded once and kept in registers
+while its maximum is found and its quantized values written; a longer one is read twice, in tiles.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 INT8_LEVELS = 127
 _BLOCK_K = 1024
+# Rows up to this long are loaded once (one tile of the whole row): every linear layer's input of the Llama shapes.
+_ONE_PASS_MAX_K = 16384
 # Added to and taken from a float32 of magnitude below 2^22, rounds it to an integer, ties to even.
 _ROUNDING = tl.constexpr(12582912.0)  # 1.5 * 2^23
 # A quiet NaN's bits: a NaN constexpr cannot be a global (NaN != NaN, so Triton takes it for a changed global and
@@ -30,32 +33,49 @@ _NAN_BITS = tl.constexpr(0x7FC00000)
 @triton.jit
 def _quantize_rows_kernel(x_ptr, divisor_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm,
                           LEVELS: tl.constexpr, INT8: tl.constexpr, HAS_DIVISOR: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
+                          BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
     x_row = x_ptr + row * stride_xm
-    amax = tl.zeros([BLOCK_K], tl.float32)
-    nans = tl.zeros([BLOCK_K], tl.int32)
-    for k0 in range(0, K, BLOCK_K):
-        x = _load_row(x_row, divisor_ptr, k0 + cols, K, HAS_DIVISOR)
-        amax = tl.maximum(amax, tl.abs(x))
-        nans += (x != x).to(tl.int32)
+    if ONE_PASS:  # BLOCK_K >= K: the whole row in one tile, read once
+        x = _load_row(x_row, divisor_ptr, cols, K, HAS_DIVISOR)
+        scale = _row_scale(tl.abs(x), (x != x).to(tl.int32), LEVELS)
+        tl.store(scale_ptr + row, scale)
+        tl.store(q_ptr + row * stride_qm + cols, _quantize(x, scale, LEVELS, INT8), mask=cols < K)
+    else:  # tiles of BLOCK_K: one pass for the maximum, a second for the values
+        amax = tl.zeros([BLOCK_K], tl.float32)
+        nans = tl.zeros([BLOCK_K], tl.int32)
+        for k0 in range(0, K, BLOCK_K):
+            x = _load_row(x_row, divisor_ptr, k0 + cols, K, HAS_DIVISOR)
+            amax = tl.maximum(amax, tl.abs(x))
+            nans += (x != x).to(tl.int32)
+        scale = _row_scale(amax, nans, LEVELS)
+        tl.store(scale_ptr + row, scale)
+        for k0 in range(0, K, BLOCK_K):
+            x = _load_row(x_row, divisor_ptr, k0 + cols, K, HAS_DIVISOR)
+            tl.store(q_ptr + row * stride_qm + k0 + cols, _quantize(x, scale, LEVELS, INT8), mask=k0 + cols < K)
+
+
+@triton.jit
+def _row_scale(amax, nans, LEVELS: tl.constexpr):
     # The scale times the reciprocal, as the quantizers; x over it by IEEE division, as torch divides one tensor by
     # another (Triton's ``/`` on float32 is an approximate one on NVIDIA GPUs). tl.maximum passes over NaN where
     # torch's row maximum is NaN: a row holding one gets a NaN scale, so the layer's output shows it, as on the CPU.
     scale = tl.maximum(tl.max(amax, axis=0), 1e-12) * (1.0 / LEVELS)
     nan = tl.full([], _NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
-    scale = tl.where(tl.sum(nans, axis=0) > 0, nan, scale)
-    tl.store(scale_ptr + row, scale)
-    for k0 in range(0, K, BLOCK_K):
-        mask = k0 + cols < K
-        x = _load_row(x_row, divisor_ptr, k0 + cols, K, HAS_DIVISOR)
-        q = tl.clamp(tl.math.div_rn(x, scale), -LEVELS, LEVELS)
-        if INT8:
-            q = ((q + _ROUNDING) - _ROUNDING).to(tl.int8)
-        else:
-            q = _e4m3_bits(q)
-        tl.store(q_ptr + row * stride_qm + k0 + cols, q, mask=mask)
+    return tl.where(tl.sum(nans, axis=0) > 0, nan, scale)
+
+
+@triton.jit
+def _quantize(x, scale, LEVELS: tl.constexpr, INT8: tl.constexpr):
+    q = tl.clamp(tl.math.div_rn(x, scale), -LEVELS, LEVELS)
+    # One return of one type: Triton compiles a helper's every return, whatever the constexpr, and would cast
+    # int8 to the uint8 of the other.
+    if INT8:
+        out = ((q + _ROUNDING) - _ROUNDING).to(tl.int8)
+    else:
+        out = _e4m3_bits(q)
+    return out
 
 
 @triton.jit
@@ -110,7 +130,9 @@ def _quantize_rows(x: torch.Tensor, divisor: torch.Tensor | None, dtype: torch.d
     q = torch.empty(m, k, dtype=dtype, device=x.device)
     scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     if m and k:
+        one_pass = k <= _ONE_PASS_MAX_K
+        block_k = triton.next_power_of_2(k) if one_pass else _BLOCK_K
         _quantize_rows_kernel[(m,)](x, divisor if divisor is not None else x, q, scale, k, x.stride(0), q.stride(0),
                                     LEVELS=levels, INT8=dtype == torch.int8, HAS_DIVISOR=divisor is not None,
-                                    BLOCK_K=min(_BLOCK_K, triton.next_power_of_2(k)), num_warps=4)
+                                    BLOCK_K=block_k, ONE_PASS=one_pass, num_warps=max(4, min(16, block_k // 512)))
     return q, scale

@@ -22,7 +22,8 @@ def _assert_same(x: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("k", [1, 77, 3000])
+# 3000 in one tile of the whole row; 17000 past the one-tile limit (16384), in tiles read twice.
+@pytest.mark.parametrize("k", [1, 77, 3000, 17000])
 def test_matches_the_quantizers_rounding(k, dtype):
     gen = generator(k)
     # Rows from 1e-3 to 1e3 in magnitude, one all zero, and rows strided as views into a wider activation.
@@ -77,7 +78,7 @@ def _assert_same_int8(x: torch.Tensor, divisor: torch.Tensor | None) -> None:
 
 @pytest.mark.parametrize("smoothed", [True, False], ids=["smoothed", "plain"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("k", [1, 77, 3000])
+@pytest.mark.parametrize("k", [1, 77, 3000, 17000])
 def test_int8_matches_int8_sq_rounding(k, dtype, smoothed):
     gen = generator(k + 1)
     wide = torch.randn(6, k + 5, generator=gen, device=DEVICE) * torch.logspace(-3, 3, 6, device=DEVICE)[:, None]

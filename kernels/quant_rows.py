@@ -69,8 +69,8 @@ def _row_scale(amax, nans, LEVELS: tl.constexpr):
 @triton.jit
 def _quantize(x, scale, LEVELS: tl.constexpr, INT8: tl.constexpr):
     q = tl.clamp(tl.math.div_rn(x, scale), -LEVELS, LEVELS)
-    # One return of one type: Triton compiles a helper's every return, whatever the constexpr, and would cast
-    # int8 to the uint8 of the other.
+    # One return: written with a return in each constexpr branch, the int8 values came out wrong on an H100 (every
+    # int8 test, 2026-12-06) and right in Triton's interpreter, as if the int8 result took the fp8 branch's uint8.
     if INT8:
         out = ((q + _ROUNDING) - _ROUNDING).to(tl.int8)
     else:
@@ -132,6 +132,7 @@ def _quantize_rows(x: torch.Tensor, divisor: torch.Tensor | None, dtype: torch.d
     if m and k:
         one_pass = k <= _ONE_PASS_MAX_K
         block_k = triton.next_power_of_2(k) if one_pass else _BLOCK_K
+        # A warp per 512 values (16 a thread held in registers), from 4 to 16 warps.
         _quantize_rows_kernel[(m,)](x, divisor if divisor is not None else x, q, scale, k, x.stride(0), q.stride(0),
                                     LEVELS=levels, INT8=dtype == torch.int8, HAS_DIVISOR=divisor is not None,
                                     BLOCK_K=block_k, ONE_PASS=one_pass, num_warps=max(4, min(16, block_k // 512)))

@@ -3,7 +3,8 @@
 Layouts:
 - ``q``: ``[B, H, D]``, one token per request; ``H = KVH * group`` (grouped-query attention).
 - ``k_cache`` / ``v_cache``: head-major paged ``[KVH, num_blocks, block_size, D]``, the engine's layout, so one kv
-  head's blocks are contiguous. Block 0 is the engine's null block; it is only ever read under a mask.
+  head's blocks are contiguous. Block 0 is the engine's null block; it is only ever read under a mask. They hold
+  ``q``'s dtype or fp8 (e4m3, unscaled), widened as tiles load: half the bytes to read (see ``fp8_cache``).
 - ``block_tables``: int32 ``[B, max_blocks]`` padded with 0; ``seq_lens``: int32 ``[B]``, 0 for padding rows.
 
 Stage 1 runs one program per (request, kv head, split). It loads each K/V tile once and scores it against all
@@ -26,17 +27,21 @@ import torch
 import triton
 import triton.language as tl
 
+from rtx_kernels.fp8_cache import dot_dtype, to_dot_dtype
 from rtx_kernels.launch import launch
 from rtx_kernels.pdl import launch_options, pdl_enabled, wait_for_previous
 
 _LOG2E = 1.4426950408889634
 # Keys per inner-loop tile, gathered through the block table; independent of the cache's block size. Unsplit
-# programs walk whole contexts and do better with the larger tile (a sweep, docs/benchmarks.md, H200,
-# 2026-11-29, llama-1b heads, W2 contexts, 16 layers' caches in one graph: 64 requests 50.0 us per layer unsplit
-# with 128 against 53.4 in 2 splits with 64; 128 requests 87.2 against 93.6 unsplit with 64); split programs
+# programs walk whole contexts and do better with a larger tile: 16 KiB of keys. Two sweeps chose it
+# (docs/benchmarks.md): on the H200 at llama-1b's heads (head size 64, bfloat16: 128 keys), W2 contexts, 16 layers'
+# caches in one graph, 64 requests took 50.0 us per layer unsplit with 128 against 53.4 in 2 splits with 64, 128
+# requests 87.2 against 93.6 unsplit with 64; on an H100 at llama-8b's (head size 128: 64 keys in bfloat16, 128 in
+# fp8), 256 requests of 128-256 tokens took 74.5 us with 64 against 82.6 with 128 over a bfloat16 cache, and 69.0
+# with 128 against 70.0 with 64 over an fp8 one (benchmarks/decode_attention_sweep.py, 2026-12-06). Split programs
 # (32 requests: 27.4 us in 4 splits) gained nothing from it.
 _BLOCK_N = 64
-_BLOCK_N_UNSPLIT = 128
+_UNSPLIT_TILE_BYTES = 16384
 # Splits shorter than this many tokens cost more in the merge than they gain in parallelism.
 _MIN_TOKENS_PER_SPLIT = 256
 _MAX_SPLITS = 32
@@ -78,6 +83,11 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, max_seq_len_hint: int,
     return max(1, min(by_occupancy, by_length, _MAX_SPLITS))
 
 
+def unsplit_block_n(head_size: int, itemsize: int) -> int:
+    """Keys per tile of an unsplit program: :data:`_UNSPLIT_TILE_BYTES` of keys, 64 to 128 (the sizes measured)."""
+    return max(_BLOCK_N, min(128, _UNSPLIT_TILE_BYTES // (head_size * itemsize)))
+
+
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, lse_ptr,
@@ -89,7 +99,8 @@ def _decode_split_kernel(
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     wait_for_previous(USE_PDL)
     req = tl.program_id(0)
@@ -108,6 +119,7 @@ def _decode_split_kernel(
     head_mask = offs_g < GROUP
     q = tl.load(q_ptr + req * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=head_mask[:, None], other=0.0)
+    q = to_dot_dtype(q, DOT_DTYPE)
 
     k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
     v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
@@ -122,7 +134,7 @@ def _decode_split_kernel(
         block_ids = tl.load(table + pos // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
         slot = pos % BLOCK_SIZE
         k = tl.load(k_base + block_ids[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :],
-                    mask=key_mask[:, None], other=0.0)
+                    mask=key_mask[:, None], other=0.0).to(DOT_DTYPE)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         scores = tl.where(key_mask[None, :], scores, float("-inf"))
 
@@ -132,8 +144,8 @@ def _decode_split_kernel(
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + block_ids[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
-                    mask=key_mask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+                    mask=key_mask[:, None], other=0.0).to(DOT_DTYPE)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     # An empty split (sequence shorter than the splits, or a padding row) yields zeros and weight 0.
@@ -219,7 +231,7 @@ def decode_attention(
     group = num_heads // num_kv_heads
     direct = num_splits == 1
     if block_n is None:
-        block_n = _BLOCK_N_UNSPLIT if direct else _BLOCK_N
+        block_n = unsplit_block_n(head_size, k_cache.dtype.itemsize) if direct else _BLOCK_N
     if direct:
         partial, lse = out, out  # lse is unused on the direct path
         partial_strides = (out.stride(0), out.stride(1), 0)
@@ -249,7 +261,8 @@ def decode_attention(
         "GROUP": group, "GROUP_PAD": max(16, triton.next_power_of_2(group)), "HEAD_SIZE": head_size,
         "BLOCK_SIZE": block_size, "BLOCK_N": block_n, "DIRECT": direct,
         # fp32 inputs would otherwise run in TF32 on the GPU and miss fp32 accuracy.
-        "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32", "USE_PDL": use_pdl,
+        "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
+        "DOT_DTYPE": dot_dtype(q.dtype, k_cache.dtype), "USE_PDL": use_pdl,
     }, options, launch_cache)
     if not direct:
         launch(_decode_merge_kernel, (batch, num_heads), (

@@ -5,7 +5,8 @@ Layouts:
   ``query_start_loc[r]:query_start_loc[r + 1]``.
 - ``k_cache`` / ``v_cache``: head-major paged ``[KVH, num_blocks, block_size, D]`` (the engine's layout). The
   chunk's own K/V are already written there, so every key of request r, cached prefix and chunk alike, is read
-  through its row of ``block_tables`` (int32 ``[R, max_blocks]``).
+  through its row of ``block_tables`` (int32 ``[R, max_blocks]``). They hold ``q``'s dtype or fp8 (e4m3, unscaled),
+  widened as tiles load (see ``fp8_cache``).
 - ``seq_lens``: int32 ``[R]``, the context length including this chunk. Query i of a chunk of ``qlen`` tokens sits
   at position ``seq_len - qlen + i`` and attends to every key at or before it.
 
@@ -21,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rtx_kernels.fp8_cache import dot_dtype, to_dot_dtype
 from rtx_kernels.launch import launch
 
 _LOG2E = 1.4426950408889634
@@ -37,7 +39,7 @@ _NUM_STAGES = 2
 def _attend_tile(q, q_pos, m_i, l_i, acc, tile_start, end, table, k_base, v_base, qk_scale,
                  stride_kb, stride_kt, stride_vb, stride_vt,
                  HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr, MASKED: tl.constexpr):
     """One key tile of the online softmax; ``MASKED`` tiles may hold keys past ``end`` or after some rows' queries."""
     offs_d = tl.arange(0, HEAD_SIZE)
     pos = tile_start + tl.arange(0, BLOCK_N)
@@ -46,10 +48,10 @@ def _attend_tile(q, q_pos, m_i, l_i, acc, tile_start, end, table, k_base, v_base
         key_mask = pos < end
         block_ids = tl.load(table + pos // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
         k = tl.load(k_base + block_ids[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :],
-                    mask=key_mask[:, None], other=0.0)
+                    mask=key_mask[:, None], other=0.0).to(DOT_DTYPE)
     else:
         block_ids = tl.load(table + pos // BLOCK_SIZE).to(tl.int64)
-        k = tl.load(k_base + block_ids[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :])
+        k = tl.load(k_base + block_ids[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :]).to(DOT_DTYPE)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
         # Every row sees key 0 (q_pos >= 0), so after the first tile each row's maximum is finite.
@@ -61,10 +63,10 @@ def _attend_tile(q, q_pos, m_i, l_i, acc, tile_start, end, table, k_base, v_base
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if MASKED:
         v = tl.load(v_base + block_ids[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
-                    mask=key_mask[:, None], other=0.0)
+                    mask=key_mask[:, None], other=0.0).to(DOT_DTYPE)
     else:
-        v = tl.load(v_base + block_ids[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :])
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        v = tl.load(v_base + block_ids[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :]).to(DOT_DTYPE)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -78,7 +80,7 @@ def _prefill_kernel(
     stride_ot, stride_oh,
     stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_SIZE: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -97,7 +99,7 @@ def _prefill_kernel(
     row_mask = (q_idx < q_len) & (rows % GROUP_PAD < GROUP)
     offs_d = tl.arange(0, HEAD_SIZE)
     q_offs = (q_start + q_idx)[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptr + q_offs, mask=row_mask[:, None], other=0.0)
+    q = to_dot_dtype(tl.load(q_ptr + q_offs, mask=row_mask[:, None], other=0.0), DOT_DTYPE)
     q_pos = context_len + q_idx
 
     k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
@@ -115,11 +117,11 @@ def _prefill_kernel(
     for tile_start in range(0, unmasked_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(q, q_pos, m_i, l_i, acc, tile_start, end, table, k_base, v_base, qk_scale,
                                      stride_kb, stride_kt, stride_vb, stride_vt,
-                                     HEAD_SIZE, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, False)
+                                     HEAD_SIZE, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, DOT_DTYPE, False)
     for tile_start in range(unmasked_end, end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(q, q_pos, m_i, l_i, acc, tile_start, end, table, k_base, v_base, qk_scale,
                                      stride_kb, stride_kt, stride_vb, stride_vt,
-                                     HEAD_SIZE, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, True)
+                                     HEAD_SIZE, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, DOT_DTYPE, True)
 
     acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     out_offs = (q_start + q_idx)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
@@ -181,5 +183,6 @@ def prefill_attention(
         "GROUP": group, "GROUP_PAD": group_pad, "BLOCK_Q": block_q, "HEAD_SIZE": head_size,
         "BLOCK_SIZE": block_size, "BLOCK_N": block_n,
         "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
+        "DOT_DTYPE": dot_dtype(q.dtype, k_cache.dtype),
     }, {"num_warps": num_warps, "num_stages": num_stages}, launch_cache)
     return out

@@ -13,7 +13,10 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
     """One request's first ``seq_len`` cache positions, ``[KVH, seq_len, D]``, from ``[KVH, blocks, bs, D]``."""
     block_size = cache.shape[2]
     num_blocks = -(-seq_len // block_size)
-    blocks = cache[:, block_table[:num_blocks].long()]  # [KVH, n, bs, D]
+    if cache.dtype.itemsize == 1:  # fp8: torch's CPU indexing has no fp8 kernels, so gather the bytes
+        blocks = cache.view(torch.uint8)[:, block_table[:num_blocks].long()].view(cache.dtype)
+    else:
+        blocks = cache[:, block_table[:num_blocks].long()]  # [KVH, n, bs, D]
     return blocks.reshape(cache.shape[0], -1, cache.shape[3])[:, :seq_len]
 
 

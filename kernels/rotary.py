@@ -8,8 +8,9 @@ first and second halves of each head are the pair being rotated,
 
 Given the paged caches ``[KVH, num_blocks, block_size, D]`` and ``slot_mapping`` (int64 ``[T]``,
 ``block_id * block_size + offset``), the same launch also stores the rotated k and the untouched v ``[T, KVH, D]``
-of each token into its slot, which saves the two ``index_copy_`` launches per layer that dominate a batch-1 decode
-step. Tokens sharing a slot (CUDA-graph padding rows all point at the null block's slot 0) race; any may win.
+of each token into its slot (rounded to fp8 when the caches are :data:`FP8_KV_DTYPE`), which saves the two
+``index_copy_`` launches per layer that dominate a batch-1 decode step. Tokens sharing a slot (CUDA-graph padding
+rows all point at the null block's slot 0) race; any may win.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ import triton
 import triton.language as tl
 
 from rtx_kernels.pdl import launch_options, pdl_enabled, wait_for_previous
+
+# The dtype of an fp8 KV cache: e4m3 (3 mantissa bits, finite up to 448), the format vLLM's and TensorRT-LLM's
+# "fp8" caches use too; keys and values are stored unscaled.
+FP8_KV_DTYPE = torch.float8_e4m3fn
 
 
 @triton.jit
@@ -32,16 +37,35 @@ def _head_offsets(stride_h, num_heads, HALF: tl.constexpr, HEADS_PAD: tl.constex
 
 @triton.jit
 def _rotate_heads(x_ptr, offs, mask, cos, sin, HALF: tl.constexpr):
+    """Rotates in place; returns the rotated halves in fp32, so a cache of another dtype rounds them only once."""
     first = x_ptr + offs
     x1 = tl.load(first, mask=mask, other=0.0)
     x2 = tl.load(first + HALF, mask=mask, other=0.0)
     x1f = x1.to(tl.float32)
     x2f = x2.to(tl.float32)
-    y1 = (x1f * cos - x2f * sin).to(x1.dtype)
-    y2 = (x2f * cos + x1f * sin).to(x1.dtype)
-    tl.store(first, y1, mask=mask)
-    tl.store(first + HALF, y2, mask=mask)
+    y1 = x1f * cos - x2f * sin
+    y2 = x2f * cos + x1f * sin
+    tl.store(first, y1.to(x1.dtype), mask=mask)
+    tl.store(first + HALF, y2.to(x1.dtype), mask=mask)
     return y1, y2
+
+
+@triton.jit
+def _cache_value(x, cache_ptr, FP8_CACHE: tl.constexpr):
+    """``x`` as the cache stores it. An fp8 (e4m3) cache holds values unscaled, saturated at its largest finite
+    value, rounded to nearest even.
+
+    The rounding is done here on the fp32 bits (keep 3 of 23 mantissa bits, the carry running into the exponent),
+    so the conversion only narrows exact values: the GPU's conversion would round the same way, but Triton's
+    interpreter, which runs these kernels in CI, drops that carry (1.96 became 1.0) and mishandles values past 448.
+    Values below e4m3's smallest normal (2**-6) may be rounded twice, by at most 2**-10.
+    """
+    if FP8_CACHE:
+        x = tl.clamp(x.to(tl.float32), -448.0, 448.0)
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(cache_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -52,7 +76,7 @@ def _rotary_kernel(
     stride_vt, stride_vh, stride_ch, stride_cb, stride_cs, block_size,
     num_q_heads, num_k_heads,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr,
-    WRITE_CACHE: tl.constexpr, USE_PDL: tl.constexpr,
+    WRITE_CACHE: tl.constexpr, FP8_CACHE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     wait_for_previous(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -69,12 +93,14 @@ def _rotary_kernel(
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
         c_offs, _ = _head_offsets(stride_ch, num_k_heads, HALF, K_HEADS_PAD, HALF_PAD)
         c_offs += (slot // block_size) * stride_cb + (slot % block_size) * stride_cs
-        tl.store(k_cache_ptr + c_offs, k1, mask=kv_mask)
-        tl.store(k_cache_ptr + c_offs + HALF, k2, mask=kv_mask)
+        tl.store(k_cache_ptr + c_offs, _cache_value(k1, k_cache_ptr, FP8_CACHE), mask=kv_mask)
+        tl.store(k_cache_ptr + c_offs + HALF, _cache_value(k2, k_cache_ptr, FP8_CACHE), mask=kv_mask)
         v_offs, _ = _head_offsets(stride_vh, num_k_heads, HALF, K_HEADS_PAD, HALF_PAD)
         v_row = v_ptr + token * stride_vt + v_offs
-        tl.store(v_cache_ptr + c_offs, tl.load(v_row, mask=kv_mask), mask=kv_mask)
-        tl.store(v_cache_ptr + c_offs + HALF, tl.load(v_row + HALF, mask=kv_mask), mask=kv_mask)
+        v1 = tl.load(v_row, mask=kv_mask)
+        v2 = tl.load(v_row + HALF, mask=kv_mask)
+        tl.store(v_cache_ptr + c_offs, _cache_value(v1, v_cache_ptr, FP8_CACHE), mask=kv_mask)
+        tl.store(v_cache_ptr + c_offs + HALF, _cache_value(v2, v_cache_ptr, FP8_CACHE), mask=kv_mask)
 
 
 def apply_rotary(
@@ -109,9 +135,11 @@ def apply_rotary(
         if (k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride()
                 or k_cache.shape[0] != num_k_heads or k_cache.shape[3] != head_size):
             raise ValueError(f"caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not match k")
-        # The cache must hold exactly the k that attention over the current chunk sees.
-        if not k.dtype == v.dtype == k_cache.dtype == v_cache.dtype:
-            raise ValueError("k, v and the caches must share a dtype")
+        # The cache holds k and v in their own dtype, or in fp8 (a --kv-cache-dtype fp8 cache); attention then
+        # reads every key, the current chunk's too, from the cache.
+        if k.dtype != v.dtype or k_cache.dtype != v_cache.dtype or k_cache.dtype not in (k.dtype, FP8_KV_DTYPE):
+            raise ValueError(f"k {k.dtype} / v {v.dtype} cannot be stored in caches of {k_cache.dtype} / "
+                             f"{v_cache.dtype}")
     for name, t in named:
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension")
@@ -129,6 +157,7 @@ def apply_rotary(
             num_q_heads, num_k_heads,
             HALF=half, HALF_PAD=triton.next_power_of_2(half),
             Q_HEADS_PAD=triton.next_power_of_2(num_q_heads), K_HEADS_PAD=triton.next_power_of_2(num_k_heads),
-            WRITE_CACHE=write_cache, USE_PDL=use_pdl, **launch_options(use_pdl),
+            WRITE_CACHE=write_cache, FP8_CACHE=write_cache and k_cache.dtype == FP8_KV_DTYPE, USE_PDL=use_pdl,
+            **launch_options(use_pdl),
         )
     return q, k

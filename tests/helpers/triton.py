@@ -30,7 +30,8 @@ def randn(*shape, gen, dtype=torch.float32) -> torch.Tensor:
 
 
 def paged_cache(seq_lens: list[int], num_kv_heads: int, block_size: int, head_size: int, dtype, gen):
-    """Random K/V caches ``[KVH, blocks, bs, D]`` and int32 block tables with shuffled, out-of-order block ids.
+    """Random K/V caches ``[KVH, blocks, bs, D]`` of ``dtype`` (fp8 included) and int32 block tables with shuffled,
+    out-of-order block ids.
 
     Slots no request owns hold NaN, block 0 (the null block) included, and tables are padded past their need.
     """
@@ -50,7 +51,7 @@ def paged_cache(seq_lens: list[int], num_kv_heads: int, block_size: int, head_si
             owned[ids[-1], seq_len % block_size :] = False
     caches = []
     for _ in range(2):
-        cache = randn(num_kv_heads, num_blocks, block_size, head_size, gen=gen, dtype=dtype)
+        cache = randn(num_kv_heads, num_blocks, block_size, head_size, gen=gen)
         cache[:, ~owned] = float("nan")
-        caches.append(cache)
+        caches.append(cache.to(dtype))  # NaN stays NaN in fp8 (e4m3fn has one)
     return caches[0], caches[1], block_tables

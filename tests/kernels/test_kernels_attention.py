@@ -4,7 +4,8 @@ The tests poison every cache slot that no request owns (the null block, spare bl
 and the output buffer with NaN, so a missing mask or an unwritten element shows up as a NaN.
 
 The interpreter cannot run ``tl.dot`` on bfloat16 (it multiplies the raw bit patterns; triton-lang/triton#11584,
-closed as unsupported), so on the CPU the attention kernels are checked in fp32 and fp16 only.
+closed as unsupported), so on the CPU the attention kernels are checked in fp32 and fp16 only, and with bfloat16
+queries over an fp8 cache, where the matmuls run in fp16.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from rtx_kernels.decode_attention import (
     DecodeWorkspace,
     choose_num_splits,
     decode_attention,
+    unsplit_block_n,
 )
 from rtx_kernels.prefill_attention import prefill_attention
 from rtx_kernels.reference import decode_attention_ref, prefill_attention_ref
@@ -88,11 +90,42 @@ def test_decode_attention_reuses_a_larger_workspace():
     _assert_attention_close(out, decode_attention_ref(q, k_cache, v_cache, block_tables, lens, 0.25), torch.float32)
 
 
+FP8 = torch.float8_e4m3fn
+# Over an fp8 cache a bfloat16 query's matmuls run in float16 (rtx_kernels.fp8_cache), which the interpreter's
+# tl.dot takes too.
+FP8_QUERY_DTYPES = [torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", FP8_QUERY_DTYPES, ids=str)
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_size, block_size, seq_lens, num_splits",
+                         DECODE_CASES[:2])
+def test_decode_attention_reads_an_fp8_cache(num_heads, num_kv_heads, head_size, block_size, seq_lens, num_splits,
+                                             dtype):
+    """Keys and values widen exactly from fp8, so the result is as close to the reference over the same fp8 cache
+    as a cache of the query's own dtype would be."""
+    gen = generator(len(seq_lens) + 100)
+    k_cache, v_cache, block_tables = paged_cache(seq_lens, num_kv_heads, block_size, head_size, FP8, gen)
+    q = randn(len(seq_lens), num_heads, head_size, gen=gen, dtype=dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+
+    decode_attention(q, k_cache, v_cache, block_tables, lens, head_size**-0.5, num_splits, out=out)
+
+    ref = decode_attention_ref(q, k_cache, v_cache, block_tables, lens, head_size**-0.5)
+    _assert_attention_close(out, ref, dtype)
+
+
 @pytest.mark.parametrize("batch, kv_heads, hint, expected", [
     (1, 8, 4096, 16), (1, 8, 300, 1), (4, 8, 2048, 8), (32, 8, 4096, 4), (64, 8, 4096, 1), (128, 8, 4096, 1),
     (256, 8, 128, 1), (1, 1, 1 << 20, 32)])
 def test_choose_num_splits(batch, kv_heads, hint, expected):
     assert choose_num_splits(batch, kv_heads, hint) == expected
+
+
+@pytest.mark.parametrize("head_size, itemsize, expected", [(64, 2, 128), (128, 2, 64), (128, 1, 128), (64, 1, 128),
+                                                           (128, 4, 64), (256, 2, 64)])
+def test_unsplit_tiles_hold_16_kib_of_keys_within_the_measured_sizes(head_size, itemsize, expected):
+    assert unsplit_block_n(head_size, itemsize) == expected
 
 
 # (num_heads, num_kv_heads, head_size, block_size, query_lens, prefix_lens)
@@ -121,9 +154,21 @@ else:
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_size, block_size, query_lens, prefix_lens", PREFILL_CASES)
 def test_prefill_attention_matches_reference(num_heads, num_kv_heads, head_size, block_size, query_lens,
                                              prefix_lens, dtype):
-    gen = generator(sum(query_lens))
+    _check_prefill(num_heads, num_kv_heads, head_size, block_size, query_lens, prefix_lens, dtype, dtype)
+
+
+@pytest.mark.parametrize("dtype", FP8_QUERY_DTYPES, ids=str)
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_size, block_size, query_lens, prefix_lens",
+                         PREFILL_CASES[1:3])
+def test_prefill_attention_reads_an_fp8_cache(num_heads, num_kv_heads, head_size, block_size, query_lens,
+                                              prefix_lens, dtype):
+    _check_prefill(num_heads, num_kv_heads, head_size, block_size, query_lens, prefix_lens, dtype, FP8)
+
+
+def _check_prefill(num_heads, num_kv_heads, head_size, block_size, query_lens, prefix_lens, dtype, cache_dtype):
+    gen = generator(sum(query_lens) + (100 if cache_dtype != dtype else 0))
     seq_lens = [p + q for q, p in zip(query_lens, prefix_lens)]
-    k_cache, v_cache, block_tables = paged_cache(seq_lens, num_kv_heads, block_size, head_size, dtype, gen)
+    k_cache, v_cache, block_tables = paged_cache(seq_lens, num_kv_heads, block_size, head_size, cache_dtype, gen)
     q = randn(sum(query_lens), num_heads, head_size, gen=gen, dtype=dtype)
     query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32,
                                    device=DEVICE)

@@ -17,6 +17,8 @@ from rtx_kernels.rmsnorm import rms_norm
 from rtx_kernels.rotary import apply_rotary
 from tests.helpers.triton import ALL_DTYPES, DEVICE, ON_GPU, generator, randn
 
+FP8 = torch.float8_e4m3fn
+
 HIDDEN = 4096 if ON_GPU else 48
 ROWS = 300 if ON_GPU else 5
 
@@ -134,6 +136,36 @@ def test_rotary_writes_rotated_k_and_v_intopaged_cache(dtype, num_heads, num_kv_
         assert (flat[:, :1] == padding).any(dim=1).all(), name
 
 
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_rotary_stores_k_and_v_in_an_fp8_cache(dtype):
+    """An fp8 cache gets the rotated k rounded once from fp32 (and v from its dtype), saturated at +-448."""
+    gen = generator(11)
+    num_heads, num_kv_heads, head_size = ROTARY_SHAPES[0]
+    num_tokens, max_pos, block_size = (37, 4096, 16) if ON_GPU else (6, 64, 4)
+    q, k, v = _packed_qkv(num_tokens, num_heads, num_kv_heads, head_size, dtype, gen)
+    v[0, 0, :4] = torch.tensor([1000.0, -1000.0, 448.0, -500.0], dtype=dtype)  # past the e4m3 range
+    positions = torch.randint(0, max_pos, (num_tokens,), generator=gen, device=DEVICE)
+    cos, sin = _rope_tables(max_pos, head_size)
+    num_blocks = 1 + -(-num_tokens // block_size)
+    slots = torch.randperm((num_blocks - 1) * block_size, generator=gen, device=DEVICE)[:num_tokens] + block_size
+    k_cache = torch.zeros(num_kv_heads, num_blocks, block_size, head_size, dtype=FP8, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    _, rotated_k = apply_rotary_ref(q.float(), k.float(), positions, cos, sin)
+    expected = [x.clamp(-448, 448).to(FP8).transpose(0, 1) for x in (rotated_k, v.float())]
+
+    apply_rotary(q, k, positions, cos, sin, v, k_cache, v_cache, slot_mapping=slots)
+
+    for name, cache, want in (("k", k_cache, expected[0]), ("v", v_cache, expected[1])):
+        got = cache.view(torch.uint8).view(num_kv_heads, -1, head_size)[:, slots].view(FP8).float()
+        want = want.float()
+        # The rotation's fp32 result may differ from torch's in its last bit (fused multiply-adds on the GPU),
+        # which can move a value across an fp8 rounding boundary: one fp8 step (1/8 relative) at most, rarely.
+        torch.testing.assert_close(got, want, rtol=0.13, atol=2**-9, msg=name)
+        assert (got == want).float().mean() > 0.98, name
+    stored_v = v_cache.view(torch.uint8).view(num_kv_heads, -1, head_size)[0, slots[0], :4].view(FP8)
+    assert stored_v.float().tolist() == [448, -448, 448, -448]
+
+
 def test_rotary_cache_arguments_go_together():
     gen = generator(10)
     q, k, v = _packed_qkv(2, 4, 2, 16, torch.float32, gen)
@@ -143,7 +175,7 @@ def test_rotary_cache_arguments_go_together():
 
     with pytest.raises(ValueError, match="go together"):
         apply_rotary(q, k, positions, cos, sin, v=v, k_cache=cache, v_cache=cache)
-    with pytest.raises(ValueError, match="share a dtype"):
+    with pytest.raises(ValueError, match="cannot be stored"):
         apply_rotary(q, k, positions, cos, sin, v, cache.half(), cache.half(), positions)
 
 

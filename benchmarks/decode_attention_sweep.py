@@ -1,0 +1,85 @@
+"""Time the decode-attention kernel's launch shapes on the GPU at ``llama-8b``'s heads (32 query heads, 8 KV heads,
+head size 128, block size 16, bfloat16 queries) over a bfloat16 cache and an fp8 one (``--kv-cache-dtype fp8``),
+beside the kernel's own default shape in the same run.
+
+Cases: W8B's decode (256 requests, contexts uniform in [128, 256]) and a W2-like one (64 requests, contexts uniform
+in [100, 2048]). Each shape is timed with CUDA events over 50 calls after 5 warm-up calls; the achieved bandwidth
+counts the K/V bytes each call must read (every request's context once), so an fp8 cache that halves the time shows
+the same GB/s.
+
+Usage: python benchmarks/decode_attention_sweep.py [--json OUT.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+
+import torch
+
+from rtx_kernels.decode_attention import choose_num_splits, decode_attention
+
+H, KVH, D, BS = 32, 8, 128, 16
+CASES = {"W8B 256 x [128, 256]": (256, 128, 256), "W2-like 64 x [100, 2048]": (64, 100, 2048)}
+
+
+def _case(batch: int, low: int, high: int, cache_dtype: torch.dtype):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    seq_lens = torch.randint(low, high + 1, (batch,), device="cuda", generator=gen, dtype=torch.int32)
+    blocks_per_seq = -(-high // BS)
+    num_blocks = batch * blocks_per_seq + 1
+    k = torch.randn(KVH, num_blocks, BS, D, device="cuda", generator=gen).to(cache_dtype)
+    v = torch.randn(KVH, num_blocks, BS, D, device="cuda", generator=gen).to(cache_dtype)
+    tables = (torch.randperm(num_blocks - 1, device="cuda", generator=gen) + 1).view(batch, blocks_per_seq).int()
+    q = torch.randn(batch, H, D, device="cuda", generator=gen).bfloat16()
+    return q, k, v, tables, seq_lens
+
+
+def _time_ms(fn, calls: int = 50) -> float:
+    for _ in range(5):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--quick", action="store_true", help="only the default shape and a few others")
+    args = parser.parse_args()
+    shapes = [(None, 4, 3)] + list(itertools.product((64, 128, 256), (4, 8), (2, 3, 4)))
+    if args.quick:
+        shapes = shapes[:1] + [(128, 8, 3), (256, 8, 3), (256, 8, 2)]
+    results = []
+    for (name, (batch, low, high)), cache_dtype in itertools.product(CASES.items(),
+                                                                    (torch.bfloat16, torch.float8_e4m3fn)):
+        q, k, v, tables, lens = _case(batch, low, high, cache_dtype)
+        splits = choose_num_splits(batch, KVH, high)
+        kv_bytes = 2 * int(lens.sum()) * KVH * D * cache_dtype.itemsize
+        out = torch.empty_like(q)
+        for block_n, warps, stages in shapes:
+            try:
+                ms = _time_ms(functools.partial(decode_attention, q, k, v, tables, lens, D ** -0.5, splits, out=out,
+                                                block_n=block_n, num_warps=warps, num_stages=stages))
+            except Exception as exc:  # a shape that does not compile (shared memory): noted, not fatal
+                print(f"{name} {cache_dtype} {block_n}/{warps}/{stages}: {type(exc).__name__}")
+                continue
+            row = {"case": name, "cache": str(cache_dtype).removeprefix("torch."), "splits": splits,
+                   "block_n": block_n or "default", "num_warps": warps, "num_stages": stages,
+                   "us": round(1000 * ms, 1), "GB/s": round(kv_bytes / ms / 1e6)}
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -69,6 +69,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
     g.add_argument("--enforce-eager", action="store_true", help="run every step eagerly (no CUDA graphs)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="the KV cache's dtype: auto (the model's) or fp8 (e4m3: twice the blocks, half the "
+                        "attention's reads, slightly less accurate)")
     add_processor_options(g)
     g.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step's tokens before scheduling the next (on accelerators the default overlaps "
@@ -186,7 +189,7 @@ def engine_cli_args(args: argparse.Namespace) -> list[str]:
            "--block-size", str(args.block_size), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
            "--max-num-seqs", str(args.max_num_seqs), "--tensor-parallel-size", str(args.tensor_parallel_size),
            "--pipeline-parallel-size", str(args.pipeline_parallel_size), "--nnodes", str(args.nnodes),
-           "--node-rank", str(args.node_rank)]
+           "--node-rank", str(args.node_rank), "--kv-cache-dtype", args.kv_cache_dtype]
     for flag, value in (("--model", args.model), ("--revision", args.revision), ("--max-model-len", args.max_model_len),
                         ("--dist-init-addr", args.dist_init_addr),
                         ("--num-kv-blocks", args.num_kv_blocks), ("--quantization", args.quantization)):
@@ -222,7 +225,7 @@ def engine_config(args: argparse.Namespace, config_file: ServeConfigFile | None 
         nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr,
         max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
-        async_scheduling=False if args.no_async_scheduling else None,
+        kv_cache_dtype=args.kv_cache_dtype, async_scheduling=False if args.no_async_scheduling else None,
         kv_host_bytes=args.kv_host_bytes, kv_disk_dir=args.kv_disk_dir, kv_disk_bytes=args.kv_disk_bytes,
         kv_host_eviction_policy=args.kv_host_eviction_policy, kv_disk_eviction_policy=args.kv_disk_eviction_policy,
         kv_snapshot_interval_s=args.kv_snapshot_interval,

@@ -39,6 +39,8 @@ class BackendCapabilities:
     tensor_parallel: bool = False
     # Whether it can split the layers into stages on several ranks (BackendOptions.pipeline_parallel_size > 1).
     pipeline_parallel: bool = False
+    # KV cache dtypes it can hold (BackendOptions.kv_cache_dtype): "auto" is the compute dtype.
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)
     # Largest batch (requests per step) it can run; None for no limit of its own.
     max_batch_size: int | None = None
     # False when a runtime it needs is missing; ``unavailable_reason`` then says why.
@@ -70,6 +72,9 @@ class BackendOptions:
     max_model_len: int | None = None
     # Run every step eagerly (no CUDA graphs): slower, but easier to debug and profile.
     enforce_eager: bool = False
+    # The KV cache's dtype: "auto" holds K/V in the compute dtype; "fp8" in e4m3, unscaled (half a bfloat16
+    # cache's bytes, so twice the blocks and half the attention's reads, at some accuracy: docs/benchmarks.md).
+    kv_cache_dtype: str = "auto"
     # Set when the server checks signed models: called on a directory of files derived from the weights and kept
     # between runs (an exported graph, a built engine) before it is reused; raises RtxError to refuse it, and the
     # backend then rebuilds it from the verified weights.

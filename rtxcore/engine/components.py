@@ -140,6 +140,9 @@ def make_backend(config: EngineConfig, registry: PluginRegistry, source: ModelSo
     if config.tensor_parallel_size > 1 and not caps.tensor_parallel:
         raise ConfigError(f"backend {config.backend!r} does not support tensor parallelism "
                           f"(tensor_parallel_size {config.tensor_parallel_size})")
+    if config.kv_cache_dtype not in caps.kv_cache_dtypes:
+        raise ConfigError(f"backend {config.backend!r} cannot hold a {config.kv_cache_dtype!r} KV cache (it holds: "
+                          f"{', '.join(caps.kv_cache_dtypes)})")
     if config.pipeline_parallel_size > 1 and not caps.pipeline_parallel:
         raise ConfigError(f"backend {config.backend!r} does not support pipeline parallelism "
                           f"(pipeline_parallel_size {config.pipeline_parallel_size})")
@@ -157,6 +160,7 @@ def make_backend(config: EngineConfig, registry: PluginRegistry, source: ModelSo
         "backend", config.backend,
         BackendOptions(config.device, config.dtype, quantizer, max_batch_size=config.scheduling.max_num_seqs,
                        max_model_len=config.max_model_len, enforce_eager=config.enforce_eager,
+                       kv_cache_dtype=config.kv_cache_dtype,
                        verify_artifact=config.verify_artifact, quantizers=quantizers,
                        tensor_parallel_size=config.tensor_parallel_size,
                        pipeline_parallel_size=config.pipeline_parallel_size, nnodes=config.nnodes,

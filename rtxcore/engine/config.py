@@ -57,6 +57,8 @@ class EngineConfig:
     kv_snapshot_interval_s: float = 60.0
     # Never capture CUDA graphs; every step runs eagerly.
     enforce_eager: bool = False
+    # See BackendOptions.kv_cache_dtype ("auto" or "fp8").
+    kv_cache_dtype: str = "auto"
     # Schedule step N+1 while the device computes step N, feeding it step N's tokens on the device; outputs then
     # come back one step later. None: on for accelerators, off on the CPU (where there is nothing to overlap).
     async_scheduling: bool | None = None

@@ -9,6 +9,10 @@ import torch
 from rtxcore.contracts.backend import ExecutionBackend, ForwardBatch
 from rtxcore.errors import ConfigError
 
+# How much an fp8 KV cache (--kv-cache-dtype fp8) may raise perplexity, as a ratio to the model's own cache: the
+# budget docs/quantization.md states, held by tests/engine/test_fp8_kv_cache.py and benchmarks/fp8_quality.py.
+FP8_KV_CACHE_MAX_PPL_RATIO = 1.03
+
 
 def perplexity(logits: torch.Tensor, token_ids: list[int]) -> float:
     """exp of the mean negative log-likelihood of tokens 1.. given ``logits`` [len - 1, vocab] after each."""

@@ -118,8 +118,8 @@ def paged_attention(
     k_cache, v_cache = kv_cache
     kv_heads, num_blocks, block_size, d = k_cache.shape
     if meta.slot_mapping is not None:
-        k_cache.view(kv_heads, -1, d).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        v_cache.view(kv_heads, -1, d).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        _store(k_cache, meta.slot_mapping, k)
+        _store(v_cache, meta.slot_mapping, v)
     out = torch.empty_like(q)
     if meta.fused_decode is not None:
         f = meta.fused_decode
@@ -130,13 +130,15 @@ def paged_attention(
     for p in meta.prefills:
         qs = q[p.start:p.end].transpose(0, 1)
         if p.has_prefix:
-            keys = k_cache.index_select(1, p.block_ids).flatten(1, 2)[:, : p.seq_len]
-            values = v_cache.index_select(1, p.block_ids).flatten(1, 2)[:, : p.seq_len]
+            keys = _gather(k_cache, p.block_ids, q.dtype).flatten(1, 2)[:, : p.seq_len]
+            values = _gather(v_cache, p.block_ids, q.dtype).flatten(1, 2)[:, : p.seq_len]
             mask = meta.prefix_masks[(p.end - p.start, p.seq_len)]
             o = _sdpa(qs, keys, values, scale, mask=mask)
         else:
-            # The chunk is the whole context: attend to the fresh K/V directly, no gather needed.
-            o = _sdpa(qs, k[p.start:p.end].transpose(0, 1), v[p.start:p.end].transpose(0, 1), scale, causal=True)
+            # The chunk is the whole context: attend to its own K/V directly, no gather needed. With an fp8 cache, as
+            # stored: every query then sees the same keys the Triton kernels, which read them from the cache, see.
+            keys, values = (_as_stored(x[p.start:p.end], k_cache.dtype).transpose(0, 1) for x in (k, v))
+            o = _sdpa(qs, keys, values, scale, causal=True)
         out[p.start:p.end] = o.transpose(0, 1)
     return out
 
@@ -154,10 +156,42 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
     kv_heads = k_cache.shape[0]
     group = heads // kv_heads
     flat = block_tables.reshape(-1)
-    keys = k_cache.index_select(1, flat).view(kv_heads, b, -1, d)  # [kv_heads, B, L, d]
-    values = v_cache.index_select(1, flat).view(kv_heads, b, -1, d)
+    keys = _gather(k_cache, flat, q.dtype).view(kv_heads, b, -1, d)  # [kv_heads, B, L, d]
+    values = _gather(v_cache, flat, q.dtype).view(kv_heads, b, -1, d)
     qg = q.view(b, kv_heads, group, d).transpose(0, 1)  # [kv_heads, B, group, d]
     scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # [kv_heads, B, group, L]
     scores.masked_fill_(~key_mask[None, :, None, :], float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     return torch.matmul(probs, values).permute(1, 0, 2, 3).reshape(b, heads, d)
+
+
+# An fp8 cache (BackendOptions.kv_cache_dtype) holds e4m3 values, unscaled. torch's CPU index_copy_ and index_select
+# have no fp8 kernels, so its bytes are moved as uint8.
+_FP8_MAX = 448.0
+
+
+def _store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """Write ``x`` [tokens, kv_heads, d] into ``cache`` [kv_heads, blocks, block_size, d] at flat ``slots``."""
+    kv_heads, d = cache.shape[0], cache.shape[3]
+    if cache.dtype == x.dtype:
+        cache.view(kv_heads, -1, d).index_copy_(1, slots, x.transpose(0, 1))
+        return
+    stored = _narrow(x.transpose(0, 1), cache.dtype)
+    cache.view(torch.uint8).view(kv_heads, -1, d).index_copy_(1, slots, stored.view(torch.uint8))
+
+
+def _narrow(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    # Saturated as the Triton kernel stores it, rather than left to the conversion's handling of larger values.
+    return x.float().clamp(-_FP8_MAX, _FP8_MAX).to(cache_dtype)
+
+
+def _as_stored(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as a cache of ``cache_dtype`` gives it back."""
+    return x if cache_dtype == x.dtype else _narrow(x, cache_dtype).to(x.dtype)
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Blocks ``block_ids`` of ``cache``, ``[kv_heads, n, block_size, d]``, in the compute ``dtype``."""
+    if cache.dtype == dtype:
+        return cache.index_select(1, block_ids)
+    return cache.view(torch.uint8).index_select(1, block_ids).view(cache.dtype).to(dtype)

@@ -42,6 +42,9 @@ from rtxcore.models.source import ModelSource
 from rtxcore.transfer import to_device_async
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# KV cache dtypes besides "auto" (the compute dtype). fp8 is e4m3 stored unscaled, the format the Triton kernels
+# write and read (rtx_kernels.rotary.FP8_KV_DTYPE) and the plain-torch attention too.
+_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn}
 # Share of the GPU's free memory (after the weights) the KV cache takes when no size is configured.
 _CUDA_KV_FRACTION = 0.85
 
@@ -53,7 +56,8 @@ class TorchBackend(ExecutionBackend):
         # Any quantizer: a quantized layer runs through its quantizer's own linear().
         return BackendCapabilities(devices=devices, dtypes=tuple(_DTYPES), paged_kv=True, kv_offload=True,
                                    quantization_formats=(ANY_QUANTIZATION,), layer_subset=True,
-                                   tensor_parallel=True, pipeline_parallel=True)
+                                   tensor_parallel=True, pipeline_parallel=True,
+                                   kv_cache_dtypes=("auto", *_KV_CACHE_DTYPES))
 
     def __init__(self, options: BackendOptions, rank: int | None = None):
         """:param rank: set by a parallel worker (tensor or pipeline) for its own rank; None in the engine's
@@ -77,6 +81,10 @@ class TorchBackend(ExecutionBackend):
         if dtype not in _DTYPES:
             raise ConfigError(f"dtype {dtype!r} is not supported by the torch backend; use one of {', '.join(_DTYPES)}")
         self.dtype = _DTYPES[dtype]
+        if options.kv_cache_dtype != "auto" and options.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            raise ConfigError(f"KV cache dtype {options.kv_cache_dtype!r} is not supported by the torch backend; use "
+                              f"auto or {', '.join(_KV_CACHE_DTYPES)}")
+        self.kv_cache_dtype = _KV_CACHE_DTYPES.get(options.kv_cache_dtype, self.dtype)
         self._decode_kernel = None
         # On CUDA: Triton kernels, and CUDA graphs for decode steps unless enforce_eager. Without Triton the
         # plain torch path runs there too.
@@ -99,7 +107,8 @@ class TorchBackend(ExecutionBackend):
             self._piecewise_module = piecewise_graphs
         if self._device.type == "cpu":
             tune_allocator()
-            if self.dtype == torch.float32 and not self._triton:
+            # The C++ decode kernel reads a float32 cache only.
+            if self.dtype == self.kv_cache_dtype == torch.float32 and not self._triton:
                 self._decode_kernel = paged_decode_kernel()
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -206,7 +215,7 @@ class TorchBackend(ExecutionBackend):
         # This rank's share: each rank holds the K/V of its own KV heads in its own stage's layers, so memory sizes
         # the cache per rank.
         ctx = self._ctx
-        return self.model_config.kv_cache_bytes_per_token(self.dtype.itemsize) // ctx.tp_size // ctx.pp_size
+        return self.model_config.kv_cache_bytes_per_token(self.kv_cache_dtype.itemsize) // ctx.tp_size // ctx.pp_size
 
     def available_kv_cache_bytes(self) -> int:
         return default_kv_cache_bytes(self._device, _CUDA_KV_FRACTION)
@@ -220,8 +229,8 @@ class TorchBackend(ExecutionBackend):
         # A pipeline stage holds its own layers' caches only; kv_caches stays indexed by layer (None elsewhere).
         stage = self.model.stage_layers
         shape = (len(stage), 2, self._num_kv_heads, num_blocks, block_size, cfg.head_dim)
-        self._kv_pool = zeroed_host_tensor(shape, self.dtype) if self._device.type == "cpu" else \
-            torch.zeros(shape, dtype=self.dtype, device=self._device)
+        self._kv_pool = zeroed_host_tensor(shape, self.kv_cache_dtype) if self._device.type == "cpu" else \
+            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self._device)
         self.kv_caches = [None] * cfg.num_layers  # type: ignore[list-item]
         for i, layer in zip(stage, self._kv_pool):
             self.kv_caches[i] = (layer[0], layer[1])

@@ -111,7 +111,7 @@ def engine_config_for(served: EngineConfig) -> EngineConfig:
     return replace(served, model=STAND_IN_MODEL, backend="torch", device="cpu", dtype="float32", quantization=None,
                    tensor_parallel_size=1, pipeline_parallel_size=1, async_scheduling=False, enforce_eager=True,
                    kv_host_bytes=0, kv_disk_dir=None, max_model_len=None, kv_cache_bytes=None,
-                   enable_prefix_caching=False)
+                   enable_prefix_caching=False, kv_cache_dtype="auto")
 
 
 def simulate(served: EngineConfig, profile: StepTimeProfile, arrivals: Iterable[Arrival],

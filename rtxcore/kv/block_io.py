@@ -20,11 +20,12 @@ def read_blocks(caches: Sequence[torch.Tensor], block_dim: int, block_ids: list[
     Queued after every kernel already queued on that device's stream, so the bytes are what the last step wrote;
     nothing waits for the GPU here (the host tier copies them out asynchronously).
     """
-    caches = _as_bytes(caches)
+    caches = _copyable(caches)
     device, n = caches[0].device, len(block_ids)
     # From pinned memory: a blocking copy from pageable memory would wait for the step in flight.
     ids = to_device(block_ids, torch.long, device)
-    out = torch.empty(n, sum(t.numel() // t.shape[block_dim] for t in caches), dtype=torch.uint8, device=device)
+    out = torch.empty(n, sum(t.numel() // t.shape[block_dim] for t in caches), dtype=caches[0].dtype,
+                      device=device)
     start = 0
     for t in caches:
         shape = t.shape[:block_dim] + t.shape[block_dim + 1:]
@@ -32,17 +33,18 @@ def read_blocks(caches: Sequence[torch.Tensor], block_dim: int, block_ids: list[
         # Gathered straight into the block-major buffer: one copy fewer than gathering and concatenating.
         out[:, start:start + size].view(n, *shape).copy_(t.index_select(block_dim, ids).movedim(block_dim, 0))
         start += size
-    return out
+    return out.view(torch.uint8)
 
 
 def write_blocks(caches: Sequence[torch.Tensor], block_dim: int, block_ids: list[int], data: torch.Tensor) -> None:
     """Put bytes :func:`read_blocks` returned for the same caches into ``block_ids``."""
-    caches = _as_bytes(caches)
-    device, n = caches[0].device, len(block_ids)
-    values = data.view(torch.uint8).reshape(n, -1)
+    caches = _copyable(caches)
+    device, dtype = caches[0].device, caches[0].dtype
+    n = len(block_ids)
+    values = data.view(dtype).reshape(n, -1)
     expected = sum(t.numel() // t.shape[block_dim] for t in caches)
     if values.shape[1] != expected:
-        raise ValueError(f"KV block data has {values.shape[1]} bytes per block, the cache {expected}")
+        raise ValueError(f"KV block data has {values.shape[1]} values per block, the cache {expected}")
     values = values.to(device, non_blocking=True)
     ids = to_device(block_ids, torch.long, device)
     start = 0
@@ -53,7 +55,7 @@ def write_blocks(caches: Sequence[torch.Tensor], block_dim: int, block_ids: list
         start += size
 
 
-def _as_bytes(caches: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The caches as bytes (the last dimension widened by the itemsize), so one path copies every dtype, fp8 caches
-    included, which torch's CPU index_select and index_copy_ do not take."""
-    return [t.view(torch.uint8) for t in caches]
+def _copyable(caches: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The caches as they are copied: fp8 ones as uint8 (the same bytes), since torch's CPU index_select and
+    index_copy_ take no fp8; wider dtypes as they are, copied element by element rather than byte by byte."""
+    return [t.view(torch.uint8) if t.dtype.itemsize == 1 else t for t in caches]

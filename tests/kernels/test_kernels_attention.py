@@ -92,8 +92,8 @@ def test_decode_attention_reuses_a_larger_workspace():
 
 FP8 = torch.float8_e4m3fn
 # Over an fp8 cache a bfloat16 query's matmuls run in float16 (rtx_kernels.fp8_cache), which the interpreter's
-# tl.dot takes too.
-FP8_QUERY_DTYPES = [torch.float16, torch.bfloat16]
+# tl.dot takes too; a float32 model's stay in float32.
+FP8_QUERY_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 @pytest.mark.parametrize("dtype", FP8_QUERY_DTYPES, ids=str)

@@ -50,6 +50,9 @@ def check_options(name: str, caps: BackendCapabilities, device: str, options: Ba
     dtype = options.dtype if options.dtype != "auto" else ("float16" if device == "cuda" else "float32")
     if dtype not in caps.dtypes:
         raise ConfigError(f"backend {name!r} cannot run dtype {dtype!r} here (it accepts: {', '.join(caps.dtypes)})")
+    if options.kv_cache_dtype not in caps.kv_cache_dtypes:
+        raise ConfigError(f"backend {name!r} cannot hold a {options.kv_cache_dtype!r} KV cache (it holds: "
+                          f"{', '.join(caps.kv_cache_dtypes)})")
     if caps.max_batch_size is not None and options.max_batch_size > caps.max_batch_size:
         raise ConfigError(f"backend {name!r} runs at most {caps.max_batch_size} requests per step; "
                           f"max_num_seqs is {options.max_batch_size}")

@@ -188,7 +188,8 @@ def start(options: BackendOptions, source: ModelSource, device: torch.device) ->
 
 def setup_fingerprint(options: BackendOptions, source: ModelSource) -> str:
     """What every rank must agree on: the model's shape, the dtype and the parallel sizes."""
-    return (f"{source.config!r} dtype={options.dtype} quantizer={type(options.quantizer).__name__} "
+    return (f"{source.config!r} dtype={options.dtype} kv_cache_dtype={options.kv_cache_dtype} "
+            f"quantizer={type(options.quantizer).__name__} "
             f"tp={options.tensor_parallel_size} pp={options.pipeline_parallel_size}")
 
 

@@ -74,7 +74,7 @@ def _quantize(x, scale, LEVELS: tl.constexpr, INT8: tl.constexpr):
     if INT8:
         out = ((q + _ROUNDING) - _ROUNDING).to(tl.int8)
     else:
-        out = _e4m3_bits(q)
+        out = e4m3_bits(q)
     return out
 
 
@@ -88,9 +88,10 @@ def _load_row(x_row, divisor_ptr, cols, K, HAS_DIVISOR: tl.constexpr):
 
 
 @triton.jit
-def _e4m3_bits(v):
+def e4m3_bits(v):
     """The e4m3fn byte of float32 ``v`` (|v| <= 448), rounded to nearest even, from integer operations: the same
-    bits on the GPU and in Triton's interpreter, whose own fp8 cast loses the carry into the exponent."""
+    bits on the GPU and in Triton's interpreter, whose own fp8 cast loses the carry into the exponent (1.96 became
+    1.0). The rotary kernel's fp8 KV store uses it too."""
     b = v.to(tl.int32, bitcast=True)
     a = tl.abs(v)
     # Normal: keep 3 mantissa bits, round half to even (the carry may go into the exponent), rebias 127 -> 7.

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from rtx_kernels.pdl import launch_options, pdl_enabled, wait_for_previous
+from rtx_kernels.quant_rows import e4m3_bits
 
 # The dtype of an fp8 KV cache: e4m3 (3 mantissa bits, finite up to 448), the format vLLM's and TensorRT-LLM's
 # "fp8" caches use too; keys and values are stored unscaled.
@@ -52,19 +53,11 @@ def _rotate_heads(x_ptr, offs, mask, cos, sin, HALF: tl.constexpr):
 
 @triton.jit
 def _cache_value(x, cache_ptr, FP8_CACHE: tl.constexpr):
-    """``x`` as the cache stores it. An fp8 (e4m3) cache holds values unscaled, saturated at its largest finite
-    value, rounded to nearest even.
-
-    The rounding is done here on the fp32 bits (keep 3 of 23 mantissa bits, the carry running into the exponent),
-    so the conversion only narrows exact values: the GPU's conversion would round the same way, but Triton's
-    interpreter, which runs these kernels in CI, drops that carry (1.96 became 1.0) and mishandles values past 448.
-    Values below e4m3's smallest normal (2**-6) may be rounded twice, by at most 2**-10.
-    """
+    """``x`` as the cache stores it. An fp8 (e4m3) cache, passed as its bytes, holds values unscaled, saturated at
+    its largest finite value, rounded to nearest even (by :func:`e4m3_bits`, which Triton's interpreter, running
+    these kernels in CI, rounds as the GPU does)."""
     if FP8_CACHE:
-        x = tl.clamp(x.to(tl.float32), -448.0, 448.0)
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
-        x = bits.to(tl.float32, bitcast=True)
+        return e4m3_bits(tl.clamp(x.to(tl.float32), -448.0, 448.0))
     return x.to(cache_ptr.dtype.element_ty)
 
 
@@ -145,8 +138,11 @@ def apply_rotary(
             raise ValueError(f"{name} must be contiguous in its last dimension")
     if num_tokens:
         half = head_size // 2
+        fp8_cache = write_cache and k_cache.dtype == FP8_KV_DTYPE
         if write_cache:
             cache_strides = (v.stride(0), v.stride(1), *k_cache.stride()[:3], k_cache.shape[2])
+            if fp8_cache:  # stored as the bytes e4m3_bits makes (the strides stay: one byte an element)
+                k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         else:
             v = k_cache = v_cache = slot_mapping = k  # never read: WRITE_CACHE prunes their uses
             cache_strides = (0,) * 6
@@ -157,7 +153,7 @@ def apply_rotary(
             num_q_heads, num_k_heads,
             HALF=half, HALF_PAD=triton.next_power_of_2(half),
             Q_HEADS_PAD=triton.next_power_of_2(num_q_heads), K_HEADS_PAD=triton.next_power_of_2(num_k_heads),
-            WRITE_CACHE=write_cache, FP8_CACHE=write_cache and k_cache.dtype == FP8_KV_DTYPE, USE_PDL=use_pdl,
+            WRITE_CACHE=write_cache, FP8_CACHE=fp8_cache, USE_PDL=use_pdl,
             **launch_options(use_pdl),
         )
     return q, k

@@ -167,7 +167,6 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
 
 # An fp8 cache (BackendOptions.kv_cache_dtype) holds e4m3 values, unscaled. torch's CPU index_copy_ and index_select
 # have no fp8 kernels, so its bytes are moved as uint8.
-_FP8_MAX = 448.0
 
 
 def _store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
@@ -182,7 +181,8 @@ def _store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
 
 def _narrow(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     # Saturated as the Triton kernel stores it, rather than left to the conversion's handling of larger values.
-    return x.float().clamp(-_FP8_MAX, _FP8_MAX).to(cache_dtype)
+    largest = torch.finfo(cache_dtype).max
+    return x.float().clamp(-largest, largest).to(cache_dtype)
 
 
 def _as_stored(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:

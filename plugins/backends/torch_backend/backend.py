@@ -105,11 +105,12 @@ class TorchBackend(ExecutionBackend):
             self._gpu_attention = triton_attention
             self._graph_module = cuda_graphs
             self._piecewise_module = piecewise_graphs
-        if (self.kv_cache_dtype.itemsize == 1 and self._triton and self._device.type == "cuda"
-                and torch.cuda.get_device_capability(self._device) < (8, 9)):
+        if self.kv_cache_dtype.itemsize == 1 and self._triton and self._device.type == "cuda":
             major, minor = torch.cuda.get_device_capability(self._device)
-            raise ConfigError(f"--kv-cache-dtype {options.kv_cache_dtype} needs a GPU of compute capability 8.9 or "
-                              f"later (Ada, Hopper), whose Triton kernels read e4m3; this one is {major}.{minor}")
+            if (major, minor) < (8, 9):
+                raise ConfigError(f"--kv-cache-dtype {options.kv_cache_dtype} needs a GPU of compute capability 8.9 "
+                                  f"or later (Ada, Hopper), whose Triton kernels read e4m3; this one is "
+                                  f"{major}.{minor}")
         if self._device.type == "cpu":
             tune_allocator()
             # The C++ decode kernel reads a float32 cache only.

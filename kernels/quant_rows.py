@@ -39,9 +39,9 @@ def _quantize_rows_kernel(x_ptr, divisor_ptr, q_ptr, scale_ptr, K, stride_xm, st
     x_row = x_ptr + row * stride_xm
     if ONE_PASS:  # BLOCK_K >= K: the whole row in one tile, read once
         x = _load_row(x_row, divisor_ptr, cols, K, HAS_DIVISOR)
-        scale = _row_scale(tl.abs(x), (x != x).to(tl.int32), LEVELS)
+        scale = row_scale(tl.abs(x), (x != x).to(tl.int32), LEVELS)
         tl.store(scale_ptr + row, scale)
-        tl.store(q_ptr + row * stride_qm + cols, _quantize(x, scale, LEVELS, INT8), mask=cols < K)
+        tl.store(q_ptr + row * stride_qm + cols, quantize_values(x, scale, LEVELS, INT8), mask=cols < K)
     else:  # tiles of BLOCK_K: one pass for the maximum, a second for the values
         amax = tl.zeros([BLOCK_K], tl.float32)
         nans = tl.zeros([BLOCK_K], tl.int32)
@@ -49,15 +49,15 @@ def _quantize_rows_kernel(x_ptr, divisor_ptr, q_ptr, scale_ptr, K, stride_xm, st
             x = _load_row(x_row, divisor_ptr, k0 + cols, K, HAS_DIVISOR)
             amax = tl.maximum(amax, tl.abs(x))
             nans += (x != x).to(tl.int32)
-        scale = _row_scale(amax, nans, LEVELS)
+        scale = row_scale(amax, nans, LEVELS)
         tl.store(scale_ptr + row, scale)
         for k0 in range(0, K, BLOCK_K):
             x = _load_row(x_row, divisor_ptr, k0 + cols, K, HAS_DIVISOR)
-            tl.store(q_ptr + row * stride_qm + k0 + cols, _quantize(x, scale, LEVELS, INT8), mask=k0 + cols < K)
+            tl.store(q_ptr + row * stride_qm + k0 + cols, quantize_values(x, scale, LEVELS, INT8), mask=k0 + cols < K)
 
 
 @triton.jit
-def _row_scale(amax, nans, LEVELS: tl.constexpr):
+def row_scale(amax, nans, LEVELS: tl.constexpr):
     # The scale times the reciprocal, as the quantizers; x over it by IEEE division, as torch divides one tensor by
     # another (Triton's ``/`` on float32 is an approximate one on NVIDIA GPUs). tl.maximum passes over NaN where
     # torch's row maximum is NaN: a row holding one gets a NaN scale, so the layer's output shows it, as on the CPU.
@@ -67,7 +67,7 @@ def _row_scale(amax, nans, LEVELS: tl.constexpr):
 
 
 @triton.jit
-def _quantize(x, scale, LEVELS: tl.constexpr, INT8: tl.constexpr):
+def quantize_values(x, scale, LEVELS: tl.constexpr, INT8: tl.constexpr):
     q = tl.clamp(tl.math.div_rn(x, scale), -LEVELS, LEVELS)
     # One return: written with a return in each constexpr branch, the int8 values came out wrong on an H100 (every
     # int8 test, 2026-12-06) and right in Triton's interpreter, as if the int8 result took the fp8 branch's uint8.

@@ -1,19 +1,21 @@
 """The fused elementwise Triton kernels (RMSNorm with residual, rotary embedding with the K/V store, SiLU-and-mul)
-equal the model's torch ops; they are checked in bfloat16 under the interpreter too."""
+equal the model's torch ops; they are checked in bfloat16 under the interpreter too. Their fp8 variants equal the
+plain kernel followed by the activations' quantization, byte for byte."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from rtx_kernels.activation import silu_and_mul
+from rtx_kernels.activation import silu_and_mul, silu_and_mul_fp8
+from rtx_kernels.quant_rows import quantize_rows_fp8
 from rtx_kernels.reference import (
     apply_rotary_ref,
     rms_norm_ref,
     silu_and_mul_ref,
     write_kv_ref,
 )
-from rtx_kernels.rmsnorm import rms_norm
+from rtx_kernels.rmsnorm import rms_norm, rms_norm_fp8
 from rtx_kernels.rotary import apply_rotary
 from tests.helpers.triton import ALL_DTYPES, DEVICE, ON_GPU, generator, randn
 
@@ -191,3 +193,76 @@ def test_silu_and_mul_on_strided_rows(dtype):
     tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
     torch.testing.assert_close(out, silu_and_mul_ref(x), rtol=tol, atol=tol)
     assert out.shape == (num_tokens, ffn) and out.is_contiguous()
+
+
+def _assert_same_fp8(fused: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> None:
+    """``fused`` (q, scale) are the bytes and scales ``quantize_rows_fp8`` makes of ``x``."""
+    q, scale = fused
+    q_ref, scale_ref = quantize_rows_fp8(x)
+    assert q.dtype == FP8 and q.shape == x.shape and scale.shape == (x.shape[0], 1)
+    assert torch.equal(scale, scale_ref)
+    diff = (q.view(torch.uint8) != q_ref.view(torch.uint8)).nonzero()
+    assert diff.numel() == 0, f"{len(diff)} values differ, first at {diff[0].tolist()}"
+
+
+# 16-bit rows only: their squares are exact in float32, so the row's sum is the same whether or not the compiler
+# fuses a multiply into an add; float32 rows' sums may differ by an ulp between the two kernels (seen on an H100), and
+# the layers fuse only 16-bit rows (RMSNorm.forward).
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_rms_norm_fp8_is_rms_norm_then_quantized(dtype, with_residual):
+    gen = generator(7)
+    x = randn(ROWS, HIDDEN, gen=gen, dtype=dtype) * 3
+    x[1] = 0  # a row of zeros: the smallest scale
+    residual = randn(ROWS, HIDDEN, gen=gen, dtype=dtype) if with_residual else None
+    weight = (1.0 + 0.5 * randn(HIDDEN, gen=gen)).to(dtype)
+
+    q, scale, residual_out = rms_norm_fp8(x, weight, 1e-5, residual)
+
+    out, ref_residual = rms_norm(x, weight, 1e-5, residual)
+    assert torch.equal(residual_out, ref_residual)
+    _assert_same_fp8((q, scale), out)
+
+
+def test_rms_norm_fp8_rounds_to_the_promoted_dtype_first():
+    """A float32 weight over bfloat16 rows: the unfused kernel stores float32, so nothing is rounded to bf16."""
+    gen = generator(8)
+    x = randn(3, HIDDEN, gen=gen, dtype=torch.bfloat16)
+    weight = 1.0 + 0.1 * randn(HIDDEN, gen=gen)
+
+    q, scale, _ = rms_norm_fp8(x, weight, 1e-6)
+
+    out, _ = rms_norm(x, weight, 1e-6)
+    assert out.dtype == torch.float32
+    _assert_same_fp8((q, scale), out)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_silu_and_mul_fp8_is_silu_and_mul_then_quantized(dtype):
+    gen = generator(9)
+    num_tokens, ffn = (50, 14336) if ON_GPU else (4, 40)
+    wide = randn(num_tokens, 2 * ffn + 8, gen=gen, dtype=dtype) * 4
+    x = wide[:, : 2 * ffn]
+    x[2] = 0
+
+    _assert_same_fp8(silu_and_mul_fp8(x), silu_and_mul(x))
+
+
+def test_silu_and_mul_fp8_past_one_program_a_row():
+    """Rows wider than one program holds (16,384 columns) take the two kernels, with the same result."""
+    gen = generator(10)
+    x = randn(2, 2 * 16400, gen=gen, dtype=torch.bfloat16)
+
+    _assert_same_fp8(silu_and_mul_fp8(x), silu_and_mul(x))
+
+
+@pytest.mark.parametrize("fmt", ["rms_norm", "silu"])
+def test_fp8_variants_give_a_row_holding_nan_a_nan_scale(fmt):
+    gen = generator(11)
+    x = randn(3, 2 * HIDDEN if fmt == "silu" else HIDDEN, gen=gen)
+    x[1, 5] = float("nan")
+    if fmt == "silu":
+        q, scale = silu_and_mul_fp8(x)
+    else:
+        q, scale, _ = rms_norm_fp8(x, torch.ones(HIDDEN, device=DEVICE), 1e-5)
+    assert scale[1].isnan().all() and not scale[[0, 2]].isnan().any()

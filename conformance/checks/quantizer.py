@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rtx_conformance.rules import require
-from rtxcore.contracts.quantizer import QuantizedTensor, Quantizer, concat_rows
+from rtxcore.contracts.quantizer import FP8_ROWS, QuantizedTensor, Quantizer, concat_rows, round_rows
 
 # Linear-weight shapes [out_features, in_features] a quantizer must handle: multiples of 64, as in real models.
 SHAPES = ((64, 64), (128, 256), (192, 576))
@@ -70,6 +70,27 @@ def check_linear(quantizer: Quantizer, weight: torch.Tensor, seed: int, dtype: t
             f"linear's relative output error {error:.4g} in {dtype} exceeds {allowed:.4g} (twice the declared "
             f"{quantizer.max_relative_error})")
     return error
+
+
+def check_rounded_rows(quantizer: Quantizer, weight: torch.Tensor, seed: int) -> int:
+    """A backend hands ``linear`` its input already rounded wherever :meth:`Quantizer.rounded_rows` names a form
+    for it: the result must be the bits ``linear`` gives for the input itself. Returns how many of the row counts
+    tried named a form (built-in methods name none on the CPU)."""
+    qt = quantize(quantizer, weight)
+    named = 0
+    for rows in (1, 9, 64):
+        form = quantizer.rounded_rows(qt, rows, weight.device)
+        if form is None:
+            continue
+        require(form == FP8_ROWS, "quantizer.rounded_rows", f"rounded_rows() named {form!r}, not a defined form")
+        named += 1
+        gen = torch.Generator().manual_seed(seed + rows)
+        x = torch.randn(rows, weight.shape[1], generator=gen).to(weight.device, torch.bfloat16)
+        rounded, plain = quantizer.linear(round_rows(x, form), qt), quantizer.linear(x, qt)  # type: ignore[arg-type]
+        require(isinstance(rounded, torch.Tensor) and rounded.dtype == plain.dtype and torch.equal(rounded, plain),
+                "quantizer.rounded_rows", f"linear() of {rows} rows given them rounded ({form}) differs from "
+                "linear() given the rows themselves")
+    return named
 
 
 def check_fake_quantize(quantizer: Quantizer, weight: torch.Tensor) -> None:

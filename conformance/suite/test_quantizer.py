@@ -16,6 +16,7 @@ from rtx_conformance.checks.quantizer import (
     check_fusable,
     check_linear,
     check_round_trip,
+    check_rounded_rows,
     check_shape,
 )
 from rtx_conformance.rules import build
@@ -49,6 +50,11 @@ def test_error_bound(component, shape, std, seed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_linear(component, shape, dtype):
     check_linear(new_quantizer(component), _gaussian(shape, 0.02, 2), seed=3, dtype=dtype)
+
+
+@pytest.mark.rtx_rules("quantizer.rounded_rows")
+def test_rounded_rows(component):
+    check_rounded_rows(new_quantizer(component), _gaussian(SHAPES[1], 0.02, 6), seed=7)
 
 
 @pytest.mark.rtx_rules("quantizer.fake_quantize")

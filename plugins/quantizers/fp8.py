@@ -19,11 +19,19 @@ import torch
 import torch.nn.functional as F
 
 from rtx_kernels import quant_reference
-from rtxcore.contracts.quantizer import LayerStats, QuantizedTensor, Quantizer, narrow_inputs, require_tensor
+from rtxcore.contracts.quantizer import (
+    FP8_ROWS,
+    LayerStats,
+    QuantizedTensor,
+    Quantizer,
+    RoundedRows,
+    narrow_inputs,
+    require_tensor,
+    round_rows,
+)
 from rtxcore.hookspecs import hookimpl
 
 FP8 = torch.float8_e4m3fn
-_FP8_MAX = torch.finfo(FP8).max  # 448
 # _scaled_mm wants both matrices' inner and outer sizes in multiples of 16.
 _MM_ALIGN = 16
 # The GEMV's rows per launch (rtx_kernels.gemv); past it the product is a GEMM on the fp8 tensor cores.
@@ -54,10 +62,8 @@ def _triton_reads_fp8(device_index: int) -> bool:
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row of ``x`` scaled so that its largest magnitude becomes fp8's largest: (fp8 values, fp32 scales [rows,
     1])."""
-    # Times the reciprocal, not divided: torch divides by a Python number that way on CUDA but not on the CPU, and
-    # the scale must be the same bits everywhere (rtx_kernels.quant_rows computes it too).
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-12) * (1.0 / _FP8_MAX)
-    return (x.float() / scale).clamp(-_FP8_MAX, _FP8_MAX).to(FP8), scale
+    rows = round_rows(x, FP8_ROWS)
+    return rows.values, rows.scale
 
 
 def _quantize_rows_on_gpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,24 +111,43 @@ class FP8Quantizer(Quantizer):
             rounded = (xq.float() * scale).to(x.dtype)
         return x + (rounded - x).detach()
 
-    def linear(self, x: torch.Tensor, qtensor: QuantizedTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def rounded_rows(self, qtensor: QuantizedTensor, num_rows: int, device: torch.device) -> str | None:
+        # Only where linear rounds on the GPU and multiplies in fp8: the weight-only GEMV reads its few rows
+        # unrounded, and the CPU has no fused kernel to round them.
+        return FP8_ROWS if self._fp8_product(qtensor, num_rows, device) else None
+
+    def _weight_only(self, num_rows: int, device: torch.device) -> bool:
+        return (device.type == "cuda" and quant_reference.HAS_TRITON and num_rows <= WEIGHT_ONLY_MAX_ROWS
+                and _triton_reads_fp8(device.index or 0))
+
+    def _fp8_product(self, qtensor: QuantizedTensor, num_rows: int, device: torch.device) -> bool:
+        n, k = qtensor.tensors["weight"].shape
+        return (device.type == "cuda" and not self._weight_only(num_rows, device) and n % _MM_ALIGN == 0
+                and k % _MM_ALIGN == 0 and _fp8_matmul_works(device.index or 0))
+
+    def linear(self, x: torch.Tensor | RoundedRows, qtensor: QuantizedTensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
         t = qtensor.tensors
-        n, k = t["weight"].shape
-        if (x.is_cuda and quant_reference.HAS_TRITON and x.dim() == 2 and x.shape[0] <= WEIGHT_ONLY_MAX_ROWS
-                and _triton_reads_fp8(x.device.index or 0)):
+        if isinstance(x, RoundedRows):
+            if x.form != FP8_ROWS:
+                raise ValueError(f"fp8 layers take {FP8_ROWS} rows, not {x.form}")
+            xq, x_scale, dtype = x.values, x.scale, x.dtype
+        elif x.dim() == 2 and self._weight_only(x.shape[0], x.device):
             from rtx_kernels.gemv import gemv
 
             return gemv(x, t["weight"], bias, weight_scale=t["weight_scale"])
-        if x.is_cuda and n % _MM_ALIGN == 0 and k % _MM_ALIGN == 0 and _fp8_matmul_works(x.device.index or 0):
-            xq, x_scale = _quantize_rows_on_gpu(x)
+        else:
+            on_gpu = self._fp8_product(qtensor, x.shape[0], x.device)
+            xq, x_scale = _quantize_rows_on_gpu(x) if on_gpu else quantize_rows(x)
+            dtype = x.dtype
+        if self._fp8_product(qtensor, xq.shape[0], xq.device):
             # Row-wise scaling has a bf16 output on every architecture that supports it; the weight's transpose is
             # the column-major operand it wants.
             y = torch._scaled_mm(xq, t["weight"].t(), scale_a=x_scale, scale_b=t["weight_scale"][None, :],
                                  out_dtype=torch.bfloat16, bias=None if bias is None else bias.to(torch.bfloat16))
-            return y.to(x.dtype)
-        xq, x_scale = quantize_rows(x)
-        x_approx = (xq.float() * x_scale).to(x.dtype)
-        return F.linear(x_approx, self.dequantize(qtensor).to(x.dtype), bias)
+            return y.to(dtype)
+        x_approx = (xq.float() * x_scale).to(dtype)
+        return F.linear(x_approx, self.dequantize(qtensor).to(dtype), bias)
 
 
 @hookimpl

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from rtx_conformance.plugin import Selection
 from rtx_conformance.report import render_table, summarize
@@ -28,6 +29,7 @@ def _failures(run, kind: str, name: str) -> list[str]:
     ("scheduler", "over-budget", "[scheduler.token_budget]", "budget is"),
     ("quantizer", "int4-overpromising", "[quantizer.error_bound]", "exceeds the declared 0.01"),
     ("quantizer", "int8-unrounded-qat", "[quantizer.fake_quantize]", "differs from dequantize(quantize())"),
+    ("quantizer", "fp8-scale-dropping", "[quantizer.rounded_rows]", "given them rounded (fp8-e4m3-rows) differs"),
 ])
 def test_wrong_plugin_is_caught_naming_the_rule(wrong_run, kind, name, rule, detail):
     failures = _failures(wrong_run, kind, name)
@@ -47,4 +49,13 @@ def test_builtin_int8_quantizer_passes_its_contract(wrong_run):
     results = [r for r in wrong_run.session.results if r.name == "int8"]
     assert results and all(r.outcome == "passed" for r in results), [(r.check, r.message) for r in results]
     assert {r.check for r in results} >= {"declared_bound", "error_bound", "shape", "round_trip", "linear", "fusable",
-                                          "fake_quantize"}
+                                          "fake_quantize", "rounded_rows"}
+
+
+def test_linear_from_rounded_rows_is_checked_where_a_form_is_named():
+    """The right fp8 taking rounded rows on the CPU passes the check, each of the three row counts checked."""
+    from rtx_conformance.checks.quantizer import check_rounded_rows
+    from tests.helpers.conformance_plugins import RoundedRowsFP8Quantizer
+
+    weight = torch.randn(128, 256, generator=torch.Generator().manual_seed(0)) * 0.02
+    assert check_rounded_rows(RoundedRowsFP8Quantizer(), weight, seed=1) == 3

@@ -10,9 +10,11 @@ from dataclasses import replace
 import torch
 
 from rtx_plugins.eviction.lru import LRUPolicy
+from rtx_plugins.quantizers.fp8 import FP8Quantizer
 from rtx_plugins.samplers.default import DefaultSampler
 from rtx_plugins.schedulers.fcfs import FCFSScheduler
 from rtxcore.contracts import QuantizedTensor, Quantizer, SchedulerConfig
+from rtxcore.contracts.quantizer import FP8_ROWS, RoundedRows
 from rtxcore.hookspecs import hookimpl
 
 
@@ -87,6 +89,23 @@ class UnroundedFakeQuantizer(Int8Quantizer):
         return weight
 
 
+class RoundedRowsFP8Quantizer(FP8Quantizer):
+    """fp8 taking its input rounded beforehand for any rows anywhere (the CPU included): a right one, whose linear
+    reads rounded rows as the built-in does."""
+
+    def rounded_rows(self, qtensor, num_rows, device):
+        return FP8_ROWS
+
+
+class ScaleDroppingFP8Quantizer(RoundedRowsFP8Quantizer):
+    """Takes rounded rows but reads them without their scales."""
+
+    def linear(self, x, qtensor, bias=None):
+        if isinstance(x, RoundedRows):
+            x = RoundedRows(x.form, x.values, torch.ones_like(x.scale), x.dtype)
+        return super().linear(x, qtensor, bias)
+
+
 class WrongPlugins:
     @hookimpl
     def register_samplers(self, register):
@@ -104,3 +123,4 @@ class WrongPlugins:
     def register_quantizers(self, register):
         register("int4-overpromising", OverpromisingInt4Quantizer)
         register("int8-unrounded-qat", UnroundedFakeQuantizer)
+        register("fp8-scale-dropping", ScaleDroppingFP8Quantizer)

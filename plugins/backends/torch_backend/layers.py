@@ -19,7 +19,7 @@ from torch import nn
 
 from rtx_plugins.backends.torch_backend.ops import Ops
 from rtx_plugins.backends.torch_backend.quantized import QuantizableLinear
-from rtxcore.contracts.quantizer import QuantizedTensor, Quantizer, slice_rows
+from rtxcore.contracts.quantizer import FP8_ROWS, QuantizedTensor, Quantizer, RoundedRows, slice_rows
 from rtxcore.models.config import RopeScaling
 
 
@@ -170,8 +170,19 @@ class RMSNorm(nn.Module):
         self.ops = ops
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (normalized, new residual); with ``residual`` given, x is added to it first (one kernel on GPU)."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                feeds: QuantizableLinear | None = None) -> tuple[torch.Tensor | RoundedRows, torch.Tensor]:
+        """Returns (normalized, new residual); with ``residual`` given, x is added to it first (one kernel on GPU).
+
+        :param feeds: the layer the normalized rows go to: where it takes them rounded to fp8 and a fused kernel
+            exists, they come back so (:class:`RoundedRows`), rounded in the same pass.
+        """
+        fused = self.ops.rms_norm_fp8
+        # 16-bit rows only: float32 ones' sum of squares may round differently in the fused kernel (kernels/rmsnorm.py).
+        if (fused is not None and feeds is not None and x.element_size() == 2
+                and feeds.rounded_rows(x.shape[0], x.device) == FP8_ROWS):
+            values, scale, residual = fused(x, self.weight, self.eps, residual)
+            return RoundedRows(FP8_ROWS, values, scale, torch.promote_types(self.weight.dtype, x.dtype)), residual
         return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 

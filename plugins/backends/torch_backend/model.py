@@ -19,7 +19,7 @@ from rtx_plugins.backends.torch_backend.layers import (
 )
 from rtx_plugins.backends.torch_backend.ops import Ops, torch_ops
 from rtx_plugins.backends.torch_backend.quantized import QuantizableLinear
-from rtxcore.contracts.quantizer import QuantizedTensor, Quantizer
+from rtxcore.contracts.quantizer import FP8_ROWS, QuantizedTensor, Quantizer, RoundedRows
 from rtxcore.models.config import ModelConfig
 
 AttentionFn = Callable[..., torch.Tensor]
@@ -44,11 +44,12 @@ class Attention(nn.Module):
         # Rotary embedding is the attention function's job: a fused kernel can rotate and store K/V in one pass.
         return self.project_out(attention(q, k, v, positions, self.rotary, kv_cache, meta, self.scale))
 
-    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project_qkv(self, x: torch.Tensor | RoundedRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [n, heads, d], k and v [n, kv_heads, d]: views into one packed projection, before rotary embedding."""
-        n = x.shape[0]
+        qkv = self.qkv_proj(x)
+        n = qkv.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         return (q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim),
                 v.reshape(n, self.num_kv_heads, self.head_dim))
 
@@ -64,8 +65,14 @@ class MLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, ctx, ops)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, ctx, ops)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor | RoundedRows) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        fused = self.ops.silu_and_mul_fp8
+        if fused is not None and self.down_proj.rounded_rows(gate_up.shape[0], gate_up.device) == FP8_ROWS:
+            # down_proj rounds its input to fp8 per row: the activation's kernel rounds it in the same pass.
+            values, scale = fused(gate_up)
+            return self.down_proj(RoundedRows(FP8_ROWS, values, scale, gate_up.dtype))
+        return self.down_proj(self.ops.silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -77,7 +84,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, ctx, ops)
 
     def forward(self, x, residual, positions, kv_cache, meta, attention):
-        h, residual = self.input_layernorm(x, residual)
+        h, residual = self.input_layernorm(x, residual, self.self_attn.qkv_proj)
         h = self.self_attn(h, positions, kv_cache, meta, attention)
         return self.after_attention(h, residual)
 
@@ -86,12 +93,12 @@ class DecoderLayer(nn.Module):
 
     def before_attention(self, x: torch.Tensor, residual: torch.Tensor | None):
         """(q, k, v, residual): the input norm and the qkv projection, before rotary embedding."""
-        h, residual = self.input_layernorm(x, residual)
+        h, residual = self.input_layernorm(x, residual, self.self_attn.qkv_proj)
         return (*self.self_attn.project_qkv(h), residual)
 
     def after_attention(self, h: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``h``: the attention block's output after o_proj; returns (MLP output, residual)."""
-        h, residual = self.post_attention_layernorm(h, residual)
+        h, residual = self.post_attention_layernorm(h, residual, self.mlp.gate_up_proj)
         return self.mlp(h), residual
 
 

@@ -23,6 +23,10 @@ class Ops:
     # (x [T, K], weight [N, K], bias [N] or None) -> [T, N]: the projections inside a layer
     linear: Callable[[Tensor, Tensor, Tensor | None], Tensor] = F.linear
     name: str = "torch"
+    # The first and third with their output rounded per row to fp8 e4m3, for an fp8 layer that takes its input so
+    # (rms_norm: (values, scales, x + residual); silu_and_mul: (values, scales)); None where there is no fused kernel.
+    rms_norm_fp8: Callable[[Tensor, Tensor, float, Tensor | None], tuple[Tensor, Tensor, Tensor]] | None = None
+    silu_and_mul_fp8: Callable[[Tensor], tuple[Tensor, Tensor]] | None = None
 
 
 # Up to this many rows, a projection streams its weight through the Triton GEMV kernel instead of cuBLAS. Measured
@@ -38,9 +42,9 @@ def torch_ops() -> Ops:
 
 
 def triton_ops(gemv: bool = True) -> Ops:
-    from rtx_kernels.activation import silu_and_mul
+    from rtx_kernels.activation import silu_and_mul, silu_and_mul_fp8
     from rtx_kernels.gemv import gemv as gemv_kernel
-    from rtx_kernels.rmsnorm import rms_norm
+    from rtx_kernels.rmsnorm import rms_norm, rms_norm_fp8
     from rtx_kernels.rotary import apply_rotary
 
     def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -48,4 +52,5 @@ def triton_ops(gemv: bool = True) -> Ops:
             return gemv_kernel(x, weight, bias)
         return F.linear(x, weight, bias)
 
-    return Ops(rms_norm, apply_rotary, silu_and_mul, linear if gemv else F.linear, "triton")
+    return Ops(rms_norm, apply_rotary, silu_and_mul, linear if gemv else F.linear, "triton", rms_norm_fp8,
+               silu_and_mul_fp8)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rtxcore.contracts.quantizer import QuantizedTensor, Quantizer, concat_rows
+from rtxcore.contracts.quantizer import QuantizedTensor, Quantizer, RoundedRows, concat_rows
 from rtxcore.errors import ModelLoadError
 
 
@@ -17,8 +17,9 @@ class QuantizedWeight:
     quantizer: Quantizer
     qtensor: QuantizedTensor
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return self.quantizer.linear(x, self.qtensor, bias)
+    def linear(self, x: torch.Tensor | RoundedRows, bias: torch.Tensor | None) -> torch.Tensor:
+        # RoundedRows only reach a quantizer whose rounded_rows named their form, and its linear takes them.
+        return self.quantizer.linear(x, self.qtensor, bias)  # type: ignore[arg-type]
 
 
 def to_device(qt: QuantizedTensor, device: torch.device) -> QuantizedTensor:
@@ -80,6 +81,13 @@ class QuantizableLinear(nn.Module):
         # The float weight is no longer read: give its memory back.
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype, device=self.weight.device),
                                    requires_grad=False)
+
+    def rounded_rows(self, num_rows: int, device: torch.device) -> str | None:
+        """The form in which this layer takes an input of ``num_rows`` rows already rounded (its quantizer's
+        :meth:`~rtxcore.contracts.quantizer.Quantizer.rounded_rows`), or None: then it takes the rows as they are."""
+        if self.quantized is None:
+            return None
+        return self.quantized.quantizer.rounded_rows(self.quantized.qtensor, num_rows, device)
 
     @property
     def waiting_for_shards(self) -> bool:

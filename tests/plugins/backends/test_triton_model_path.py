@@ -64,3 +64,20 @@ def test_unknown_kernel_choice_is_refused(monkeypatch):
     monkeypatch.setenv("RTX_TORCH_KERNELS", "cuda-magic")
     with pytest.raises(ConfigError, match="RTX_TORCH_KERNELS"):
         make_engine(device="cpu")
+
+
+def test_fp8_layers_take_rows_rounded_by_the_norm_and_activation_kernels(monkeypatch):
+    """Where an fp8 layer takes its input already rounded (on a GPU past the weight-only rows), RMSNorm and
+    SiLU-and-mul round it in their own pass: the tokens equal those of rounding inside the layer. Here the layers are
+    told to take rounded rows on the CPU too, so the fused kernels run in the interpreter and the product runs
+    from the rows they rounded."""
+    from rtx_plugins.quantizers.fp8 import FP8Quantizer
+    from rtxcore.contracts.quantizer import FP8_ROWS
+
+    prompts = PROMPTS[:3]
+    expected = _tokens(monkeypatch, "triton", prompts, quantization="fp8")
+    rounded = []
+    monkeypatch.setattr(FP8Quantizer, "rounded_rows", lambda self, qt, rows, device: rounded.append(rows) or FP8_ROWS)
+    assert _tokens(monkeypatch, "triton", prompts, quantization="fp8") == expected
+    # Every layer of every step asked: qkv and gate|up (after the norms) and down (after the activation).
+    assert len(rounded) >= 3 * 2 and len(rounded) % 3 == 0

@@ -73,7 +73,7 @@ RULES: dict[str, str] = {
     "quantizer.fusable": "weights quantized apart and stacked along their outputs (q|k|v) dequantize as the stacked "
                          "weights: every tensor's first dimension is the outputs, but input_* tensors, shared",
     "quantizer.rounded_rows": "where rounded_rows() names a form for an input, linear() given the input rounded so "
-                              "returns the same bits as given the input itself",
+                              "returns the same bits as given the input itself (naming none meets it)",
     # backends
     "backend.builds": "cls(options) builds an ExecutionBackend without raising",
     "backend.api": "load, allocate_kv_cache and execute run without raising; execute returns a [rows, vocab] tensor",

@@ -75,6 +75,9 @@ def rms_norm_fp8(
     into the sum's adds in one kernel and not the other: the scales may then differ by an ulp.)"""
     if x.dim() != 2:
         raise ValueError(f"x {tuple(x.shape)} must be [T, N]")
+    if torch.promote_types(weight.dtype, x.dtype) not in (x.dtype, weight.dtype):
+        # The kernel rounds to one of its inputs' dtypes before quantizing, as the unfused kernel stores it.
+        raise ValueError(f"x {x.dtype} and weight {weight.dtype} promote to a third dtype; give them one of the two")
     q = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
     residual_out = _launch(x, weight, eps, residual, q, scale)

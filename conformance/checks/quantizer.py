@@ -82,13 +82,13 @@ def check_rounded_rows(quantizer: Quantizer, weight: torch.Tensor, seed: int) ->
         form = quantizer.rounded_rows(qt, rows, weight.device)
         if form is None:
             continue
-        require(form == FP8_ROWS, "quantizer.rounded_rows", f"rounded_rows() named {form!r}, not a defined form")
+        require(form is FP8_ROWS, "quantizer.rounded_rows", f"rounded_rows() named {form!r}, not a defined form")
         named += 1
         gen = torch.Generator().manual_seed(seed + rows)
         x = torch.randn(rows, weight.shape[1], generator=gen).to(weight.device, torch.bfloat16)
         rounded, plain = quantizer.linear(round_rows(x, form), qt), quantizer.linear(x, qt)  # type: ignore[arg-type]
         require(isinstance(rounded, torch.Tensor) and rounded.dtype == plain.dtype and torch.equal(rounded, plain),
-                "quantizer.rounded_rows", f"linear() of {rows} rows given them rounded ({form}) differs from "
+                "quantizer.rounded_rows", f"linear() of {rows} rows given them rounded ({form.value}) differs from "
                 "linear() given the rows themselves")
     return named
 

@@ -25,6 +25,7 @@ from rtxcore.contracts.quantizer import (
     QuantizedTensor,
     Quantizer,
     RoundedRows,
+    RowRounding,
     narrow_inputs,
     require_tensor,
     round_rows,
@@ -111,7 +112,7 @@ class FP8Quantizer(Quantizer):
             rounded = (xq.float() * scale).to(x.dtype)
         return x + (rounded - x).detach()
 
-    def rounded_rows(self, qtensor: QuantizedTensor, num_rows: int, device: torch.device) -> str | None:
+    def rounded_rows(self, qtensor: QuantizedTensor, num_rows: int, device: torch.device) -> RowRounding | None:
         # Only where linear rounds on the GPU and multiplies in fp8: the weight-only GEMV reads its few rows
         # unrounded, and the CPU has no fused kernel to round them.
         return FP8_ROWS if self._fp8_product(qtensor, num_rows, device) else None
@@ -129,18 +130,20 @@ class FP8Quantizer(Quantizer):
                bias: torch.Tensor | None = None) -> torch.Tensor:
         t = qtensor.tensors
         if isinstance(x, RoundedRows):
-            if x.form != FP8_ROWS:
-                raise ValueError(f"fp8 layers take {FP8_ROWS} rows, not {x.form}")
+            if x.form is not FP8_ROWS:
+                raise ValueError(f"fp8 layers take {FP8_ROWS.value} rows, not {x.form.value}")
             xq, x_scale, dtype = x.values, x.scale, x.dtype
-        elif x.dim() == 2 and self._weight_only(x.shape[0], x.device):
-            from rtx_kernels.gemv import gemv
-
-            return gemv(x, t["weight"], bias, weight_scale=t["weight_scale"])
+            on_tensor_cores = self._fp8_product(qtensor, xq.shape[0], xq.device)
         else:
-            on_gpu = self._fp8_product(qtensor, x.shape[0], x.device)
-            xq, x_scale = _quantize_rows_on_gpu(x) if on_gpu else quantize_rows(x)
+            rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+            if x.dim() == 2 and self._weight_only(rows, x.device):
+                from rtx_kernels.gemv import gemv
+
+                return gemv(x, t["weight"], bias, weight_scale=t["weight_scale"])
+            on_tensor_cores = x.dim() == 2 and self._fp8_product(qtensor, rows, x.device)
+            xq, x_scale = _quantize_rows_on_gpu(x) if on_tensor_cores else quantize_rows(x)
             dtype = x.dtype
-        if self._fp8_product(qtensor, xq.shape[0], xq.device):
+        if on_tensor_cores:
             # Row-wise scaling has a bf16 output on every architecture that supports it; the weight's transpose is
             # the column-major operand it wants.
             y = torch._scaled_mm(xq, t["weight"].t(), scale_a=x_scale, scale_b=t["weight_scale"][None, :],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +29,14 @@ class QuantizedTensor:
     meta: dict = field(default_factory=dict)
 
 
-#: The one form of pre-rounded input a quantizer's ``linear`` may take (:class:`RoundedRows`): each row scaled so that
-#: its largest magnitude is fp8 e4m3's largest (448), then rounded to e4m3, nearest even.
-FP8_ROWS = "fp8-e4m3-rows"
+class RowRounding(Enum):
+    """The forms of pre-rounded input a quantizer's ``linear`` may take (:class:`RoundedRows`)."""
+
+    #: Each row scaled so that its largest magnitude is fp8 e4m3's largest (448), then rounded to e4m3, nearest even.
+    FP8_E4M3 = "fp8-e4m3-rows"
+
+
+FP8_ROWS = RowRounding.FP8_E4M3
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,18 +45,18 @@ class RoundedRows:
     RMSNorm or SiLU-and-mul can round its output in the same pass instead of a kernel of its own before the layer):
     ``x`` ~= ``values.float() * scale``. Made only for a layer whose :meth:`Quantizer.rounded_rows` named the form."""
 
-    form: str
+    form: RowRounding
     values: torch.Tensor  # [rows, in_features]
     scale: torch.Tensor  # float32 [rows, 1]
     # The dtype of the unrounded rows: the layer's output takes it.
     dtype: torch.dtype
 
 
-def round_rows(x: torch.Tensor, form: str = FP8_ROWS) -> RoundedRows:
+def round_rows(x: torch.Tensor, form: RowRounding = FP8_ROWS) -> RoundedRows:
     """The rows of ``x`` [rows, K] rounded into ``form``, by the form's definition: the reference a fused kernel must
     equal bit for bit, and the rounding the fp8 quantizer applies to its input itself."""
-    if form != FP8_ROWS:
-        raise ValueError(f"unknown rounded-rows form {form!r}; the one defined is {FP8_ROWS!r}")
+    if form is not FP8_ROWS:
+        raise ValueError(f"unknown rounded-rows form {form!r}")
     fp8 = torch.float8_e4m3fn
     levels = torch.finfo(fp8).max
     # Times the reciprocal, not divided: torch divides by a Python number that way on CUDA but not on the CPU, and
@@ -120,7 +126,7 @@ class Quantizer(ABC):
         packed weight directly, and methods that also quantize activations (fp8) apply that here."""
         return F.linear(x, self.dequantize(qtensor).to(x.dtype), bias)
 
-    def rounded_rows(self, qtensor: QuantizedTensor, num_rows: int, device: torch.device) -> str | None:
+    def rounded_rows(self, qtensor: QuantizedTensor, num_rows: int, device: torch.device) -> RowRounding | None:
         """The :class:`RoundedRows` form (:data:`FP8_ROWS`) in which :meth:`linear` would round an input of
         ``num_rows`` rows on ``device`` and also takes it rounded beforehand, or None (the default: the method does
         not round its input, or not for this many rows there). A backend may then hand ``linear`` a

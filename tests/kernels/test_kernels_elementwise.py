@@ -266,3 +266,10 @@ def test_fp8_variants_give_a_row_holding_nan_a_nan_scale(fmt):
     else:
         q, scale, _ = rms_norm_fp8(x, torch.ones(HIDDEN, device=DEVICE), 1e-5)
     assert scale[1].isnan().all() and not scale[[0, 2]].isnan().any()
+
+
+def test_rms_norm_fp8_refuses_dtypes_that_promote_to_a_third():
+    """float16 rows and a bfloat16 weight promote to float32, which the kernel would not round to: refused."""
+    x = randn(2, HIDDEN, gen=generator(12), dtype=torch.float16)
+    with pytest.raises(ValueError, match="third dtype"):
+        rms_norm_fp8(x, torch.ones(HIDDEN, device=DEVICE, dtype=torch.bfloat16), 1e-5)

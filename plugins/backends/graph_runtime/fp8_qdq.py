@@ -59,6 +59,10 @@ class StaticFP8(FP8Quantizer):
     def __init__(self, x_scale: float):
         self.x_scale = torch.tensor(x_scale, dtype=torch.float32)
 
+    def rounded_rows(self, qtensor: QuantizedTensor, num_rows: int, device: torch.device) -> None:
+        # Its input is rounded at the static scale inside the exported graph: never beforehand.
+        return None
+
     def linear(self, x: torch.Tensor, qtensor: QuantizedTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         t = qtensor.tensors
         y = _QDQMatMul.apply(x, t["weight"], t["weight_scale"], self.x_scale)

@@ -101,10 +101,11 @@ class ColumnParallelLinear(QuantizableLinear):
         size = qt.shape[0] // self.ctx.tp_size
         return slice_rows(qt, self.ctx.tp_rank * size, size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | RoundedRows) -> torch.Tensor:
+        """``x`` comes as RoundedRows only where :meth:`rounded_rows` named their form (a quantized layer)."""
         if self.quantized is not None:
             return self.quantized.linear(x, self.bias)
-        return self.ops.linear(x, self.weight, self.bias)
+        return self.ops.linear(x, self.weight, self.bias)  # type: ignore[arg-type]
 
 
 class RowParallelLinear(QuantizableLinear):
@@ -129,8 +130,10 @@ class RowParallelLinear(QuantizableLinear):
     def local_share(self, qt: QuantizedTensor, quantizer: Quantizer) -> QuantizedTensor:
         return quantizer.slice_inputs(qt, self.ctx.tp_rank * self.in_local, self.in_local)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.quantized.linear(x, None) if self.quantized is not None else self.ops.linear(x, self.weight, None)
+    def forward(self, x: torch.Tensor | RoundedRows) -> torch.Tensor:
+        """``x`` comes as RoundedRows only where :meth:`rounded_rows` named their form (a quantized layer)."""
+        y = (self.quantized.linear(x, None) if self.quantized is not None
+             else self.ops.linear(x, self.weight, None))  # type: ignore[arg-type]
         y = self.ctx.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
@@ -180,7 +183,7 @@ class RMSNorm(nn.Module):
         fused = self.ops.rms_norm_fp8
         # 16-bit rows only: float32 ones' sum of squares may round differently in the fused kernel (kernels/rmsnorm.py).
         if (fused is not None and feeds is not None and x.element_size() == 2
-                and feeds.rounded_rows(x.shape[0], x.device) == FP8_ROWS):
+                and feeds.rounded_rows(x.shape[0], x.device) is FP8_ROWS):
             values, scale, residual = fused(x, self.weight, self.eps, residual)
             return RoundedRows(FP8_ROWS, values, scale, torch.promote_types(self.weight.dtype, x.dtype)), residual
         return self.ops.rms_norm(x, self.weight, self.eps, residual)

@@ -68,7 +68,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor | RoundedRows) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         fused = self.ops.silu_and_mul_fp8
-        if fused is not None and self.down_proj.rounded_rows(gate_up.shape[0], gate_up.device) == FP8_ROWS:
+        if fused is not None and self.down_proj.rounded_rows(gate_up.shape[0], gate_up.device) is FP8_ROWS:
             # down_proj rounds its input to fp8 per row: the activation's kernel rounds it in the same pass.
             values, scale = fused(gate_up)
             return self.down_proj(RoundedRows(FP8_ROWS, values, scale, gate_up.dtype))

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rtxcore.contracts.quantizer import QuantizedTensor, Quantizer, RoundedRows, concat_rows
+from rtxcore.contracts.quantizer import QuantizedTensor, Quantizer, RoundedRows, RowRounding, concat_rows
 from rtxcore.errors import ModelLoadError
 
 
@@ -82,7 +82,7 @@ class QuantizableLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype, device=self.weight.device),
                                    requires_grad=False)
 
-    def rounded_rows(self, num_rows: int, device: torch.device) -> str | None:
+    def rounded_rows(self, num_rows: int, device: torch.device) -> RowRounding | None:
         """The form in which this layer takes an input of ``num_rows`` rows already rounded (its quantizer's
         :meth:`~rtxcore.contracts.quantizer.Quantizer.rounded_rows`), or None: then it takes the rows as they are."""
         if self.quantized is None:

@@ -20,9 +20,9 @@ PROMPTS = [[3 + (7 * i + 5 * j) % 500 for j in range(n)] for i, n in enumerate((
 PROMPTS.append(PROMPTS[2] + [11, 12, 13, 14, 15, 16, 17, 18])
 
 
-def _tokens(monkeypatch, kernels: str, prompts=PROMPTS, **kwargs) -> list[list[int]]:
+def _tokens(monkeypatch, kernels: str, prompts=PROMPTS, dtype: str = "float32", **kwargs) -> list[list[int]]:
     monkeypatch.setenv("RTX_TORCH_KERNELS", kernels)
-    engine = make_engine(device="cpu", dtype="float32", block_size=8, **kwargs)
+    engine = make_engine(device="cpu", dtype=dtype, block_size=8, **kwargs)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     return [r.token_ids for r in engine.generate(prompts, params)]
 
@@ -69,15 +69,28 @@ def test_unknown_kernel_choice_is_refused(monkeypatch):
 def test_fp8_layers_take_rows_rounded_by_the_norm_and_activation_kernels(monkeypatch):
     """Where an fp8 layer takes its input already rounded (on a GPU past the weight-only rows), RMSNorm and
     SiLU-and-mul round it in their own pass: the tokens equal those of rounding inside the layer. Here the layers are
-    told to take rounded rows on the CPU too, so the fused kernels run in the interpreter and the product runs
-    from the rows they rounded."""
+    told to take rounded rows on the CPU too, so the fused kernels run in the interpreter (bfloat16: the norm fuses
+    16-bit rows only) and the product runs from the rows they rounded."""
+    import rtx_kernels.activation
+    import rtx_kernels.rmsnorm
     from rtx_plugins.quantizers.fp8 import FP8Quantizer
     from rtxcore.contracts.quantizer import FP8_ROWS
 
     prompts = PROMPTS[:3]
-    expected = _tokens(monkeypatch, "triton", prompts, quantization="fp8")
-    rounded = []
-    monkeypatch.setattr(FP8Quantizer, "rounded_rows", lambda self, qt, rows, device: rounded.append(rows) or FP8_ROWS)
-    assert _tokens(monkeypatch, "triton", prompts, quantization="fp8") == expected
-    # Every layer of every step asked: qkv and gate|up (after the norms) and down (after the activation).
-    assert len(rounded) >= 3 * 2 and len(rounded) % 3 == 0
+    expected = _tokens(monkeypatch, "triton", prompts, dtype="bfloat16", quantization="fp8")
+    calls = {"rms_norm_fp8": 0, "silu_and_mul_fp8": 0}
+
+    def counted(module, name):
+        kernel = getattr(module, name)
+
+        def run(*args):
+            calls[name] += 1
+            return kernel(*args)
+        monkeypatch.setattr(module, name, run)
+
+    counted(rtx_kernels.rmsnorm, "rms_norm_fp8")
+    counted(rtx_kernels.activation, "silu_and_mul_fp8")
+    monkeypatch.setattr(FP8Quantizer, "rounded_rows", lambda self, qt, rows, device: FP8_ROWS)
+    assert _tokens(monkeypatch, "triton", prompts, dtype="bfloat16", quantization="fp8") == expected
+    # Every layer of every step: two norms (before qkv and gate|up) to one activation (before down).
+    assert calls["silu_and_mul_fp8"] > 0 and calls["rms_norm_fp8"] == 2 * calls["silu_and_mul_fp8"], calls

@@ -163,6 +163,11 @@ RTX_INT4_MMA = _bool_switch(
     "RTX_INT4_MMA", True,
     "int4 decode products of 2 to 8 rows run on the tensor cores; `0` sends them to the FMA GEMV instead, for "
     "A/B measurements. Read once per process.")
+RTX_FP8_TRITON_GEMM = _bool_switch(
+    "RTX_FP8_TRITON_GEMM", False,
+    "fp8 products of 9 to 256 rows on Hopper run through rtx_kernels.fp8_matmul (smaller tiles than cuBLAS's) "
+    "instead of torch._scaled_mm; off until its compiled form has been measured in the engine. Read once per "
+    "process.")
 RTX_PDL = _bool_switch(
     "RTX_PDL", True,
     "Programmatic dependent launch for the decode path's Triton kernels on Hopper and later; `0` turns it off, "
@@ -183,5 +188,5 @@ SWITCHES: dict[str, Switch[object]] = {
     switch.name: switch
     for switch in (RTX_PLUGINS, RTX_API_KEYS, RTX_FAULT_INJECTION, RTX_TORCH_KERNELS, RTX_TORCH_GEMV, RTX_LAUNCH_CACHE,
                    RTX_ORT_PROVIDER, RTX_PP_MICRO_BATCH_TOKENS, RTX_GRAPH_CACHE, RTX_CPU_KERNELS, RTX_INT4_MMA, RTX_PDL,
-                   RTX_KV_ROW_COPY, RTX_KV_EVICT_AHEAD)
+                   RTX_FP8_TRITON_GEMM, RTX_KV_ROW_COPY, RTX_KV_EVICT_AHEAD)
 }

@@ -144,6 +144,11 @@ class FP8Quantizer(Quantizer):
             xq, x_scale = _quantize_rows_on_gpu(x) if on_tensor_cores else quantize_rows(x)
             dtype = x.dtype
         if on_tensor_cores:
+            if quant_reference.HAS_TRITON:
+                from rtx_kernels import fp8_matmul
+
+                if fp8_matmul.applies(xq):  # up to 256 rows on Hopper, where turned on: smaller tiles than cuBLAS
+                    return fp8_matmul.fp8_matmul(xq, x_scale, t["weight"], t["weight_scale"], bias).to(dtype)
             # Row-wise scaling has a bf16 output on every architecture that supports it; the weight's transpose is
             # the column-major operand it wants.
             y = torch._scaled_mm(xq, t["weight"].t(), scale_a=x_scale, scale_b=t["weight_scale"][None, :],

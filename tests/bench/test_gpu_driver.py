@@ -120,3 +120,12 @@ def test_guided_step_measures_a_forward_bound_shape_first(gpu, tmp_path):
     assert shape.argv[shape.argv.index("--model") + 1] == "/root/smol.gguf"
     assert [c.argv[c.argv.index("--tokens") + 1] for c in default_model] == ["64", "256"]
     assert all("--shape" not in c.argv and "--compare-plain" in c.argv for c in default_model)
+
+
+def test_fp8_step_alternates_the_gemm_switch(gpu, tmp_path):
+    tree = gpu.Tree("after", REPO, REPO)
+    tests, *runs = gpu.STEPS["fp8"].commands(tree, tmp_path, "", True)
+    assert "tests/kernels/test_kernels_fp8_matmul.py" in tests.argv
+    assert [c.argv[:2] for c in runs] == [["env", f"RTX_FP8_TRITON_GEMM={g}"] for g in "0101"]
+    assert all(c.argv[c.argv.index("--quantization") + 1] == "fp8" and "--baseline" not in c.argv for c in runs)
+    assert len({c.json_path for c in runs}) == 4

@@ -1,0 +1,116 @@
+"""``y = (x_q @ W_q.T) * x_scale * w_scale (+ bias)`` on fp8 tensor cores, in Triton, for decode-sized batches.
+
+``x_q`` is e4m3 [M, K] with one float32 scale a row (the activations, rounded per token), ``W_q`` e4m3 [N, K] with
+one float32 scale an output channel (the fp8 quantizer's stored form); the product accumulates in float32 and is
+rounded once to bfloat16, as ``torch._scaled_mm`` with row-wise scales returns it.
+
+Why not only ``_scaled_mm``: at 32-256 rows cuBLAS picks 128x128 tiles, which leaves most of an H100's 132 SMs idle
+on llama-8b's 4096-wide outputs (o_proj, down: 64 tiles at 256 rows) and reads the weight at 1.2-1.8 TB/s. Smaller
+tiles with deeper K steps keep every SM streaming: over one layer's four projections, 85 against 122 us at 32 rows,
+87 / 115 at 64, 95 / 111 at 128 and 121 / 132 at 256 (H100, CUDA graphs, docs/benchmarks.md). Past 256 rows the
+product turns compute-bound and cuBLAS is as fast or faster: the caller keeps it there (``applies``). Those are the
+figures of this kernel's first version in an experiment; the kernel as it stands here has run only in Triton's
+interpreter so far, and ``RTX_FP8_TRITON_GEMM`` keeps it off until it has been measured in the engine.
+
+The launch shape per (M, N) comes from that sweep (``_launch_shape``), not from autotuning at run time, so that a
+call is the same kernel in a CUDA graph capture as in eager mode and nothing is timed in a serving process.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from rtxcore import envs
+
+# Rows up to which the Triton kernel runs (see the module docstring).
+MAX_ROWS = 256
+# Grouped tile order: this many row tiles walk the same column tiles together, so a weight tile read by one is
+# still in L2 for the others.
+_GROUP_M = 8
+
+
+@triton.jit
+def _fp8_matmul_kernel(x_ptr, w_ptr, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, M, N, K,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                       EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group_first_m = (pid // (GROUP_M * num_n)) * GROUP_M
+    group_size_m = min(num_m - group_first_m, GROUP_M)
+    pid_m = group_first_m + (pid % group_size_m)
+    pid_n = (pid % (GROUP_M * num_n)) // group_size_m
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    x_tile = x_ptr + rows[:, None].to(tl.int64) * K + ks[None, :]
+    w_tile = w_ptr + cols[:, None].to(tl.int64) * K + ks[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_tile, mask=rows[:, None] < M, other=0.0)
+            w = tl.load(w_tile, mask=cols[:, None] < N, other=0.0)
+        else:
+            inside = k0 + ks[None, :] < K
+            x = tl.load(x_tile, mask=(rows[:, None] < M) & inside, other=0.0)
+            w = tl.load(w_tile, mask=(cols[:, None] < N) & inside, other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+        x_tile += BLOCK_K
+        w_tile += BLOCK_K
+    x_scale = tl.load(x_scale_ptr + rows, mask=rows < M, other=0.0)
+    w_scale = tl.load(w_scale_ptr + cols, mask=cols < N, other=0.0)
+    out = acc * x_scale[:, None] * w_scale[None, :]
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], out.to(tl.bfloat16),
+             mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def _launch_shape(m: int, n: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, stages, warps): the fastest of the sweep (BLOCK_M 64/128, BLOCK_N 64/128/256,
+    BLOCK_K 128/256, 4 or 6 stages, 4 or 8 warps) on llama-8b's projections, by rows and by output width."""
+    wide = n >= 16384  # gate|up
+    if m <= 128:
+        return (64, 128, 256, 4, 4) if wide else (64, 64, 256, 6, 4)
+    if wide:
+        return 128, 256, 128, 4, 8
+    return 64, 128, 256, 4, 4
+
+
+@functools.cache
+def _applies_on(device_index: int) -> bool:
+    # The launch shapes take up to 196 KiB of shared memory and were chosen on Hopper: compute capability 9 only.
+    # RTX_FP8_TRITON_GEMM is read here once per process (a per-call path).
+    return envs.RTX_FP8_TRITON_GEMM.get() and torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+def applies(x: torch.Tensor) -> bool:
+    """Whether :func:`fp8_matmul` should run the product of these rounded rows (else ``torch._scaled_mm``): up to
+    :data:`MAX_ROWS` on a Hopper GPU, where ``RTX_FP8_TRITON_GEMM`` turns it on."""
+    return x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_ROWS and _applies_on(x.device.index or 0)
+
+
+def fp8_matmul(x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """bfloat16 [M, N] for ``x`` e4m3 [M, K] (contiguous rows), ``x_scale`` float32 [M, 1] or [M], ``weight`` e4m3
+    [N, K] (contiguous), ``weight_scale`` float32 [N] and an optional ``bias`` [N]."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or x.dtype != torch.float8_e4m3fn or weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} {weight.dtype} must be "
+                         "e4m3 [M, K] and [N, K]")
+    x, weight = x.contiguous(), weight.contiguous()
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    if m and n:
+        block_m, block_n, block_k, stages, warps = _launch_shape(m, n)
+        grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+        _fp8_matmul_kernel[grid](
+            x, weight, out, x_scale.reshape(-1).contiguous(), weight_scale.contiguous(),
+            bias.contiguous() if bias is not None else out, m, n, k,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=_GROUP_M, EVEN_K=k % block_k == 0,
+            HAS_BIAS=bias is not None, num_stages=stages, num_warps=warps)
+    return out

@@ -12,13 +12,14 @@ product turns compute-bound and cuBLAS is as fast or faster: the caller keeps it
 figures of this kernel's first version in an experiment; the kernel as it stands here has run only in Triton's
 interpreter so far, and ``RTX_FP8_TRITON_GEMM`` keeps it off until it has been measured in the engine.
 
-The launch shape per (M, N) comes from that sweep (``_launch_shape``), not from autotuning at run time, so that a
+The launch shape per (M, N) comes from that sweep (``launch_shape``), not from autotuning at run time, so that a
 call is the same kernel in a CUDA graph capture as in eager mode and nothing is timed in a serving process.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -70,15 +71,24 @@ def _fp8_matmul_kernel(x_ptr, w_ptr, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr
              mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-def _launch_shape(m: int, n: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, stages, warps): the fastest of the sweep (BLOCK_M 64/128, BLOCK_N 64/128/256,
-    BLOCK_K 128/256, 4 or 6 stages, 4 or 8 warps) on llama-8b's projections, by rows and by output width."""
+@dataclass(frozen=True, slots=True)
+class LaunchShape:
+    block_m: int
+    block_n: int
+    block_k: int
+    stages: int
+    warps: int
+
+
+def launch_shape(m: int, n: int) -> LaunchShape:
+    """The fastest of the sweep (BLOCK_M 64/128, BLOCK_N 64/128/256, BLOCK_K 128/256, 4 or 6 stages, 4 or 8 warps;
+    ``benchmarks/fp8_gemm_sweep.py``) on llama-8b's projections, by rows and by output width."""
     wide = n >= 16384  # gate|up
     if m <= 128:
-        return (64, 128, 256, 4, 4) if wide else (64, 64, 256, 6, 4)
+        return LaunchShape(64, 128, 256, 4, 4) if wide else LaunchShape(64, 64, 256, 6, 4)
     if wide:
-        return 128, 256, 128, 4, 8
-    return 64, 128, 256, 4, 4
+        return LaunchShape(128, 256, 128, 4, 8)
+    return LaunchShape(64, 128, 256, 4, 4)
 
 
 @functools.cache
@@ -95,9 +105,10 @@ def applies(x: torch.Tensor) -> bool:
 
 
 def fp8_matmul(x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, shape: LaunchShape | None = None) -> torch.Tensor:
     """bfloat16 [M, N] for ``x`` e4m3 [M, K] (contiguous rows), ``x_scale`` float32 [M, 1] or [M], ``weight`` e4m3
-    [N, K] (contiguous), ``weight_scale`` float32 [N] and an optional ``bias`` [N]."""
+    [N, K] (contiguous), ``weight_scale`` float32 [N] and an optional ``bias`` [N]; ``shape`` overrides
+    :func:`launch_shape` (sweeps)."""
     m, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k or x.dtype != torch.float8_e4m3fn or weight.dtype != torch.float8_e4m3fn:
@@ -106,11 +117,11 @@ def fp8_matmul(x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, wei
     x, weight = x.contiguous(), weight.contiguous()
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     if m and n:
-        block_m, block_n, block_k, stages, warps = _launch_shape(m, n)
-        grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+        ls = shape or launch_shape(m, n)
+        grid = (triton.cdiv(m, ls.block_m) * triton.cdiv(n, ls.block_n),)
         _fp8_matmul_kernel[grid](
             x, weight, out, x_scale.reshape(-1).contiguous(), weight_scale.contiguous(),
             bias.contiguous() if bias is not None else out, m, n, k,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=_GROUP_M, EVEN_K=k % block_k == 0,
-            HAS_BIAS=bias is not None, num_stages=stages, num_warps=warps)
+            BLOCK_M=ls.block_m, BLOCK_N=ls.block_n, BLOCK_K=ls.block_k, GROUP_M=_GROUP_M, EVEN_K=k % ls.block_k == 0,
+            HAS_BIAS=bias is not None, num_stages=ls.stages, num_warps=ls.warps)
     return out

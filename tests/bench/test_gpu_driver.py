@@ -124,8 +124,10 @@ def test_guided_step_measures_a_forward_bound_shape_first(gpu, tmp_path):
 
 def test_fp8_step_alternates_the_gemm_switch(gpu, tmp_path):
     tree = gpu.Tree("after", REPO, REPO)
-    tests, *runs = gpu.STEPS["fp8"].commands(tree, tmp_path, "", True)
+    tests, sweep, *runs = gpu.STEPS["fp8"].commands(tree, tmp_path, "", True)
     assert "tests/kernels/test_kernels_fp8_matmul.py" in tests.argv
+    assert sweep.argv[1].endswith("benchmarks/fp8_gemm_sweep.py")
+    assert sweep.json_path == tmp_path / "fp8_gemm_sweep.json"
     assert [c.argv[:2] for c in runs] == [["env", f"RTX_FP8_TRITON_GEMM={g}"] for g in "0101"]
     assert all(c.argv[c.argv.index("--quantization") + 1] == "fp8" and "--baseline" not in c.argv for c in runs)
     assert len({c.json_path for c in runs}) == 4

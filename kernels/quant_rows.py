@@ -19,10 +19,12 @@ import triton.language as tl
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
+# FP8_MAX as a Triton constant, for the kernels that round their own output per row (rmsnorm, activation).
+FP8_LEVELS = tl.constexpr(FP8_MAX)
 INT8_LEVELS = 127
 _BLOCK_K = 1024
 # Rows up to this long are loaded once (one tile of the whole row): every linear layer's input of the Llama shapes.
-_ONE_PASS_MAX_K = 16384
+ONE_PASS_MAX_K = 16384
 # Added to and taken from a float32 of magnitude below 2^22, rounds it to an integer, ties to even.
 _ROUNDING = tl.constexpr(12582912.0)  # 1.5 * 2^23
 # A quiet NaN's bits: a NaN constexpr cannot be a global (NaN != NaN, so Triton takes it for a changed global and
@@ -103,6 +105,12 @@ def e4m3_bits(v):
     return (bits | ((b >> 24) & 0x80)).to(tl.uint8)
 
 
+def row_warps(block: int) -> int:
+    """Warps for a program holding a row tile of ``block`` values: a warp per 512 (16 a thread in registers), from 4
+    to 16."""
+    return max(4, min(16, block // 512))
+
+
 def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8 e4m3 [M, K], float32 scales [M, 1]) for ``x`` [M, K] in float32, float16 or bfloat16 (rows may be
     strided, K contiguous). A row holding NaN gets a NaN scale (its values are then meaningless)."""
@@ -131,10 +139,9 @@ def _quantize_rows(x: torch.Tensor, divisor: torch.Tensor | None, dtype: torch.d
     q = torch.empty(m, k, dtype=dtype, device=x.device)
     scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     if m and k:
-        one_pass = k <= _ONE_PASS_MAX_K
+        one_pass = k <= ONE_PASS_MAX_K
         block_k = triton.next_power_of_2(k) if one_pass else _BLOCK_K
-        # A warp per 512 values (16 a thread held in registers), from 4 to 16 warps.
         _quantize_rows_kernel[(m,)](x, divisor if divisor is not None else x, q, scale, k, x.stride(0), q.stride(0),
                                     LEVELS=levels, INT8=dtype == torch.int8, HAS_DIVISOR=divisor is not None,
-                                    BLOCK_K=block_k, ONE_PASS=one_pass, num_warps=max(4, min(16, block_k // 512)))
+                                    BLOCK_K=block_k, ONE_PASS=one_pass, num_warps=row_warps(block_k))
     return q, scale

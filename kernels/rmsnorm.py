@@ -18,9 +18,7 @@ import triton
 import triton.language as tl
 
 from rtx_kernels.pdl import launch_options, pdl_enabled, wait_for_previous
-from rtx_kernels.quant_rows import FP8, FP8_MAX, quantize_values, row_scale
-
-_FP8_LEVELS = tl.constexpr(FP8_MAX)
+from rtx_kernels.quant_rows import FP8, FP8_LEVELS, quantize_values, row_scale
 
 
 @triton.jit
@@ -50,9 +48,9 @@ def _rms_norm_kernel(
         # Rounded to the dtype the unfused kernel would have stored (the promoted one of x and weight), then per row
         # to fp8, as quant_rows rounds what it loads.
         out = out.to(x.dtype if OUT_IS_X else weight.dtype).to(tl.float32)
-        scale = row_scale(tl.where(mask, tl.abs(out), 0.0), (out != out).to(tl.int32), _FP8_LEVELS)
+        scale = row_scale(tl.abs(out), (out != out).to(tl.int32), FP8_LEVELS)  # 0 past the row (weight's other)
         tl.store(scale_ptr + row, scale)
-        tl.store(out_ptr + offs, quantize_values(out, scale, _FP8_LEVELS, False), mask=mask)
+        tl.store(out_ptr + offs, quantize_values(out, scale, FP8_LEVELS, False), mask=mask)
     else:
         tl.store(out_ptr + offs, out, mask=mask)
 

@@ -1,6 +1,7 @@
-"""Time fp8 products at decode sizes on the GPU: ``torch._scaled_mm`` (cuBLAS, row-wise scales) against
-``rtx_kernels.fp8_matmul`` with its own launch shape and, with ``--sweep``, the fastest of 28 others, on llama-8b's
-four projections (qkv 6144x4096, o 4096x4096, gate|up 28672x4096, down 4096x14336).
+"""Time fp8 products at decode sizes on the GPU: ``torch._scaled_mm`` (cuBLAS, row-wise scales; the engine's path,
+and beside it cuBLAS's fast-accumulation mode, which the engine does not use) against ``rtx_kernels.fp8_matmul`` with
+its own launch shape and, with ``--sweep``, the fastest of 28 others, on llama-8b's four projections (qkv 6144x4096,
+o 4096x4096, gate|up 28672x4096, down 4096x14336).
 
 Operands are random e4m3 with random float32 row and channel scales. Each figure is the median of
 ``triton.testing.do_bench_cudagraph`` (calls replayed from a CUDA graph, as in the decode graphs); GB/s counts the
@@ -46,13 +47,15 @@ def measure(m: int, name: str, sweep: bool) -> dict:
     n, k = PROJECTIONS[name]
     x, x_scale, w, w_scale = _operands(m, n, k)
 
-    def cublas():
-        return torch._scaled_mm(x, w.t(), scale_a=x_scale, scale_b=w_scale[None, :], out_dtype=torch.bfloat16)
+    def cublas(fast_accum: bool = False):
+        return torch._scaled_mm(x, w.t(), scale_a=x_scale, scale_b=w_scale[None, :], out_dtype=torch.bfloat16,
+                                use_fast_accum=fast_accum)
 
     ref = cublas().float()
-    own = launch_shape(m, n)
+    own = launch_shape(n)
     out = fp8_matmul(x, x_scale, w, w_scale).float()
     row = {"rows": m, "projection": name, "n": n, "k": k, "cublas_us": _us(cublas),
+           "cublas_fast_accum_us": _us(lambda: cublas(True)),
            "triton_us": _us(lambda: fp8_matmul(x, x_scale, w, w_scale)), "launch_shape": asdict(own),
            "relative_error": ((out - ref).norm() / ref.norm()).item()}
     if sweep:
@@ -71,7 +74,7 @@ def main() -> None:
     args = parser.parse_args()
     results = []
     for m in (int(r) for r in args.rows.split(",")):
-        layer = {"cublas_us": 0.0, "triton_us": 0.0}
+        layer = {"cublas_us": 0.0, "cublas_fast_accum_us": 0.0, "triton_us": 0.0}
         for name in PROJECTIONS:
             row = measure(m, name, args.sweep)
             results.append(row)
@@ -80,10 +83,11 @@ def main() -> None:
             best = f", best of sweep {row['sweep_best_us']:.1f} {row['sweep_best']}" if args.sweep else ""
             gbs = row["n"] * row["k"] / 1e3
             print(f"{m:4d} rows {name:8s} cuBLAS {row['cublas_us']:6.1f} us ({gbs / row['cublas_us']:5.0f} GB/s), "
+                  f"fast-acc. {row['cublas_fast_accum_us']:6.1f} us, "
                   f"Triton {row['triton_us']:6.1f} us ({gbs / row['triton_us']:5.0f} GB/s), "
                   f"rel. error {row['relative_error']:.1e}{best}", flush=True)
-        print(f"{m:4d} rows, a layer: cuBLAS {layer['cublas_us']:.1f} us, Triton {layer['triton_us']:.1f} us",
-              flush=True)
+        print(f"{m:4d} rows, a layer: cuBLAS {layer['cublas_us']:.1f} us, "
+              f"fast-acc. {layer['cublas_fast_accum_us']:.1f} us, Triton {layer['triton_us']:.1f} us", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)

@@ -1,10 +1,13 @@
 """fp8 against bf16 (and fp32) on the default model's real weights, as the engine runs them: perplexity of the quality
 gate's held-out text (the first 512 tokens of the evaluation half of CPython's pydoc topics), each precision scored by
 an engine's own backend (fp8: weights quantized at load, per-token activation scales, fp8 GEMMs on a GPU that has
-them); then an fp8 KV cache (``--kv-cache-dtype fp8``) under the bf16 and fp32 models. Fails (exit 1) when fp8
-weights raise perplexity over bf16 by more than spec/gates.toml's budget for fp8 with every layer quantized
-(``[quality.quantizer_max_ppl_increase]``; the seed's 0.5 holds for fp8 through the planner, which `rtx gates`
-checks), or an fp8 KV cache raises it past ``FP8_KV_CACHE_MAX_PPL_RATIO`` times the model's own cache's.
+them); then an fp8 KV cache (``--kv-cache-dtype fp8``) under the bf16 and fp32 models; then, on a GPU where the
+Triton fp8 GEMM applies (``rtx_kernels.fp8_matmul``, Hopper), bf16 and fp8 again in pieces short enough for it, fp8
+with its GEMMs in cuBLAS and in that kernel (``RTX_FP8_TRITON_GEMM=0/1``), whose fast accumulation is the question.
+Fails (exit 1) when fp8 weights (either GEMM) raise perplexity over bf16 by more than spec/gates.toml's budget for
+fp8 with every layer quantized (``[quality.quantizer_max_ppl_increase]``; the seed's 0.5 holds for fp8 through
+the planner, which `rtx gates` checks), or an fp8 KV cache raises it past ``FP8_KV_CACHE_MAX_PPL_RATIO`` times the
+model's own cache's.
 
 Usage: python benchmarks/fp8_quality.py --model MODEL.gguf [--device cuda] [--json OUT.json]   (benchmarks/gpu.py real)
 """
@@ -13,9 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
+import torch
+
 from rtx_conformance.gates.config import load_gates
+from rtx_kernels import fp8_matmul
 from rtxcore.bench.engine import build_engine
 from rtxcore.quant.evaluation import FP8_KV_CACHE_MAX_PPL_RATIO, backend_perplexity
 from rtxcore.quant.pipeline import evaluation_tokens
@@ -25,13 +32,33 @@ EVAL_TOKENS = 512
 CHUNK = 512
 
 
-def score(model: str, device: str, dtype: str, quantization: str | None, kv_cache_dtype: str = "auto") -> float:
+def score(model: str, device: str, dtype: str, quantization: str | None, kv_cache_dtype: str = "auto",
+          chunk: int = CHUNK) -> float:
     engine = build_engine(model=model, device=device, dtype=dtype, quantization=quantization, enforce_eager=True,
-                          max_model_len=CHUNK + 16, kv_cache_dtype=kv_cache_dtype)
+                          max_model_len=chunk + 16, kv_cache_dtype=kv_cache_dtype)
     tokens = evaluation_tokens(engine.core.source, EVAL_TOKENS)
-    ppl = backend_perplexity(engine.core.backend, tokens, CHUNK)
+    ppl = backend_perplexity(engine.core.backend, tokens, chunk)
     del engine
     release_device_memory()
+    return ppl
+
+
+# Pieces this short make every product of a prefill small enough for the Triton fp8 GEMM.
+PIECE = fp8_matmul.MAX_ROWS
+
+
+def score_short_pieces(model: str, device: str) -> dict[str, float]:
+    """bf16 and fp8 in pieces of :data:`PIECE` tokens, fp8's GEMMs in cuBLAS and in the Triton kernel; empty where
+    that kernel does not apply (no Hopper GPU)."""
+    if not (device.startswith("cuda") and torch.cuda.get_device_capability(torch.device(device))[0] == 9):
+        return {}
+    ppl = {"bfloat16, short pieces": score(model, device, "bfloat16", None, chunk=PIECE)}
+    for name, switch in (("cuBLAS", "0"), ("Triton GEMM", "1")):
+        os.environ["RTX_FP8_TRITON_GEMM"] = switch
+        fp8_matmul._applies_on.cache_clear()  # the switch is read once per process
+        ppl[f"fp8, short pieces, {name}"] = score(model, device, "bfloat16", "fp8", chunk=PIECE)
+    del os.environ["RTX_FP8_TRITON_GEMM"]
+    fp8_matmul._applies_on.cache_clear()
     return ppl
 
 
@@ -50,6 +77,14 @@ def main() -> int:
     increase = ppl["fp8"] - ppl["bfloat16"]
     kv_ratios = {dtype: ppl[f"{dtype}, fp8 KV cache"] / ppl[dtype] for dtype in ("bfloat16", "float32")}
     within = increase <= budget and max(kv_ratios.values()) <= FP8_KV_CACHE_MAX_PPL_RATIO
+    short = score_short_pieces(args.model, args.device)
+    ppl.update(short)
+    if short:
+        triton_increase = short["fp8, short pieces, Triton GEMM"] - short["bfloat16, short pieces"]
+        within = within and triton_increase <= budget
+        print(f"in pieces of {PIECE} tokens: bf16 {short['bfloat16, short pieces']:.3f}, fp8 with cuBLAS "
+              f"{short['fp8, short pieces, cuBLAS']:.3f}, with the Triton GEMM "
+              f"{short['fp8, short pieces, Triton GEMM']:.3f} ({triton_increase:+.3f} over bf16)", flush=True)
     print(f"perplexity on {EVAL_TOKENS} held-out tokens ({args.device}): fp32 {ppl['float32']:.3f}, bf16 "
           f"{ppl['bfloat16']:.3f}, fp8 {ppl['fp8']:.3f}: fp8 - bf16 = {increase:+.3f} (budget +{budget})", flush=True)
     for dtype, ratio in kv_ratios.items():

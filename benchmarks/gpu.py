@@ -106,8 +106,8 @@ def _quant(tree: Tree, out: Path, suffix: str, hf: bool) -> list[Command]:
 
 def _fp8(tree: Tree, out: Path, suffix: str, hf: bool) -> list[Command]:
     """fp8's kernels (the activations' rounding, fused or not, and the Triton GEMM) at real shapes, the GEMM against
-    cuBLAS's at 32-256 rows (fp8_gemm_sweep.py), then W8B with fp8 weights: its GEMMs of 9-256 rows in cuBLAS (the
-    default) and in rtx_kernels.fp8_matmul, alternately, twice."""
+    cuBLAS's at 32-256 rows (fp8_gemm_sweep.py), then W2 on llama-8b with fp8 weights at 64 running, where decode
+    products have 9-64 rows: in cuBLAS (the default) and in rtx_kernels.fp8_matmul, alternately, twice."""
     tests = tree.pytest("tests/kernels/test_kernels_quant_rows.py", "tests/kernels/test_kernels_fp8_matmul.py",
                         "tests/kernels/test_kernels_elementwise.py")
     sweep = out / "fp8_gemm_sweep.json"
@@ -115,8 +115,9 @@ def _fp8(tree: Tree, out: Path, suffix: str, hf: bool) -> list[Command]:
                 Command(tree.script("fp8_gemm_sweep.py", "--json", str(sweep)), "fp8_gemm_sweep.log", sweep)]
     for run in (1, 2):
         for gemm in ("0", "1"):
-            name = f"W8B_llama8b_fp8_triton_gemm{gemm}_run{run}"
-            for c in _bench(name, "W8B", LLAMA_8B, None, "--quantization", "fp8")(tree, out, suffix, hf):
+            name = f"W2_llama8b_fp8_64_triton_gemm{gemm}_run{run}"
+            for c in _bench(name, "W2", LLAMA_8B, None, "--quantization", "fp8", "--max-num-seqs", "64")(
+                    tree, out, suffix, hf):
                 commands.append(Command(["env", f"RTX_FP8_TRITON_GEMM={gemm}", *c.argv], c.log, c.json_path))
     return commands
 
@@ -223,8 +224,8 @@ STEPS: dict[str, Step] = {s.name: s for s in (
          _guided),
     Step("quant", "quantized kernel tests, then W3 and W1 on llama-8b for bf16, int4, int8, int8-sq and fp8 "
                   "(quant_speed.py, medians of three)", _quant),
-    Step("fp8", "fp8's kernel tests, the Triton fp8 GEMM against cuBLAS at 32-256 rows (fp8_gemm_sweep.py), then W8B "
-                "on llama-8b with fp8 weights, its GEMMs of 9-256 rows in cuBLAS and in the Triton kernel "
+    Step("fp8", "fp8's kernel tests, the Triton fp8 GEMM against cuBLAS at 32-256 rows (fp8_gemm_sweep.py), then W2 "
+                "on llama-8b with fp8 weights at 64 running, its GEMMs of 9-64 rows in cuBLAS and in the Triton kernel "
                 "(RTX_FP8_TRITON_GEMM=0/1), alternately, twice", _fp8),
     Step("tiers", "the KV tier tests, then W4 on llama-1b at 48 conversations of 12 turns, roomy against the offload "
                   "and disk configurations, seed 0 (w4_tiers.py)", _tiers),

@@ -4,15 +4,21 @@
 one float32 scale an output channel (the fp8 quantizer's stored form); the product accumulates in float32 and is
 rounded once to bfloat16, as ``torch._scaled_mm`` with row-wise scales returns it.
 
-Why not only ``_scaled_mm``: at 32-256 rows cuBLAS picks 128x128 tiles, which leaves most of an H100's 132 SMs idle
-on llama-8b's 4096-wide outputs (o_proj, down: 64 tiles at 256 rows) and reads the weight at 1.2-1.8 TB/s. Smaller
-tiles with deeper K steps keep every SM streaming: over one layer's four projections, 85 against 122 us at 32 rows,
-87 / 115 at 64, 95 / 111 at 128 and 121 / 132 at 256 (H100, CUDA graphs, docs/benchmarks.md). Past 256 rows the
-product turns compute-bound and cuBLAS is as fast or faster: the caller keeps it there (``applies``). Those are the
-figures of this kernel's first version in an experiment; the kernel as it stands here has run only in Triton's
-interpreter so far, and ``RTX_FP8_TRITON_GEMM`` keeps it off until it has been measured in the engine.
+Why not only ``_scaled_mm``: at 32-64 rows cuBLAS picks 128x128 tiles, which leaves most of an H100's 132 SMs idle
+on llama-8b's 4096-wide outputs (o_proj, down) and reads the weight at 1.2-1.7 TB/s. Smaller tiles with deeper K
+steps keep more SMs streaming: over one layer's four projections 104.9 against 122.5 us at 32 rows and 107.3 against
+117.4 at 64 (H100, CUDA graphs, ``benchmarks/fp8_gemm_sweep.py``, docs/benchmarks.md). From 128 rows cuBLAS is
+faster (109.7 against 143.5 us): the caller keeps it there (``applies``, :data:`MAX_ROWS`).
 
-The launch shape per (M, N) comes from that sweep (``launch_shape``), not from autotuning at run time, so that a
+The accumulation is as precise as cuBLAS's default: Hopper's fp8 MMA adds its products into an accumulator narrower
+than float32, and Triton's default on sm_90 keeps the whole K loop there. This kernel's first version did, and was
+faster still (a layer 83.5 us at 32 rows, 124.9 at 256; W8B +2.4% in the engine), but an output of a 14,336-deep
+product was then off by about 1.5% of its magnitude, where cuBLAS stays within a bfloat16 rounding; partial sums are
+therefore promoted to the float32 accumulator every :data:`_PROMOTE_EVERY` products (the products then equal
+cuBLAS's to its rounding, tests/kernels/test_kernels_fp8_matmul.py). ``RTX_FP8_TRITON_GEMM`` keeps the kernel off
+until its rows have been measured in the engine (``benchmarks/gpu.py fp8``).
+
+The launch shape per output width comes from a sweep (``launch_shape``), not from autotuning at run time, so that a
 call is the same kernel in a CUDA graph capture as in eager mode and nothing is timed in a serving process.
 """
 
@@ -28,16 +34,19 @@ import triton.language as tl
 from rtxcore import envs
 
 # Rows up to which the Triton kernel runs (see the module docstring).
-MAX_ROWS = 256
+MAX_ROWS = 64
 # Grouped tile order: this many row tiles walk the same column tiles together, so a weight tile read by one is
 # still in L2 for the others.
 _GROUP_M = 8
+# Products summed in the MMA's own accumulator before they are added to the float32 one (see the module docstring);
+# DeepSeek-V3's report chose the same interval for its fp8 GEMMs.
+_PROMOTE_EVERY = 128
 
 
 @triton.jit
 def _fp8_matmul_kernel(x_ptr, w_ptr, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, M, N, K,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                       EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+                       EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, PROMOTE_EVERY: tl.constexpr):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -59,7 +68,7 @@ def _fp8_matmul_kernel(x_ptr, w_ptr, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr
             inside = k0 + ks[None, :] < K
             x = tl.load(x_tile, mask=(rows[:, None] < M) & inside, other=0.0)
             w = tl.load(w_tile, mask=(cols[:, None] < N) & inside, other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)
+        acc = tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=PROMOTE_EVERY)
         x_tile += BLOCK_K
         w_tile += BLOCK_K
     x_scale = tl.load(x_scale_ptr + rows, mask=rows < M, other=0.0)
@@ -80,15 +89,11 @@ class LaunchShape:
     warps: int
 
 
-def launch_shape(m: int, n: int) -> LaunchShape:
-    """The fastest of the sweep (BLOCK_M 64/128, BLOCK_N 64/128/256, BLOCK_K 128/256, 4 or 6 stages, 4 or 8 warps;
-    ``benchmarks/fp8_gemm_sweep.py``) on llama-8b's projections, by rows and by output width."""
-    wide = n >= 16384  # gate|up
-    if m <= 128:
-        return LaunchShape(64, 128, 256, 4, 4) if wide else LaunchShape(64, 64, 256, 6, 4)
-    if wide:
-        return LaunchShape(128, 256, 128, 4, 8)
-    return LaunchShape(64, 128, 256, 4, 4)
+def launch_shape(n: int) -> LaunchShape:
+    """The fastest at 32-128 rows in a sweep of the kernel's first version (BLOCK_M 64/128, BLOCK_N 64/128/256,
+    BLOCK_K 128/256, 4 or 6 stages, 4 or 8 warps; ``benchmarks/fp8_gemm_sweep.py --sweep``) on llama-8b's
+    projections, by output width ``n``; any row count takes it (the kernel runs up to :data:`MAX_ROWS`)."""
+    return LaunchShape(64, 128, 256, 4, 4) if n >= 16384 else LaunchShape(64, 64, 256, 6, 4)  # gate|up, the rest
 
 
 @functools.cache
@@ -117,11 +122,12 @@ def fp8_matmul(x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, wei
     x, weight = x.contiguous(), weight.contiguous()
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     if m and n:
-        ls = shape or launch_shape(m, n)
+        ls = shape or launch_shape(n)
         grid = (triton.cdiv(m, ls.block_m) * triton.cdiv(n, ls.block_n),)
         _fp8_matmul_kernel[grid](
             x, weight, out, x_scale.reshape(-1).contiguous(), weight_scale.contiguous(),
             bias.contiguous() if bias is not None else out, m, n, k,
             BLOCK_M=ls.block_m, BLOCK_N=ls.block_n, BLOCK_K=ls.block_k, GROUP_M=_GROUP_M, EVEN_K=k % ls.block_k == 0,
-            HAS_BIAS=bias is not None, num_stages=ls.stages, num_warps=ls.warps)
+            HAS_BIAS=bias is not None, PROMOTE_EVERY=min(_PROMOTE_EVERY, ls.block_k), num_stages=ls.stages,
+            num_warps=ls.warps)
     return out

@@ -165,9 +165,9 @@ RTX_INT4_MMA = _bool_switch(
     "A/B measurements. Read once per process.")
 RTX_FP8_TRITON_GEMM = _bool_switch(
     "RTX_FP8_TRITON_GEMM", False,
-    "fp8 products of 9 to 256 rows on Hopper run through rtx_kernels.fp8_matmul (smaller tiles than cuBLAS's) "
-    "instead of torch._scaled_mm; off until its compiled form has been measured in the engine. Read once per "
-    "process.")
+    "fp8 products of 9 to 64 rows on Hopper run through rtx_kernels.fp8_matmul (smaller tiles than cuBLAS's, "
+    "as precise) instead of torch._scaled_mm; off until it has been measured in the engine at those "
+    "rows. Read once per process.")
 RTX_PDL = _bool_switch(
     "RTX_PDL", True,
     "Programmatic dependent launch for the decode path's Triton kernels on Hopper and later; `0` turns it off, "

@@ -147,7 +147,7 @@ class FP8Quantizer(Quantizer):
             if quant_reference.HAS_TRITON:
                 from rtx_kernels import fp8_matmul
 
-                if fp8_matmul.applies(xq):  # up to 256 rows on Hopper, where turned on: smaller tiles than cuBLAS
+                if fp8_matmul.applies(xq):  # up to 64 rows on Hopper, where turned on: smaller tiles than cuBLAS
                     return fp8_matmul.fp8_matmul(xq, x_scale, t["weight"], t["weight_scale"], bias).to(dtype)
             # Row-wise scaling has a bf16 output on every architecture that supports it; the weight's transpose is
             # the column-major operand it wants.

@@ -130,4 +130,7 @@ def test_fp8_step_alternates_the_gemm_switch(gpu, tmp_path):
     assert sweep.json_path == tmp_path / "fp8_gemm_sweep.json"
     assert [c.argv[:2] for c in runs] == [["env", f"RTX_FP8_TRITON_GEMM={g}"] for g in "0101"]
     assert all(c.argv[c.argv.index("--quantization") + 1] == "fp8" and "--baseline" not in c.argv for c in runs)
+    # The kernel runs products of up to 64 rows: W2 at 64 running, where decode steps have that many.
+    assert all(c.argv[c.argv.index("--workload") + 1] == "W2" and c.argv[c.argv.index("--max-num-seqs") + 1] == "64"
+               for c in runs)
     assert len({c.json_path for c in runs}) == 4

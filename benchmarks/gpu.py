@@ -122,6 +122,18 @@ def _fp8(tree: Tree, out: Path, suffix: str, hf: bool) -> list[Command]:
     return commands
 
 
+def _fp8_accumulation(tree: Tree, out: Path, suffix: str, hf: bool) -> list[Command]:
+    """W8B on llama-8b with fp8 weights, its 256-row products in cuBLAS's default and fast accumulation
+    (RTX_FP8_FAST_ACCUM=0/1), alternately, twice."""
+    commands = []
+    for run in (1, 2):
+        for fast in ("0", "1"):
+            name = f"W8B_llama8b_fp8_fast_accum{fast}_run{run}"
+            for c in _bench(name, "W8B", LLAMA_8B, None, "--quantization", "fp8")(tree, out, suffix, hf):
+                commands.append(Command(["env", f"RTX_FP8_FAST_ACCUM={fast}", *c.argv], c.log, c.json_path))
+    return commands
+
+
 def _tiers(tree: Tree, out: Path, suffix: str, hf: bool) -> list[Command]:
     # Issue 35's measurement at its first size, one seed (about 5 minutes on an H100: one call holds it beside the
     # tests); run w4_tiers.py by hand with --seeds 1, 2 and --conversations 64 for the rest.
@@ -227,6 +239,8 @@ STEPS: dict[str, Step] = {s.name: s for s in (
     Step("fp8", "fp8's kernel tests, the Triton fp8 GEMM against cuBLAS at 32-256 rows (fp8_gemm_sweep.py), then W2 "
                 "on llama-8b with fp8 weights at 64 running, its GEMMs of 9-64 rows in cuBLAS and in the Triton kernel "
                 "(RTX_FP8_TRITON_GEMM=0/1), alternately, twice", _fp8),
+    Step("fp8acc", "W8B on llama-8b with fp8 weights, cuBLAS's default and fast accumulation (RTX_FP8_FAST_ACCUM=0/1), "
+                   "alternately, twice", _fp8_accumulation),
     Step("tiers", "the KV tier tests, then W4 on llama-1b at 48 conversations of 12 turns, roomy against the offload "
                   "and disk configurations, seed 0 (w4_tiers.py)", _tiers),
     Step("spec", "speculative decoding: its engine tests, W6 on the default model's weights (--model-file), early-"

@@ -1,8 +1,9 @@
 """fp8 e4m3: weights with one scale per output channel, activations quantized per token when the layer runs (W8A8).
 
 On a GPU with fp8 tensor cores (compute capability 8.9 and up) the product runs in fp8 through ``torch._scaled_mm``
-with row-wise scales; elsewhere the same rounding of weights and activations is applied and the product runs in the
-activations' dtype, so CPU results show the method's real accuracy.
+with row-wise scales (its fast accumulation where ``RTX_FP8_FAST_ACCUM`` asks); elsewhere the same rounding of weights
+and activations is applied and the product runs in the activations' dtype, so CPU results show the method's real
+accuracy.
 
 On a GPU, products of up to 8 rows (decode steps of a few requests) leave the activations unrounded: the Triton GEMV
 (``rtx_kernels.gemv``) reads the fp8 weight a byte a weight and applies the row scales in its epilogue. Decode is bound
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from rtx_kernels import quant_reference
+from rtxcore import envs
 from rtxcore.contracts.quantizer import (
     FP8_ROWS,
     LayerStats,
@@ -52,6 +54,12 @@ def _fp8_matmul_works(device_index: int) -> bool:
     except RuntimeError:
         return False
     return True
+
+
+@functools.cache
+def _fast_accumulation() -> bool:
+    # RTX_FP8_FAST_ACCUM, read once per process (a per-call path).
+    return envs.RTX_FP8_FAST_ACCUM.get()
 
 
 @functools.cache
@@ -152,7 +160,8 @@ class FP8Quantizer(Quantizer):
             # Row-wise scaling has a bf16 output on every architecture that supports it; the weight's transpose is
             # the column-major operand it wants.
             y = torch._scaled_mm(xq, t["weight"].t(), scale_a=x_scale, scale_b=t["weight_scale"][None, :],
-                                 out_dtype=torch.bfloat16, bias=None if bias is None else bias.to(torch.bfloat16))
+                                 out_dtype=torch.bfloat16, bias=None if bias is None else bias.to(torch.bfloat16),
+                                 use_fast_accum=_fast_accumulation())
             return y.to(dtype)
         x_approx = (xq.float() * x_scale).to(dtype)
         return F.linear(x_approx, self.dequantize(qtensor).to(dtype), bias)

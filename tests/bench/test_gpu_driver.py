@@ -134,3 +134,11 @@ def test_fp8_step_alternates_the_gemm_switch(gpu, tmp_path):
     assert all(c.argv[c.argv.index("--workload") + 1] == "W2" and c.argv[c.argv.index("--max-num-seqs") + 1] == "64"
                for c in runs)
     assert len({c.json_path for c in runs}) == 4
+
+
+def test_fp8acc_step_alternates_the_accumulation_switch(gpu, tmp_path):
+    runs = gpu.STEPS["fp8acc"].commands(gpu.Tree("after", REPO, REPO), tmp_path, "", True)
+    assert [c.argv[:2] for c in runs] == [["env", f"RTX_FP8_FAST_ACCUM={f}"] for f in "0101"]
+    assert all(c.argv[c.argv.index("--workload") + 1] == "W8B" and c.argv[c.argv.index("--quantization") + 1] == "fp8"
+               for c in runs)
+    assert len({c.json_path for c in runs}) == 4

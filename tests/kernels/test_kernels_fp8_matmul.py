@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from rtx_kernels.fp8_matmul import fp8_matmul
+from rtx_kernels.quant_rows import quantize_rows_fp8
+from rtx_plugins.quantizers import fp8 as fp8_plugin
 from tests.helpers.triton import DEVICE, ON_GPU, generator
 
 FP8 = torch.float8_e4m3fn
@@ -76,3 +78,22 @@ def test_agrees_with_scaled_mm(m):
 
     ref = torch._scaled_mm(x, w.t(), scale_a=x_scale, scale_b=w_scale[None, :], out_dtype=torch.bfloat16)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=1e-3 * ref.float().abs().max().item())
+
+
+@pytest.mark.skipif(not ON_GPU, reason="torch._scaled_mm needs an fp8 GPU")
+def test_fp8_quantizer_takes_cublas_fast_accumulation_where_asked(monkeypatch):
+    gen = generator(11)
+    weight = torch.randn(4096, 4096, generator=gen, device=DEVICE).bfloat16()
+    x = torch.randn(300, 4096, generator=gen, device=DEVICE).bfloat16()  # past the Triton GEMM's rows
+    quantizer = fp8_plugin.FP8Quantizer()
+    qtensor = quantizer.quantize(weight)
+    xq, x_scale = quantize_rows_fp8(x)
+    expected = {fast: torch._scaled_mm(xq, qtensor.tensors["weight"].t(), scale_a=x_scale,
+                                       scale_b=qtensor.tensors["weight_scale"][None, :], out_dtype=torch.bfloat16,
+                                       use_fast_accum=fast) for fast in (False, True)}
+    assert not torch.equal(expected[False], expected[True])  # the two modes are told apart at this depth
+    for fast in (False, True):
+        monkeypatch.setenv("RTX_FP8_FAST_ACCUM", "1" if fast else "0")
+        fp8_plugin._fast_accumulation.cache_clear()
+        assert torch.equal(quantizer.linear(x, qtensor), expected[fast])
+    fp8_plugin._fast_accumulation.cache_clear()

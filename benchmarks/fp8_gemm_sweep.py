@@ -1,12 +1,12 @@
 """Time fp8 products at decode sizes on the GPU: ``torch._scaled_mm`` (cuBLAS, row-wise scales; the engine's path,
-and beside it cuBLAS's fast-accumulation mode, which the engine does not use) against ``rtx_kernels.fp8_matmul`` with
-its own launch shape and, with ``--sweep``, the fastest of 28 others, on llama-8b's four projections (qkv 6144x4096,
-o 4096x4096, gate|up 28672x4096, down 4096x14336).
+and beside it cuBLAS's fast-accumulation mode, the engine's under ``RTX_FP8_FAST_ACCUM=1``) against
+``rtx_kernels.fp8_matmul`` with its own launch shape and, with ``--sweep``, the fastest of 28 others, on llama-8b's
+four projections (qkv 6144x4096, o 4096x4096, gate|up 28672x4096, down 4096x14336).
 
 Operands are random e4m3 with random float32 row and channel scales. Each figure is the median of
 ``triton.testing.do_bench_cudagraph`` (calls replayed from a CUDA graph, as in the decode graphs); GB/s counts the
-weight's bytes, read once a call. The Triton product is checked against cuBLAS's (relative error of the whole
-output) before it is timed.
+weight's bytes, read once a call. The Triton product and cuBLAS's fast-accumulation one are checked against cuBLAS's
+default (relative error of the whole output) before they are timed.
 
 Usage: python benchmarks/fp8_gemm_sweep.py [--rows 32,64,128,256] [--sweep] [--json OUT.json]
 """
@@ -57,7 +57,8 @@ def measure(m: int, name: str, sweep: bool) -> dict:
     row = {"rows": m, "projection": name, "n": n, "k": k, "cublas_us": _us(cublas),
            "cublas_fast_accum_us": _us(lambda: cublas(True)),
            "triton_us": _us(lambda: fp8_matmul(x, x_scale, w, w_scale)), "launch_shape": asdict(own),
-           "relative_error": ((out - ref).norm() / ref.norm()).item()}
+           "relative_error": ((out - ref).norm() / ref.norm()).item(),
+           "fast_accum_relative_error": ((cublas(True).float() - ref).norm() / ref.norm()).item()}
     if sweep:
         timed = [(_us(lambda s=s: fp8_matmul(x, x_scale, w, w_scale, shape=s)), s) for s in SWEEP]
         best_us, best = min(timed, key=lambda t: t[0])
@@ -85,7 +86,8 @@ def main() -> None:
             print(f"{m:4d} rows {name:8s} cuBLAS {row['cublas_us']:6.1f} us ({gbs / row['cublas_us']:5.0f} GB/s), "
                   f"fast-acc. {row['cublas_fast_accum_us']:6.1f} us, "
                   f"Triton {row['triton_us']:6.1f} us ({gbs / row['triton_us']:5.0f} GB/s), "
-                  f"rel. error {row['relative_error']:.1e}{best}", flush=True)
+                  f"rel. error {row['relative_error']:.1e} (fast-acc. {row['fast_accum_relative_error']:.1e}){best}",
+                  flush=True)
         print(f"{m:4d} rows, a layer: cuBLAS {layer['cublas_us']:.1f} us, "
               f"fast-acc. {layer['cublas_fast_accum_us']:.1f} us, Triton {layer['triton_us']:.1f} us", flush=True)
     if args.json:

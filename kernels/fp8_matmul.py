@@ -98,7 +98,7 @@ def launch_shape(n: int) -> LaunchShape:
 
 @functools.cache
 def _applies_on(device_index: int) -> bool:
-    # The launch shapes take up to 196 KiB of shared memory and were chosen on Hopper: compute capability 9 only.
+    # The launch shapes take up to 192 KiB of shared memory and were chosen on Hopper: compute capability 9 only.
     # RTX_FP8_TRITON_GEMM is read here once per process (a per-call path).
     return envs.RTX_FP8_TRITON_GEMM.get() and torch.cuda.get_device_capability(device_index)[0] == 9
 

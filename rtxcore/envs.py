@@ -171,7 +171,7 @@ RTX_FP8_TRITON_GEMM = _bool_switch(
 RTX_FP8_FAST_ACCUM = _bool_switch(
     "RTX_FP8_FAST_ACCUM", False,
     "fp8 products in cuBLAS (torch._scaled_mm) take its fast-accumulation mode: Hopper's fp8 MMA accumulator "
-    "for the whole K loop, as vLLM's CUTLASS fp8 GEMMs on sm_90 do. Faster (a llama-8b layer 8.7% at 256 rows on "
+    "for the whole K loop, as vLLM's CUTLASS fp8 GEMMs on sm_90 do. Faster (a llama-8b layer 8.8% at 256 rows on "
     "an H100), outputs off by up to 0.7% of the largest against 0.3%; off until its perplexity is measured. Read "
     "once per process.")
 RTX_PDL = _bool_switch(

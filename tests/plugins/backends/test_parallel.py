@@ -255,3 +255,18 @@ def test_more_ranks_than_gpus_is_refused(monkeypatch):
     launch.check_devices(torch.device("cpu"), 8)  # CPU ranks share the host
     with pytest.raises(ConfigError, match="is 4 ranks, one GPU each, but only 2 CUDA devices are visible"):
         launch.check_devices(torch.device("cuda"), 4)
+
+
+def test_the_default_models_gguf_splits_over_three_ranks(registry, default_source):
+    # The default model is a GGUF file whose index holds a memory map: the source crosses to the spawned ranks as
+    # its path, each rank mapping the file again. Its 9 heads and 3 KV heads split three ways.
+    prompt = default_source.tokenizer().encode("The capital of France is")
+    params = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)]
+    settings = dict(device="cpu", dtype="float32", num_kv_blocks=8)
+    expected, _ = run(make_engine(registry=registry, source=default_source, **settings), [prompt], params)
+    engine = make_engine(registry=registry, source=default_source, tensor_parallel_size=3, **settings)
+    try:
+        got, _ = run(engine, [prompt], params)
+    finally:
+        engine.core.backend.close()
+    assert got == expected and len(got[0]) == 6

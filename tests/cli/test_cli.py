@@ -29,6 +29,11 @@ from tests.helpers.cli import assert_one_line_error, rtx
     (["loadgen", "--json", "/no/such/dir/out.json"], "does not exist"),
     (["bench", "--num-requests", "-1"], "not at least 1"),
     (["sign", "model.gguf", "--key", "k.pem", "--signature", "/no/such/dir/x.sig"], "does not exist"),
+    # a file where a directory belongs, and files that are not PEM: named before anything loads
+    (["generate", "hi", "--model", "dummy:tiny", "--kv-disk-dir", __file__], "exists and is not a directory"),
+    (["serve", "--model", "dummy:tiny", "--state-dir", __file__], "exists and is not a directory"),
+    (["serve", "--model", "dummy:tiny", "--ssl-certfile", __file__, "--ssl-keyfile", __file__],
+     "are not a PEM certificate chain"),
 ])
 def test_bad_input_one_line_exit_2(args, fragment):
     assert_one_line_error(rtx(*args), fragment)

@@ -3,6 +3,7 @@ that ``rtx serve --help`` can show their defaults without importing the engine."
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -37,6 +38,16 @@ class TlsSettings:
                            ("--ssl-ca-certs", self.ca_certs)):
             if path is not None and not Path(path).is_file():
                 raise ConfigError(f"{flag} {path!r} is not a readable file")
+        if self.certfile and self.keyfile:
+            # Loaded once here so that a file that is not PEM, or a key that does not match the certificate, is
+            # named now; the servers' own errors (OpenSSL's "PEM lib", gRPC's "cannot listen") name neither file.
+            # An empty passphrase: an encrypted key fails here instead of prompting (neither server takes one).
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            try:
+                context.load_cert_chain(self.certfile, self.keyfile, password=b"")
+            except (ssl.SSLError, OSError) as e:
+                raise ConfigError(f"--ssl-certfile {self.certfile!r} and --ssl-keyfile {self.keyfile!r} are not a "
+                                  f"PEM certificate chain and its private key: {e}") from None
 
     def read(self) -> tuple[bytes, bytes, bytes | None]:
         """(key, certificate chain, CA certificates or None) as PEM bytes, as gRPC takes them."""
@@ -87,6 +98,8 @@ class ServeSettings:
             raise ConfigError(f"journal_retention_s must be >= 0, got {self.journal_retention_s}")
         if self.shutdown_grace_s < 0:
             raise ConfigError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        if self.state_dir and Path(self.state_dir).exists() and not Path(self.state_dir).is_dir():
+            raise ConfigError(f"--state-dir {self.state_dir!r} exists and is not a directory")
         self.signing_policy()  # a missing key file or strict mode without a key fails here
 
     def signing_policy(self):

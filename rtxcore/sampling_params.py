@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,7 +15,8 @@ STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 16
-    # 0 means greedy; temperature scales logits before top-k / top-p / min-p filtering.
+    # 0 means greedy; temperature scales logits before top-k / top-p / min-p filtering. Values below 1e-5 are taken
+    # as 0 (vLLM's epsilon too): dividing float32 logits by a subnormal overflows them to infinity.
     temperature: float = 1.0
     top_k: int = 0  # 0 disables
     top_p: float = 1.0
@@ -72,17 +74,21 @@ class SamplingParams:
             self.stop = [self.stop]
         _check(is_int(self.max_tokens), f"max_tokens must be an integer, got {self.max_tokens!r}", "max_tokens")
         _check(self.max_tokens > 0, f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
-        _check(_is_number(self.temperature) and self.temperature >= 0,
-               f"temperature must be >= 0, got {self.temperature}", "temperature")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value), f"{name} must be a finite number, got {_short(value)}", name)
+        _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}", "temperature")
+        if self.temperature < MIN_TEMPERATURE:
+            self.temperature = 0.0
         _check(is_int(self.top_k) and self.top_k >= 0,
                f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}", "top_k")
-        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}", "min_p")
-        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
-               f"repetition_penalty must be > 0, got {self.repetition_penalty}", "repetition_penalty")
+        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {_short(self.top_p)}", "top_p")
+        _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {_short(self.min_p)}", "min_p")
+        _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+               "repetition_penalty")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check(_is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value}", name)
+            _check(-2 <= value <= 2, f"{name} must be in [-2, 2], got {_short(value)}", name)
         _check(self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**63),
                f"seed must be a non-negative integer below 2**63, got {self.seed!r}", "seed")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings", "stop")
@@ -103,7 +109,7 @@ class SamplingParams:
             _check(isinstance(self.logit_bias, dict), "logit_bias must be an object of token id -> bias", "logit_bias")
             bias: dict[int, float] = {}
             for key, value in self.logit_bias.items():
-                token = int(key) if isinstance(key, str) and key.isdigit() else key
+                token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
                 _check(is_int(token) and token >= 0, f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
                 _check(_is_number(value) and -100 <= value <= 100,
                        f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {key}",
@@ -128,13 +134,28 @@ class SamplingParams:
         return self.temperature == 0
 
 
+# The smallest temperature taken as given; below it, greedy (see SamplingParams.temperature).
+MIN_TEMPERATURE = 1e-5
+
+
 def is_int(value: object) -> bool:
     # bool is an int subclass: True would pass as 1 here and fail later, on the engine's thread.
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # rejects NaN
+    # A finite int or float: NaN and infinities (JSON's 1e400 parses as inf) are refused.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an int past float's range
+        return False
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
 
 
 def _check(ok: bool, message: str, param: str) -> None:

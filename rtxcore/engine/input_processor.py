@@ -67,6 +67,7 @@ class InputProcessor:
             raise InvalidRequestError(f"{len(outputs)} output tokens already reach max_tokens ({params.max_tokens}): "
                                       "nothing is left to generate", param="output_token_ids")
         drafts = self._check_draft_token_ids(draft_token_ids or ())
+        self._check_token_ids(params.stop_token_ids, "stop token ids", "stop_token_ids")
         self._check_fits(len(token_ids), params.max_tokens)
         logits = self.logits.prepare(params)
         # Checked even when unused, so a bad value is refused whatever the flag. Dropped when the request may not

@@ -31,10 +31,8 @@ STATUS = {
     ErrorCode.INTERNAL: 500,
 }
 # OpenAI's ``type`` for the HTTP-only errors.
-_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
-          422: "invalid_request_error", 500: "server_error"}
-_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large", 422: "invalid_json",
-          500: "internal_error"}
+_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error"}
+_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large", 500: "internal_error"}
 
 
 def status_of(err: RequestError) -> int:

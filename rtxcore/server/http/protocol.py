@@ -354,7 +354,26 @@ def _message(message: Any, index: int) -> dict[str, Any]:
         content = ""
     elif not isinstance(content, str):
         raise InvalidRequestError(f"{param}.content must be a string or a list of text parts", param="messages")
+    if message.get("tool_calls") is not None:
+        _check_tool_calls(message["tool_calls"], f"{param}.tool_calls")
     return {**message, "content": content}
+
+
+def _check_tool_calls(calls: Any, param: str) -> None:
+    """An earlier turn's calls, as OpenAI returned them: ``[{"id", "type": "function", "function": {"name",
+    "arguments"}}]``. The arguments are JSON text; an object is taken too (Hugging Face templates' form)."""
+    if not isinstance(calls, list):
+        raise InvalidRequestError(f"{param} must be a list of tool calls", param="messages")
+    for i, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise InvalidRequestError(f'{param}[{i}] must be an object with "function": {{"name": string, '
+                                      f'"arguments": string}}', param="messages")
+        if not isinstance(function.get("arguments", "{}"), str | dict):
+            raise InvalidRequestError(f"{param}[{i}].function.arguments must be a JSON string",
+                                      param="messages")
+        if call.get("type", "function") != "function":
+            raise InvalidRequestError(f'{param}[{i}].type must be "function"', param="messages")
 
 
 def model_field(body: dict[str, Any]) -> str | None:

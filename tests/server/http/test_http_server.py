@@ -322,17 +322,33 @@ def test_disconnect_while_waiting_for_a_full_response_aborts(server):
     ("/v1/chat/completions", {"messages": CHAT, "prediction": {"type": "content", "content": 1}}, 400, "prediction"),
     ("/v1/completions", {"prompt": "hi", "speculative": "no"}, 400, "speculative"),
     ("/embed", {"inputs": ""}, 400, "inputs"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2**70]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"\u00b2": 1}}, 400, "logit_bias"),
 ])
 def test_bad_input_gets_its_status_and_a_json_error(http, path, body, status, param):
     assert_error(http.post(path, json=body), status, param)
 
 
+@pytest.mark.parametrize("field", ["temperature", "top_p", "repetition_penalty", "presence_penalty"])
+def test_numbers_past_floats_range_are_refused(http, field):
+    # JSON's 1e400 parses as infinity (and Infinity too, in Python's json): refused, not sampled with.
+    for number in (b"1e400", b"-Infinity", b"1" + b"0" * 400):
+        body = b'{"prompt": "hi", "max_tokens": 2, "%s": %s}' % (field.encode(), number)
+        assert "finite number" in assert_error(http.post("/v1/completions", content=body), 400, field)["message"]
+
+
 def test_bad_requests_outside_the_body(http, client):
-    assert_error(http.post("/v1/completions", content=b'{"prompt": "hi",'), 422)
-    assert_error(http.post("/v1/completions", content=b"\xff\xfe not utf-8"), 422)
-    assert_error(http.post("/v1/completions", content=b"[" * 100_000), 422)
-    assert_error(http.post("/v1/completions", content=b""), 422)
+    assert assert_error(http.post("/v1/completions", content=b'{"prompt": "hi",'), 400)["code"] == "invalid_json"
+    assert_error(http.post("/v1/completions", content=b"\xff\xfe not utf-8"), 400)
+    assert_error(http.post("/v1/completions", content=b"[" * 100_000), 400)
+    assert_error(http.post("/v1/completions", content=b""), 400)
     assert_error(http.post("/v1/completions", json=[1, 2]), 400)
+    # Valid JSON, but a lone surrogate is no text any tokenizer takes: the field is named, wherever it is.
+    assert_error(http.post("/v1/completions", content=b'{"prompt": "a\\ud800"}'), 400, "prompt")
+    lone = b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}'
+    assert_error(http.post("/v1/chat/completions", content=lone), 400, "messages[0].content[0].text")
+    assert_error(http.post("/tokenize", content=b'{"prompt": "\\ud800x"}'), 400, "prompt")
     assert_error(http.get("/v2/nothing"), 404)
     error = assert_error(http.get("/v1/completions"), 405)
     assert error["code"] == "method_not_allowed"

@@ -224,6 +224,14 @@ def test_tool_results_go_back_to_the_model_and_auto_may_answer(client):
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strnig"}}}],
       "tool_choice": "required"}, "tools"),
+    # An earlier turn's calls fed back: each must be OpenAI's shape, whatever the chat template does with them.
+    ({"tools": [WEATHER], "messages": [{"role": "user", "content": "x"},
+                                       {"role": "assistant", "tool_calls": [{"function": "get_weather"}]}]},
+     "messages"),
+    ({"tools": [WEATHER], "messages": [{"role": "user", "content": "x"},
+                                       {"role": "assistant", "tool_calls": "get_weather"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": [1]}}]}]}, "messages"),
 ])
 def test_bad_tool_fields_answer_400(server, body, param):
     response = httpx.post(server.base_url + "/v1/chat/completions", timeout=60,

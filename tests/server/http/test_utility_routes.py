@@ -118,7 +118,7 @@ def test_tokenizer_routes_refuse_bad_input_naming_the_field(http, path, body, st
 def test_tokenizer_routes_need_the_api_key_and_json(server, http):
     assert_error(httpx.post(server.base_url + "/tokenize", json={"prompt": PROMPT}), 401)
     assert_error(httpx.post(server.base_url + "/detokenize", json={"tokens": [1]}), 401)
-    assert_error(http.post("/tokenize", content=b"{not json", headers={"content-type": "application/json"}), 422)
+    assert_error(http.post("/tokenize", content=b"{not json", headers={"content-type": "application/json"}), 400)
     assert httpx.get(server.base_url + "/health").status_code == 200  # the probes stay open
 
 

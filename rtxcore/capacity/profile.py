@@ -189,7 +189,9 @@ def from_server(url: str, block_size: int, timeout_s: float = 10.0) -> tuple[Ste
         response.raise_for_status()
         samples = [s for family in text_string_to_metric_families(response.text) for s in family.samples]
     except (httpx.HTTPError, httpx.InvalidURL, ValueError) as exc:  # unreachable, an error status, not Prometheus
-        raise ConfigError(f"cannot read {url}/metrics: {exc}") from None
+        # httpx's status errors add a second line ("For more information check: ..."): the first says it all.
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"cannot read {url}/metrics: {reason}") from None
 
     def one(name: str, **labels: str) -> float | None:
         found = [s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]

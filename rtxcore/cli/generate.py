@@ -46,6 +46,10 @@ def run(args: argparse.Namespace) -> int:
         from rtxcore.errors import InvalidRequestError
 
         raise InvalidRequestError("prompt is empty")
+    if args.system is not None and not args.chat:
+        from rtxcore.errors import ConfigError
+
+        raise ConfigError("--system is the chat template's system message: it needs --chat")
     config = engine_config(args)
     engine = load_engine(config)
     prompt = args.prompt

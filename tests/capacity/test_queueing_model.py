@@ -154,6 +154,10 @@ def test_rtx_plan_takes_the_step_time_a_live_server_learnt(tmp_path):
     try:
         assert_one_line_error(rtx("plan", "--model", "dummy:tiny", "--profile-url", server.base_url),
                               "exports no learnt step time")
+        # A URL that answers an error status: one line still (httpx's message has a second).
+        proc = rtx("plan", "--model", "dummy:tiny", "--profile-url", server.base_url + "/nope")
+        assert_one_line_error(proc, "404 Not Found")
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         # Enough back-to-back steps for the profile (50) and then its spread (50 more).
         threads = [threading.Thread(target=httpx.post, args=(server.base_url + "/v1/completions",),
                                     kwargs={"json": {"prompt": [5] * (8 + i), "max_tokens": 150, "ignore_eos": True},

@@ -32,6 +32,8 @@ from tests.helpers.cli import assert_one_line_error, rtx
     # a file where a directory belongs, and files that are not PEM: named before anything loads
     (["generate", "hi", "--model", "dummy:tiny", "--kv-disk-dir", __file__], "exists and is not a directory"),
     (["serve", "--model", "dummy:tiny", "--state-dir", __file__], "exists and is not a directory"),
+    (["serve", "--model", "dummy:tiny", "--served-model-name", " "], "must not be empty"),
+    (["generate", "hi", "--model", "dummy:tiny", "--system", "be brief"], "it needs --chat"),
     (["serve", "--model", "dummy:tiny", "--ssl-certfile", __file__, "--ssl-keyfile", __file__],
      "are not a PEM certificate chain"),
 ])

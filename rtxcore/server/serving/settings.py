@@ -98,6 +98,10 @@ class ServeSettings:
             raise ConfigError(f"journal_retention_s must be >= 0, got {self.journal_retention_s}")
         if self.shutdown_grace_s < 0:
             raise ConfigError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        names = [self.served_model_name] if self.served_model_name is not None else []
+        for name in names + list(self.served_model_aliases):
+            if not name.strip():
+                raise ConfigError("--served-model-name: a model name must not be empty or blank")
         if self.state_dir and Path(self.state_dir).exists() and not Path(self.state_dir).is_dir():
             raise ConfigError(f"--state-dir {self.state_dir!r} exists and is not a directory")
         self.signing_policy()  # a missing key file or strict mode without a key fails here

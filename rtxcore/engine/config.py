@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 from rtxcore.contracts.scheduler import SchedulerConfig
 from rtxcore.engine.speculation.config import SpeculativeConfig
-from rtxcore.errors import ConfigError
+from rtxcore.errors import ConfigError, check_directory_path
 
 
 @dataclass(slots=True)
@@ -109,8 +109,8 @@ class EngineConfig:
             raise ConfigError("kv_host_bytes must be >= 0 and kv_disk_bytes positive")
         if self.kv_snapshot_interval_s < 0:
             raise ConfigError(f"kv_snapshot_interval_s must be >= 0, got {self.kv_snapshot_interval_s}")
-        if self.kv_disk_dir and Path(self.kv_disk_dir).exists() and not Path(self.kv_disk_dir).is_dir():
-            raise ConfigError(f"kv_disk_dir {self.kv_disk_dir!r} exists and is not a directory")
+        if self.kv_disk_dir:
+            check_directory_path(self.kv_disk_dir, "kv_disk_dir")
         if (self.kv_host_bytes or self.kv_disk_dir) and not self.enable_prefix_caching:
             raise ConfigError("KV offload (kv_host_bytes, kv_disk_dir) keeps prefix-cache blocks: it needs prefix "
                               "caching on")

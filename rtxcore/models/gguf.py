@@ -218,10 +218,10 @@ class GGUFSource(ModelSource):
         # Served under the source's name, as Hugging Face directories are, not the file's free-text general.name.
         self._config = dataclasses.replace(self.checkpoint.model_config(), name=self.name)
 
-    def __reduce__(self) -> tuple[type[GGUFSource], tuple[Path, str]]:
+    def __reduce__(self) -> tuple[type[GGUFSource], tuple[Path, str], dict[str, Any]]:
         # Pickled for the ranks of tensor and pipeline parallelism (spawned processes): a memory map cannot
         # travel, so each rank maps and indexes the file again (a fraction of a second, see gguf_index).
-        return GGUFSource, (Path(self.path), self.name)
+        return type(self), (Path(self.path), self.name), {"origin": self.origin}
 
     @property
     def config(self) -> ModelConfig:

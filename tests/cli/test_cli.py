@@ -30,8 +30,9 @@ from tests.helpers.cli import assert_one_line_error, rtx
     (["bench", "--num-requests", "-1"], "not at least 1"),
     (["sign", "model.gguf", "--key", "k.pem", "--signature", "/no/such/dir/x.sig"], "does not exist"),
     # a file where a directory belongs, and files that are not PEM: named before anything loads
-    (["generate", "hi", "--model", "dummy:tiny", "--kv-disk-dir", __file__], "exists and is not a directory"),
-    (["serve", "--model", "dummy:tiny", "--state-dir", __file__], "exists and is not a directory"),
+    (["generate", "hi", "--model", "dummy:tiny", "--kv-disk-dir", __file__], "is not a directory"),
+    (["generate", "hi", "--model", "dummy:tiny", "--kv-disk-dir", f"{__file__}/kv"], "test_cli.py is a file"),
+    (["serve", "--model", "dummy:tiny", "--state-dir", __file__], "is not a directory"),
     (["serve", "--model", "dummy:tiny", "--served-model-name", " "], "must not be empty"),
     (["generate", "hi", "--model", "dummy:tiny", "--system", "be brief"], "it needs --chat"),
     (["serve", "--model", "dummy:tiny", "--ssl-certfile", __file__, "--ssl-keyfile", __file__],

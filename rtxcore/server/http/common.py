@@ -51,42 +51,43 @@ def request_route(runtime: ServingRuntime, request: Request, fields: RoutingFiel
 
 
 async def read_json(request: Request) -> dict[str, Any]:
-    """The body as a JSON object. 400 when it is not JSON (``code: invalid_json``, as OpenAI answers), not an object,
-    or holds a string with a lone UTF-16 surrogate (``"\\ud800"`` is valid JSON but no text: no tokenizer takes it)."""
+    """The body as a JSON object. 400 when it is not UTF-8 JSON (``code: invalid_json``, as OpenAI answers), not an
+    object, or holds a string with a lone UTF-16 surrogate (``"\\ud800"`` is valid JSON but no text: no tokenizer
+    takes it)."""
     body = await request.body()
     try:
-        data = json.loads(body)
+        # Decoded strictly first: json.loads(bytes) would guess UTF-16 and let encoded surrogates through.
+        data = json.loads(body.decode("utf-8-sig"))
     except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise APIError(400, "request body is not valid JSON", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}")
-    if b"\\u" in body:  # only an escape can put a surrogate in a string of valid UTF-8
-        field = _lone_surrogate_at(data, "")
+    if b"\\u" in body:  # in strict UTF-8, only an escape can put a surrogate in a string
+        field = _lone_surrogate_at(data)
         if field is not None:
-            raise APIError(400, f"{field or 'a key'} holds a lone UTF-16 surrogate: not valid Unicode text",
-                           param=field or None)
+            raise APIError(400, f"{field} holds a lone UTF-16 surrogate: not valid Unicode text", param=field,
+                           code="invalid_value")
     return data
 
 
-def _lone_surrogate_at(value: Any, path: str) -> str | None:
-    """The path (``messages[0].content``) of the first string, key or value, that cannot be encoded as UTF-8."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path
-        return None
-    if isinstance(value, dict):
-        for key, item in value.items():
-            here = f"{path}.{key}" if path else str(key)
-            found = _lone_surrogate_at(key, here) or _lone_surrogate_at(item, here)
-            if found is not None:
-                return found
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            found = _lone_surrogate_at(item, f"{path}[{i}]")
-            if found is not None:
-                return found
+def _lone_surrogate_at(data: dict[str, Any]) -> str | None:
+    """The path (``messages[0].content``) of the first string, key or value, that cannot be encoded as UTF-8.
+
+    Walked with a stack, not by recursion: a body nested deeper than Python's recursion limit can still parse."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path
+        elif isinstance(value, dict):
+            for key, item in reversed(value.items()):
+                here = f"{path}.{ascii(key)[1:-1]}" if path else ascii(key)[1:-1]
+                stack += [(here, item), (here, key)]
+        elif isinstance(value, list):
+            stack += [(f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value)))]
     return None
 
 

@@ -370,7 +370,7 @@ def _check_tool_calls(calls: Any, param: str) -> None:
             raise InvalidRequestError(f'{param}[{i}] must be an object with "function": {{"name": string, '
                                       f'"arguments": string}}', param="messages")
         if not isinstance(function.get("arguments", "{}"), str | dict):
-            raise InvalidRequestError(f"{param}[{i}].function.arguments must be a JSON string",
+            raise InvalidRequestError(f"{param}[{i}].function.arguments must be a JSON string (or an object)",
                                       param="messages")
         if call.get("type", "function") != "function":
             raise InvalidRequestError(f'{param}[{i}].type must be "function"', param="messages")

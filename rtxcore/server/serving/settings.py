@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rtxcore.errors import ConfigError
+from rtxcore.errors import ConfigError, check_directory_path
 
 if TYPE_CHECKING:
     from rtxcore.server.fleet import FleetSettings
@@ -47,7 +47,7 @@ class TlsSettings:
                 context.load_cert_chain(self.certfile, self.keyfile, password=b"")
             except (ssl.SSLError, OSError) as e:
                 raise ConfigError(f"--ssl-certfile {self.certfile!r} and --ssl-keyfile {self.keyfile!r} are not a "
-                                  f"PEM certificate chain and its private key: {e}") from None
+                                  f"PEM certificate chain and its private key (unencrypted): {e}") from None
 
     def read(self) -> tuple[bytes, bytes, bytes | None]:
         """(key, certificate chain, CA certificates or None) as PEM bytes, as gRPC takes them."""
@@ -102,8 +102,8 @@ class ServeSettings:
         for name in names + list(self.served_model_aliases):
             if not name.strip():
                 raise ConfigError("--served-model-name: a model name must not be empty or blank")
-        if self.state_dir and Path(self.state_dir).exists() and not Path(self.state_dir).is_dir():
-            raise ConfigError(f"--state-dir {self.state_dir!r} exists and is not a directory")
+        if self.state_dir:
+            check_directory_path(self.state_dir, "--state-dir")
         self.signing_policy()  # a missing key file or strict mode without a key fails here
 
     def signing_policy(self):

@@ -349,6 +349,12 @@ def test_bad_requests_outside_the_body(http, client):
     lone = b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}'
     assert_error(http.post("/v1/chat/completions", content=lone), 400, "messages[0].content[0].text")
     assert_error(http.post("/tokenize", content=b'{"prompt": "\\ud800x"}'), 400, "prompt")
+    # Encoded surrogates (not escapes) are not UTF-8: not JSON either. A surrogate pair is an emoji, and fine.
+    assert_error(http.post("/tokenize", content=b'{"prompt": "a\xed\xa0\x80"}'), 400)
+    assert_error(http.post("/tokenize", content='{"prompt": "\\ud800"}'.encode("utf-16-le")), 400)
+    assert http.post("/tokenize", content=b'{"prompt": "\\ud83d\\ude00"}').status_code == 200
+    deep = b'{"prompt": "hi", "x": ' + b"[" * 1400 + b'"\\u00e9"' + b"]" * 1400 + b"}"
+    assert http.post("/tokenize", content=deep).status_code in (200, 400)
     assert_error(http.get("/v2/nothing"), 404)
     error = assert_error(http.get("/v1/completions"), 405)
     assert error["code"] == "method_not_allowed"

@@ -169,11 +169,11 @@ RTX_FP8_TRITON_GEMM = _bool_switch(
     "as precise) instead of torch._scaled_mm; off until it has been measured in the engine at those "
     "rows. Read once per process.")
 RTX_FP8_FAST_ACCUM = _bool_switch(
-    "RTX_FP8_FAST_ACCUM", False,
+    "RTX_FP8_FAST_ACCUM", True,
     "fp8 products in cuBLAS (torch._scaled_mm) take its fast-accumulation mode: Hopper's fp8 MMA accumulator "
-    "for the whole K loop, as vLLM's CUTLASS fp8 GEMMs on sm_90 do. Faster (a llama-8b layer 8.8% at 256 rows on "
-    "an H100), outputs off by up to 0.7% of the largest against 0.3%; off until its perplexity is measured. Read "
-    "once per process.")
+    "for the whole K loop, as vLLM's CUTLASS fp8 GEMMs on sm_90 do. W8B fp8 6% faster on an H100, outputs off by "
+    "up to 0.7% of the largest against 0.3%, the default model's fp8 perplexity within its budget either way "
+    "(docs/benchmarks.md); 0 for cuBLAS's default accumulation. Read once per process.")
 RTX_PDL = _bool_switch(
     "RTX_PDL", True,
     "Programmatic dependent launch for the decode path's Triton kernels on Hopper and later; `0` turns it off, "

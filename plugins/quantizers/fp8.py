@@ -1,7 +1,7 @@
 """fp8 e4m3: weights with one scale per output channel, activations quantized per token when the layer runs (W8A8).
 
 On a GPU with fp8 tensor cores (compute capability 8.9 and up) the product runs in fp8 through ``torch._scaled_mm``
-with row-wise scales (its fast accumulation where ``RTX_FP8_FAST_ACCUM`` asks); elsewhere the same rounding of weights
+with row-wise scales (its fast accumulation unless ``RTX_FP8_FAST_ACCUM=0``); elsewhere the same rounding of weights
 and activations is applied and the product runs in the activations' dtype, so CPU results show the method's real
 accuracy.
 

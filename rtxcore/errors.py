@@ -8,7 +8,6 @@ field at fault (``param``), how long to wait before retrying (``retry_after_s``)
 from __future__ import annotations
 
 import enum
-from pathlib import Path
 from typing import Any
 
 
@@ -98,16 +97,3 @@ class PluginError(RtxError):
 
 class ConfigError(RtxError, ValueError):
     """An engine, cache or scheduler setting is invalid."""
-
-
-def check_directory_path(path: str, what: str) -> None:
-    """A directory that is there or can be made: the nearest existing part of ``path`` must be a directory.
-
-    :raises ConfigError: naming ``what`` (the flag or setting) and the file in the way.
-    """
-    for part in (Path(path), *Path(path).parents):
-        if part.exists():
-            if not part.is_dir():
-                in_the_way = "" if part == Path(path) else f" ({part} is a file)"
-                raise ConfigError(f"{what} {path!r} is not a directory{in_the_way}")
-            return

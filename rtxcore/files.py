@@ -1,10 +1,13 @@
-"""Crash-safe file writes shared by what the server keeps on disk (the request journal, KV-cache snapshots)."""
+"""Crash-safe file writes shared by what the server keeps on disk (the request journal, KV-cache snapshots), and the
+check of the directories it keeps them in."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
 from pathlib import Path
+
+from rtxcore.errors import ConfigError
 
 
 def fsync_dir(directory: Path) -> None:
@@ -39,3 +42,16 @@ def replace_atomically(path: Path, data: bytes | Sequence[bytes | memoryview], d
     os.replace(tmp, path)
     if durable:
         fsync_dir(path.parent)
+
+
+def check_directory_path(path: str, what: str) -> None:
+    """A directory that is there or can be made: the nearest existing part of ``path`` must be a directory.
+
+    :raises ConfigError: naming ``what`` (the flag or setting) and the file in the way.
+    """
+    for part in (Path(path), *Path(path).parents):
+        if part.exists():
+            if not part.is_dir():
+                in_the_way = "" if part == Path(path) else f" ({part} is a file)"
+                raise ConfigError(f"{what} {path!r} is not a directory{in_the_way}")
+            return

@@ -8,7 +8,8 @@ from typing import Any, Callable
 
 from rtxcore.contracts.scheduler import SchedulerConfig
 from rtxcore.engine.speculation.config import SpeculativeConfig
-from rtxcore.errors import ConfigError, check_directory_path
+from rtxcore.errors import ConfigError
+from rtxcore.files import check_directory_path
 
 
 @dataclass(slots=True)

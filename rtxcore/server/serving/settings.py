@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rtxcore.errors import ConfigError, check_directory_path
+from rtxcore.errors import ConfigError
+from rtxcore.files import check_directory_path
 
 if TYPE_CHECKING:
     from rtxcore.server.fleet import FleetSettings

@@ -90,6 +90,20 @@ class LogitsProcessing:
                 raise InvalidRequestError(f"{param}: {exc}", param=param) from None
         return RequestLogits(prepared)
 
+    def check(self, name: str, value: Any, param: str) -> None:
+        """Prepare ``value`` as processor ``name``'s argument the way a request's is (processors keep what they
+        prepared), refusing what a request would be refused; nothing when no such processor is installed.
+
+        :raises InvalidRequestError: naming ``param``, with the processor's message.
+        """
+        processor = self.processors.get(name)
+        if processor is None:
+            return
+        try:
+            processor.prepare(value)
+        except ValueError as exc:
+            raise InvalidRequestError(f"{param}: {exc}", param=param) from None
+
     def on_add(self, req: Request) -> None:
         """Build the request's states, having seen the tokens it already generated (a resumed request)."""
         logits = req.logits

@@ -8,6 +8,7 @@ import base64
 import contextlib
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -125,6 +126,11 @@ class OpenAIRoutes:
             grammar = required_grammar(tools, call_format)
             if grammar is not None:  # a call is required: the grammar makes it one that parses
                 params["structured_output"] = {"grammar": grammar}
+            else:
+                # "auto": the parameter schemas are compiled as a required call's grammar would be (and kept for
+                # one), so a bad schema is refused whatever tool_choice says, as OpenAI does.
+                required = required_grammar(replace(tools, choice="required"), call_format)
+                await asyncio.to_thread(inputs.logits.check, "structured_output", {"grammar": required}, "tools")
             if call_format.keeps_special_tokens:  # its tags are special tokens: skipped, the calls would vanish
                 params["skip_special_tokens"] = False
         # Reading the tokenizer is thread-safe; the template can be slow, so it runs off the event loop.

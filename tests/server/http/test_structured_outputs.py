@@ -224,6 +224,10 @@ def test_tool_results_go_back_to_the_model_and_auto_may_answer(client):
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strnig"}}}],
       "tool_choice": "required"}, "tools"),
+    # The model may answer in text, but a schema no call could be held to is refused all the same.
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strnig"}}}]}, "tools"),
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "g", "parameters": {"properties": 5}}}],
+      "tool_choice": "auto"}, "tools"),
     # An earlier turn's calls fed back: each must be OpenAI's shape, whatever the chat template does with them.
     ({"tools": [WEATHER], "messages": [{"role": "user", "content": "x"},
                                        {"role": "assistant", "tool_calls": [{"function": "get_weather"}]}]},

@@ -17,6 +17,8 @@ from rtxcore.engine.config import EngineConfig
 from rtxcore.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from rtxcore.server.serve_config import ServeConfigFile
 
 
@@ -250,18 +252,37 @@ def run_worker_node(config: EngineConfig) -> int:
     return 0
 
 
+def _announced(line: str, progress: Progress) -> Callable[[int, int], None]:
+    """``progress``, with ``line`` written before its first report."""
+    announced = False
+
+    def report(done: int, total: int) -> None:
+        nonlocal announced
+        if not announced:
+            announced = True
+            sys.stderr.write(line + "\n")
+        progress(done, total)
+    return report
+
+
 def load_engine(config: EngineConfig, quiet: bool = False):
     from rtxcore.engine.llm import LLM
+    from rtxcore.models.resolve import resolve_model
 
     if config.node_rank > 0:
         # Not an engine: this node only runs ranks (generate and bench start here on every node).
         raise SystemExit(run_worker_node(config))
 
     start = time.monotonic()
-    name = config.model or "smollm2-135m"
+    # The model is resolved first, and the loading line waits for the first weight: a model that cannot load (a
+    # missing file, a bad header, an unknown shape) or a backend that refuses its settings leaves the one line of
+    # its error, with no progress line before it.
+    source = resolve_model(config.model, config.revision)
+    progress = None
     if not quiet:
-        sys.stderr.write(f"loading {name} on backend {config.backend}...\n")
-    engine = LLM(config, progress=None if quiet else Progress("weights"))
+        progress = _announced(f"loading {config.model or source.name} on backend {config.backend}...",
+                              Progress("weights"))
+    engine = LLM(config, source=source, progress=progress)
     if not quiet:
         core = engine.core
         sys.stderr.write(f"loaded {core.source.name} ({core.model_config.num_params / 1e6:.0f}M parameters) on "

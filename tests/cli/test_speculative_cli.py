@@ -54,15 +54,24 @@ def test_unknown_method_lists_the_registered_ones(command):
     (["--speculative-option", "k=1"], "--speculative-option sets an option of a proposer: it needs --speculative"),
     (["--speculative", "draft", "--draft-model", "a", "--speculative-option", "draft_model=b"],
      "--draft-model and --speculative-option draft_model=... name different models"),
-    # The plugin's own check of its options, before anything is generated.
-    (["--speculative", "ngram", "--speculative-option", "prompt_lookup_min=many"],
-     "ngram option prompt_lookup_min must be an integer, got 'many'"),
-    (["--speculative", "draft"], "the draft proposer needs a draft model: --draft-model NAME"),
 ])
 @pytest.mark.parametrize("command", ["generate", "bench"])
 def test_bad_flags_one_line_exit_2(command, args, fragment):
     prefix = ["generate", "hi"] if command == "generate" else [command]
     assert_one_line_error(run_in_process(*prefix, "--model", "dummy:tiny", *args), fragment)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--speculative", "ngram", "--speculative-option", "prompt_lookup_min=many"],
+     "ngram option prompt_lookup_min must be an integer, got 'many'"),
+    (["--speculative", "draft"], "the draft proposer needs a draft model: --draft-model NAME"),
+])
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_a_proposers_own_check_is_the_last_line_before_anything_is_generated(command, args, fragment):
+    # The plugin checks its options as the engine builds it, once the target's weights are in (a proposer reads the
+    # target's shape): the loading lines come first.
+    prefix = ["generate", "hi"] if command == "generate" else [command]
+    assert_one_line_error(run_in_process(*prefix, "--model", "dummy:tiny", *args), fragment, after_progress=True)
 
 
 @pytest.mark.parametrize("text, fragment", [

@@ -19,12 +19,18 @@ def rtx(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess.C
                           env={**os.environ, **(env or {})})
 
 
-def assert_one_line_error(proc: subprocess.CompletedProcess, fragment: str) -> None:
+def assert_one_line_error(proc: subprocess.CompletedProcess, fragment: str, after_progress: bool = False) -> None:
+    """Exit status 2 and one line on stderr, the error naming ``fragment``: no progress line before it (the input is
+    checked before any work starts), no traceback, no warning.
+
+    :param after_progress: the input can only be judged once work has begun (a plugin's options, checked by the
+        plugin as it starts, after the weights load): progress lines may come first, the error is the last line.
+    """
     assert proc.returncode == 2, proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if "error" in line]
-    assert len(errors) == 1, proc.stderr
-    assert fragment in errors[0], proc.stderr
-    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines and "error" in lines[-1] and fragment in lines[-1], proc.stderr
+    assert len(lines) == 1 or after_progress and not any("error" in line or "Traceback" in line
+                                                         for line in lines[:-1]), proc.stderr
 
 
 def run_in_process(*argv: str) -> subprocess.CompletedProcess:

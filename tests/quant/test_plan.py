@@ -1,6 +1,7 @@
 """The mixed-precision planner: the search moves the groups whose error costs the least bytes to remove until the
-model is within budget, and `rtx quantize --plan` on the default model keeps int4 within 0.5 perplexity on held-out
-text."""
+model is within budget, and `rtx quantize --plan` reports and stores its plan. That the plans of the default model
+keep int4 (and fp8, int4-g64, int4-g32, int4-gptq, int4-awq) within 0.5 perplexity on held-out text is `rtx gates`'
+quality gate, which CI runs on 2,048 held-out tokens: about 75 s a plan on two cores, not repeated here."""
 
 from __future__ import annotations
 
@@ -139,19 +140,18 @@ def test_planning_text_is_spread_over_the_calibration_text_calibration_did_not_t
 
 
 @pytest.mark.model
-def test_rtx_quantize_plan_keeps_int4_within_half_a_perplexity_point(tmp_path):
-    out = tmp_path / "int4-plan"
-    proc = rtx("quantize", "smollm2-135m", "--method", "int4", "--plan", "--out", str(out), "--calibration-tokens",
+def test_rtx_quantize_plan_reports_and_stores_its_plan(tmp_path):
+    # int8 is within budget at its cheapest format: one scoring of the planning text (an int4 plan takes nine).
+    out = tmp_path / "int8-plan"
+    proc = rtx("quantize", "smollm2-135m", "--method", "int8", "--plan", "--out", str(out), "--calibration-tokens",
                "1024", "--eval-tokens", "512", "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     plan = report["plan"]
-    assert plan["within_budget"] and plan["ppl_delta_budget"] == 0.5
-    # Held-out text the plan never saw: the seed's quality gate.
+    assert plan["within_budget"] and plan["ppl_delta_budget"] == 0.5 and len(plan["steps"]) == 1, plan
+    # Held-out text the plan never saw.
     assert report["evaluation"]["ppl_increase"] < 0.5, report["evaluation"]
-    # Every layer quantized, some still int4 (plain int4 everywhere costs this model about +5 perplexity, so most move
-    # to int8), and the plan reads well under 0.6 of bf16's bytes.
-    assert sum(plan["layers_by_format"].values()) == 210 and "float" not in plan["layers_by_format"]
-    assert plan["layers_by_format"].get("int4", 0) > 0 and plan["predicted_decode_speedup_vs_bf16"] > 1.7
+    # Every layer quantized, and the plan reads about half of bf16's bytes.
+    assert plan["layers_by_format"] == {"int8": 210} and plan["predicted_decode_speedup_vs_bf16"] > 1.9
     stored = json.loads((out / "quantization_report.json").read_text())
     assert stored["plan"] == plan

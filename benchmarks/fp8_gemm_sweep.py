@@ -52,7 +52,7 @@ def measure(m: int, name: str, sweep: bool) -> dict:
                                 use_fast_accum=fast_accum)
 
     ref = cublas().float()
-    own = launch_shape(n)
+    own = launch_shape(n, k)
     out = fp8_matmul(x, x_scale, w, w_scale).float()
     row = {"rows": m, "projection": name, "n": n, "k": k, "cublas_us": _us(cublas),
            "cublas_fast_accum_us": _us(lambda: cublas(True)),

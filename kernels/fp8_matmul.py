@@ -6,8 +6,9 @@ rounded once to bfloat16, as ``torch._scaled_mm`` with row-wise scales returns i
 
 Why not only ``_scaled_mm``: at 32-64 rows cuBLAS picks 128x128 tiles, which leaves most of an H100's 132 SMs idle
 on llama-8b's 4096-wide outputs (o_proj, down) and reads the weight at 1.2-1.7 TB/s. Smaller tiles with deeper K
-steps keep more SMs streaming: over one layer's four projections 104.9 against 122.5 us at 32 rows and 107.3 against
-117.4 at 64 (H100, CUDA graphs, ``benchmarks/fp8_gemm_sweep.py``, docs/benchmarks.md). From 128 rows cuBLAS is
+steps keep more SMs streaming: over one layer's four projections, with the launch shapes of :func:`launch_shape`,
+94.7 us at 32 rows and 96.4 at 64 against cuBLAS's 108.9 and 112.9 with fast accumulation (124.1 and 118.4
+without; H100, CUDA graphs, ``benchmarks/fp8_gemm_sweep.py``, docs/benchmarks.md). From 128 rows cuBLAS is
 faster (109.7 against 143.5 us): the caller keeps it there (``applies``, :data:`MAX_ROWS`).
 
 The accumulation is as precise as cuBLAS's default: Hopper's fp8 MMA adds its products into an accumulator narrower
@@ -89,11 +90,16 @@ class LaunchShape:
     warps: int
 
 
-def launch_shape(n: int) -> LaunchShape:
-    """The fastest at 32-128 rows in a sweep of the kernel's first version (BLOCK_M 64/128, BLOCK_N 64/128/256,
-    BLOCK_K 128/256, 4 or 6 stages, 4 or 8 warps; ``benchmarks/fp8_gemm_sweep.py --sweep``) on llama-8b's
-    projections, by output width ``n``; any row count takes it (the kernel runs up to :data:`MAX_ROWS`)."""
-    return LaunchShape(64, 128, 256, 4, 4) if n >= 16384 else LaunchShape(64, 64, 256, 6, 4)  # gate|up, the rest
+def launch_shape(n: int, k: int) -> LaunchShape:
+    """The fastest at 16, 32 and 64 rows in a sweep of this kernel (partial sums promoted every 128 products) over
+    BLOCK_M 64/128, BLOCK_N 64/128/256, BLOCK_K 128/256, 4 or 6 stages and 4 or 8 warps
+    (``benchmarks/fp8_gemm_sweep.py --rows 16,32,64 --sweep``, H100, 2026-12-07) on llama-8b's projections, by output
+    width ``n`` and depth ``k``; any row count takes it (the kernel runs up to :data:`MAX_ROWS`). The same at the
+    three row counts: gate|up 45.0-46.8 us, down 30.1-30.9, qkv 9.4-9.6, o 9.3 (the previous shapes, BLOCK_K 256 and 4
+    warps everywhere: 45.9-48.0, 34.8-35.8, 11.9-12.2, 11.8-12.1)."""
+    if n >= 16384:  # gate|up
+        return LaunchShape(64, 128, 256, 4, 8)
+    return LaunchShape(64, 64, 128, 6 if k > 8192 else 4, 4)  # down; qkv and o
 
 
 @functools.cache
@@ -122,7 +128,7 @@ def fp8_matmul(x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, wei
     x, weight = x.contiguous(), weight.contiguous()
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     if m and n:
-        ls = shape or launch_shape(n)
+        ls = shape or launch_shape(n, k)
         grid = (triton.cdiv(m, ls.block_m) * triton.cdiv(n, ls.block_n),)
         _fp8_matmul_kernel[grid](
             x, weight, out, x_scale.reshape(-1).contiguous(), weight_scale.contiguous(),

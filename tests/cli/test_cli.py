@@ -55,7 +55,8 @@ def test_truncated_gguf_is_refused(tmp_path, default_model_file):
 @pytest.mark.model
 def test_prompt_longer_than_context(tmp_path):
     proc = rtx("generate", "word " * 200, "--max-model-len", "64")
-    assert_one_line_error(proc, "longer than the model's context")
+    # Counted with the model's tokenizer, once it has loaded.
+    assert_one_line_error(proc, "longer than the model's context", after_progress=True)
 
 
 @pytest.mark.model

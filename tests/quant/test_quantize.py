@@ -257,7 +257,7 @@ def test_failure_midway_leaves_nothing(tmp_path):
     model = _small_model(tmp_path / "odd", hidden=40, intermediate=96)
     out = tmp_path / "out"
     proc = rtx("quantize", str(model), "--method", "int4", "--out", str(out), *FAST)
-    assert_one_line_error(proc, "cannot be split into groups")
+    assert_one_line_error(proc, "cannot be split into groups", after_progress=True)
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if "partial" in p.name]
 

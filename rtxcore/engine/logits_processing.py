@@ -63,6 +63,14 @@ def build_processors(registry: PluginRegistry, context: LogitsProcessorContext,
             for name in registry.names("logits_processor")}
 
 
+def _prepare(processor: LogitsProcessor, value: Any, param: str) -> Any:
+    """``processor.prepare(value)``, its ValueError a request error naming ``param``."""
+    try:
+        return processor.prepare(value)
+    except ValueError as exc:
+        raise InvalidRequestError(f"{param}: {exc}", param=param) from None
+
+
 class LogitsProcessing:
     def __init__(self, processors: dict[str, LogitsProcessor]):
         self.processors = processors
@@ -84,10 +92,7 @@ class LogitsProcessing:
             if processor is None:
                 raise InvalidRequestError(f"no logits processor named {name!r} is installed (installed: "
                                           f"{', '.join(sorted(self.processors)) or 'none'})", param=param)
-            try:
-                prepared[name] = processor.prepare(value)
-            except ValueError as exc:
-                raise InvalidRequestError(f"{param}: {exc}", param=param) from None
+            prepared[name] = _prepare(processor, value, param)
         return RequestLogits(prepared)
 
     def check(self, name: str, value: Any, param: str) -> None:
@@ -97,12 +102,8 @@ class LogitsProcessing:
         :raises InvalidRequestError: naming ``param``, with the processor's message.
         """
         processor = self.processors.get(name)
-        if processor is None:
-            return
-        try:
-            processor.prepare(value)
-        except ValueError as exc:
-            raise InvalidRequestError(f"{param}: {exc}", param=param) from None
+        if processor is not None:
+            _prepare(processor, value, param)
 
     def on_add(self, req: Request) -> None:
         """Build the request's states, having seen the tokens it already generated (a resumed request)."""

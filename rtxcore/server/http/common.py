@@ -75,9 +75,8 @@ def _has_lone_surrogate(data: dict[str, Any]) -> bool:
     naming the field (Python, several times slower) runs only for the bodies that have one."""
     try:
         json.dumps(data, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    except (ValueError, RecursionError):  # nested past the encoder's depth: let the walk decide
+    # UnicodeEncodeError is a ValueError; a body nested past the encoder's depth is left to the walk as well.
+    except (ValueError, RecursionError):
         return True
     return False
 

@@ -121,6 +121,10 @@ class SamplingParams:
             _check(ids is None or (isinstance(ids, list) and all(is_int(t) and t >= 0 for t in ids)),
                    f"{name} must be a list of token ids", name)
         _check(self.allowed_token_ids != [], "allowed_token_ids must not be empty", "allowed_token_ids")
+        _check(not (self.allowed_token_ids and self.banned_token_ids
+                    and set(self.allowed_token_ids) <= set(self.banned_token_ids)),
+               "banned_token_ids bans every token allowed_token_ids allows: nothing could be sampled",
+               "banned_token_ids")
         so = self.structured_output
         if so is not None:
             _check(isinstance(so, dict) and len(so) == 1 and next(iter(so)) in STRUCTURED_OUTPUT_KINDS,

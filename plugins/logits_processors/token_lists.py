@@ -94,7 +94,10 @@ class BannedTokens(_TokenListProcessor):
         return {"example_args": [[1, 2]]}
 
     def prepare(self, args: Any) -> list[int]:
-        return self._check_ids(args)
+        ids = self._check_ids(args)
+        if len(ids) >= self.context.vocab_size:  # ids are distinct and inside the vocabulary
+            raise ValueError("bans every token of the vocabulary: nothing could be sampled")
+        return ids
 
     def apply(self, logits: torch.Tensor, rows: Sequence[RowContext]) -> None:
         row_idx, token_idx = self._indices(rows, logits)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from rtxcore.contracts.sampler import SamplerOutput
-from rtxcore.engine.outputs import RequestFailure, RequestOutput, RequestTimings, TokenLogprob
+from rtxcore.engine.outputs import LOGPROB_FLOOR, RequestFailure, RequestOutput, RequestTimings, TokenLogprob
 from rtxcore.request import Request, RequestStatus
 from rtxcore.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -103,8 +105,8 @@ class OutputProcessor:
         # The caller checked logprobs; a sampler fills the top alternatives whenever it fills logprobs (a row asking
         # for logprobs asks for its top n, n >= 0; see SamplerOutput).
         assert out.logprobs is not None and out.top_token_ids is not None and out.top_logprobs is not None
-        chosen_lp = out.logprobs.tolist()
-        top_ids, top_lps = out.top_token_ids.tolist(), out.top_logprobs.tolist()
+        chosen_lp = reportable_logprobs(out.logprobs)
+        top_ids, top_lps = out.top_token_ids.tolist(), reportable_logprobs(out.top_logprobs)
         rows: list[list[TokenLogprob] | None] = []
         for row, (req, token) in enumerate(zip(reqs, token_ids)):
             n = req.params.logprobs
@@ -136,3 +138,9 @@ class OutputProcessor:
             num_accepted_prediction_tokens=req.num_accepted_draft_tokens,
             num_rejected_prediction_tokens=req.num_rejected_draft_tokens,
         )
+
+
+def reportable_logprobs(values: torch.Tensor) -> list:
+    """``values.tolist()`` with -inf (a token a processor forbids) and NaN (a row left nothing to sample) raised to
+    :data:`LOGPROB_FLOOR`."""
+    return values.nan_to_num(nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR).clamp_(min=LOGPROB_FLOOR).tolist()

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The lowest log-probability handed back: a token a logits processor forbids has -inf, which JSON cannot carry
+# (a strict client's parser fails on it), so it is reported as this, as vLLM's OpenAI server does.
+LOGPROB_FLOOR = -9999.0
+
 
 @dataclass(slots=True)
 class TokenLogprob:

@@ -9,6 +9,7 @@ import torch
 
 from rtxcore.contracts.backend import ExecutionBackend
 from rtxcore.engine.batch_builder import build_embedding_batch
+from rtxcore.engine.output_processor import reportable_logprobs
 from rtxcore.engine.outputs import TokenLogprob
 
 # Tokens scored per backend call: the logits of a call are [tokens, vocab] float32 (49,152 x 512 x 4 bytes = 100 MB
@@ -39,10 +40,10 @@ def _logprobs_of(logits: torch.Tensor, next_ids: list[int], num_top: int) -> lis
     chosen = logprobs.gather(1, torch.tensor(next_ids, dtype=torch.long, device=logprobs.device)[:, None])[:, 0]
     if num_top > 0:
         top_lp, top_ids = logprobs.topk(num_top, dim=-1)
-        tops = [list(zip(ids, lps)) for ids, lps in zip(top_ids.tolist(), top_lp.tolist())]
+        tops = [list(zip(ids, lps)) for ids, lps in zip(top_ids.tolist(), reportable_logprobs(top_lp))]
     else:
         tops = [[] for _ in next_ids]
-    return [TokenLogprob(token_id, lp, top) for token_id, lp, top in zip(next_ids, chosen.tolist(), tops)]
+    return [TokenLogprob(token_id, lp, top) for token_id, lp, top in zip(next_ids, reportable_logprobs(chosen), tops)]
 
 
 def _groups(token_lists: Sequence[list[int]]) -> list[list[list[int]]]:

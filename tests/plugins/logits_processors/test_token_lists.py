@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from rtxcore.engine.outputs import LOGPROB_FLOOR
 from rtxcore.errors import InvalidRequestError
 from rtxcore.sampling_params import SamplingParams
 
@@ -62,3 +65,26 @@ def test_bad_arguments_name_the_field(tiny_engine, params, field):
     with pytest.raises(InvalidRequestError) as info:
         tiny_engine.generate([[4]], SamplingParams(max_tokens=2, **params))
     assert info.value.param == field
+
+
+def test_nothing_left_to_sample_is_refused(tiny_engine):
+    # Banning every allowed token, or the whole vocabulary, leaves the sampler nothing: a 400 naming the ban, not
+    # a request that quietly emits a banned token.
+    vocab = tiny_engine.core.backend.model_config.vocab_size
+    for params in ({"allowed_token_ids": [5, 6], "banned_token_ids": [6, 5, 7]},
+                   {"banned_token_ids": list(range(vocab))}):
+        with pytest.raises(InvalidRequestError, match="nothing could be sampled") as info:
+            tiny_engine.generate([[4]], SamplingParams(max_tokens=2, **params))
+        assert info.value.param == "banned_token_ids"
+
+
+def test_forbidden_alternatives_have_a_finite_logprob(tiny_engine):
+    # With one token allowed, the other top alternatives are impossible (-inf): reported at the floor, so that a
+    # response stays valid JSON (json.dumps would write -Infinity, a 500 in a JSON response).
+    [result] = tiny_engine.generate([[4, 8]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True,
+                                                              allowed_token_ids=[7], logprobs=3))
+    assert result.token_ids == [7, 7, 7]
+    for lp in result.logprobs:
+        assert lp.logprob == 0.0
+        assert [p for _, p in lp.top][1:] == [LOGPROB_FLOOR, LOGPROB_FLOOR]
+        json.dumps([lp.logprob, lp.top], allow_nan=False)

@@ -114,6 +114,24 @@ def test_logit_bias_through_the_client(server, client):
     assert banned.choices[0].text != plain.choices[0].text
 
 
+def test_logprobs_of_alternatives_a_grammar_forbids(server):
+    # With a grammar, most of the top five alternatives are impossible (-inf): the answer is still JSON (200, not a
+    # 500 from the encoder; no -Infinity in a stream), those alternatives at the floor of -9999.
+    body = {"messages": _messages("hi"), "max_tokens": 3, "logprobs": True, "top_logprobs": 5, "temperature": 0,
+            "response_format": {"type": "json_object"}}
+    whole = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert whole.status_code == 200, whole.text
+    [first, *_] = whole.json()["choices"][0]["logprobs"]["content"]
+    assert first["token"].startswith("{") and first["top_logprobs"][-1]["logprob"] == -9999.0
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json={**body, "stream": True},
+                      timeout=60) as stream:
+        events = [line[6:] for line in stream.iter_lines() if line.startswith("data: {")]
+    assert events and "Infinity" not in "".join(events) and "NaN" not in "".join(events)
+    completion = httpx.post(server.base_url + "/v1/completions", timeout=60, json={
+        "prompt": "x", "max_tokens": 2, "logprobs": 3, "allowed_token_ids": [5]})
+    assert completion.status_code == 200 and completion.json()["choices"][0]["logprobs"]["token_logprobs"] == [0, 0]
+
+
 def _token_ids(server, text: str) -> list[int]:
     body = {"prompt": text, "add_special_tokens": False}
     return httpx.post(server.base_url + "/tokenize", json=body, timeout=30).json()["tokens"]
@@ -131,6 +149,8 @@ def _token_ids(server, text: str) -> list[int]:
     ({"logit_bias": {"12": 500}}, "logit_bias", "[-100, 100]"),
     ({"logit_bias": {"999999": 1}}, "logit_bias", "vocabulary"),
     ({"allowed_token_ids": []}, "allowed_token_ids", "empty"),
+    ({"allowed_token_ids": [5], "banned_token_ids": [5]}, "banned_token_ids", "nothing could be sampled"),
+    ({"banned_token_ids": list(range(49152))}, "banned_token_ids", "nothing could be sampled"),
     ({"logits_processors": {"nope": 1}}, "logits_processors", "nope"),
 ])
 def test_bad_values_answer_400_naming_the_field(server, body, param, reason):

@@ -8,7 +8,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from rtxcore.errors import RequestError, RtxError
@@ -18,7 +18,7 @@ from rtxcore.server.http.common import ClientGone
 from rtxcore.server.http.dashboard_routes import DashboardRoutes
 from rtxcore.server.http.docs_routes import DocsRoutes
 from rtxcore.server.http.errors import APIError, api_error_handler, http_exception_handler, request_error_handler
-from rtxcore.server.http.middleware import RequestContextMiddleware
+from rtxcore.server.http.middleware import RequestContextMiddleware, loggable
 from rtxcore.server.http.native_routes import NativeRoutes
 from rtxcore.server.http.openai_routes import OpenAIRoutes
 from rtxcore.server.http.stream_routes import StreamRoutes
@@ -54,12 +54,15 @@ def build_app(runtime: ServingRuntime, fleet: FleetWatcher | None = None) -> Sta
             RequestError: request_error_handler,
             RtxError: _rtx_error,
             ClientGone: _client_gone,
+            # The client left while its body was arriving (request.body()): as ClientGone, a 499 in the access
+            # log and nothing sent, rather than a 500 with a traceback.
+            ClientDisconnect: _client_gone,
         },
     )
 
 
 async def _rtx_error(request: Request, exc: Exception) -> Response:
-    log.error("%s %s failed: %s", request.method, request.url.path, exc)
+    log.error("%s %s failed: %s", request.method, loggable(request.url.path), exc)
     return APIError(500, str(exc)).response()
 
 

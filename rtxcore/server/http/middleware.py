@@ -29,6 +29,12 @@ _TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-
 _QUIET_PATHS = frozenset({"/health", "/ready", "/metrics", *DASHBOARD_PATHS})
 
 
+def loggable(text: str) -> str:
+    """``text`` with control characters escaped: a path is percent-decoded, and ``%0a`` in it must not start a forged
+    line of the log."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 @dataclass(slots=True, frozen=True)
 class TraceContext:
     """This server's span in a W3C trace: the caller's trace id (or a new one) and a new span id."""
@@ -111,11 +117,12 @@ class RequestContextMiddleware:
             else:
                 await self.app(scope, self._limited(receive), send_with_headers)
         except Exception:  # a bug: log it, answer 500 if we still can, keep serving
-            log.exception("unhandled error in %s %s (request_id=%s)", scope["method"], scope["path"], request_id)
+            log.exception("unhandled error in %s %s (request_id=%s)", scope["method"], loggable(scope["path"]),
+                          request_id)
             if status == 0:
                 await send_error(send_with_headers, APIError(500, "internal server error; see the server log"))
         finally:
-            path = scope["path"]
+            path = loggable(scope["path"])
             level = logging.DEBUG if path in _QUIET_PATHS and status < 500 else logging.INFO
             log.log(level, "%s %s %s %.3fs request_id=%s trace_id=%s parent_id=%s", scope["method"], path,
                     status or "-", time.monotonic() - start, request_id, trace.trace_id, trace.parent_id or "-")

@@ -4,6 +4,9 @@ request-id headers, the handler of unexpected errors, and SSE framing.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
 import pytest
 
 from tests.helpers import REPO
@@ -79,6 +82,48 @@ def test_an_unexpected_error_is_a_json_500_and_the_app_keeps_serving(caplog):
         assert "unhandled error in GET /metrics (request_id=r1)" in caplog.text
         assert c.get("/health").status_code == 200
         assert_error(c.post("/v1/completions", json={"prompt": "hi"}), 503)  # not loaded: nobody called load()
+
+
+def _asgi_call(app, method: str, path: str, messages: list[dict], headers: list[tuple[bytes, bytes]]) -> list[dict]:
+    """One request straight through the ASGI app, its body as ``messages`` (a client leaving is http.disconnect)."""
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), *headers], "client": ("127.0.0.1", 1),
+             "server": ("127.0.0.1", 80)}
+    asyncio.run(app(scope, receive, send))
+    return sent
+
+
+def test_a_client_gone_mid_body_and_a_forged_log_line(caplog):
+    from rtxcore.engine.config import EngineConfig
+    from rtxcore.server.http import build_app
+    from rtxcore.server.serving.runtime import ServingRuntime
+
+    runtime = ServingRuntime(EngineConfig(model="dummy:tiny"))
+    runtime.load()
+    try:
+        app = build_app(runtime)
+        caplog.set_level(logging.INFO, "rtx.http")
+        # The client sends half its body and leaves: no traceback and no 500, a 499 in the access log.
+        half = [{"type": "http.request", "body": b'{"prompt":', "more_body": True}, {"type": "http.disconnect"}]
+        sent = _asgi_call(app, "POST", "/v1/completions", half, [(b"content-length", b"100")])
+        assert sent[0]["status"] == 499
+        assert "unhandled error" not in caplog.text and "Traceback" not in caplog.text
+        assert "POST /v1/completions 499" in caplog.text
+        # A percent-decoded newline in the path stays inside its own access line.
+        _asgi_call(app, "GET", "/v1/models/x\n2026-12-07 ERROR rtx.http: FAKE", [], [])
+        assert "GET /v1/models/x\\n2026-12-07 ERROR rtx.http: FAKE 404" in caplog.text
+        assert not any(r.getMessage().startswith("2026-12-07") for r in caplog.records)
+    finally:
+        runtime.stop()
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the engine thread's error

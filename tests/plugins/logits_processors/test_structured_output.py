@@ -113,6 +113,25 @@ def test_bad_grammar_is_refused_with_its_reason(default_engine, structured, reas
     assert reason in str(info.value)
 
 
+def test_thousands_of_choices(default_engine):
+    # Past 2,000 choices llguidance's own choice rule gave up after the first token, and the output was empty.
+    choices = [f"item {i}" for i in range(5000)]
+    [result] = _run(default_engine, ["Pick an item."], {"choice": choices}, max_tokens=8)
+    assert result.text in choices and result.finish_reason == "stop"
+
+
+def test_a_grammar_the_engine_gives_up_on_fails_its_request_alone(default_engine):
+    # A rule of 2,500 alternatives passes compilation; llguidance's parser meets its limit of 2,000 items a row
+    # once the rule is reached. That request fails naming the processor; the one beside it runs on.
+    grammar = 'start: "Answer: " word\nword: ' + " | ".join(f'"w{i}"' for i in range(2500))
+    given_up, plain = default_engine.generate(
+        ["Say a word.", "Say a word."],
+        [SamplingParams(max_tokens=8, structured_output={"grammar": grammar}), SamplingParams(max_tokens=8)])
+    assert given_up.finish_reason == "error" and given_up.error.plugin == "structured_output"
+    assert "max is 2000" in given_up.error.message
+    assert plain.finish_reason == "length" and plain.error is None
+
+
 @pytest.mark.parametrize("method", ["ngram", "layer-skip"])
 def test_speculation_keeps_the_grammar_and_the_tokens(registry, default_source, default_engine, method):
     # Where the grammar forces nothing the method guesses (layer-skip writes the target's cache at its positions).

@@ -155,9 +155,10 @@ class AsyncEngine:
                 self._inbox.put(_Abort(sub))
                 self._wake.set()
 
-    async def embed(self, inputs: Sequence[Prompt]) -> list[list[float]]:
-        token_lists = [self.inputs.encode(x) for x in inputs]
-        self.inputs.check_embedding_inputs(token_lists)
+    async def embed(self, inputs: Sequence[Prompt], param: str = "input") -> list[list[float]]:
+        """:param param: the request field the inputs came in, named in errors."""
+        token_lists = [self.inputs.encode(x, param) for x in inputs]
+        self.inputs.check_embedding_inputs(token_lists, param)
         return await self.run_on_engine(lambda core: core.embed(token_lists))
 
     async def prompt_logprobs(self, token_lists: Sequence[list[int]], num_top: int) -> list[list[TokenLogprob | None]]:

@@ -95,18 +95,19 @@ class InputProcessor:
                                       f"{self.limits.max_model_len} tokens", param="prediction")
         return token_ids
 
-    def encode(self, prompt: Prompt) -> list[int]:
+    def encode(self, prompt: Prompt, param: str = "prompt") -> list[int]:
+        """:param param: the request field the prompt came in, named in errors."""
         if isinstance(prompt, str):
             if not prompt:
-                raise InvalidRequestError("prompt is empty", param="prompt")
+                raise InvalidRequestError(f"{param} is empty", param=param)
             if self.tokenizer is None:
-                raise InvalidRequestError(f"model {self.model_name} has no tokenizer: give the prompt as token ids",
-                                          param="prompt")
+                raise InvalidRequestError(f"model {self.model_name} has no tokenizer: give the {param} as token ids",
+                                          param=param)
             token_ids = self.tokenizer.encode(prompt)
         else:
-            token_ids = self._check_token_ids(prompt, "prompt token ids", "prompt")
+            token_ids = self._check_token_ids(prompt, f"{param} token ids", param)
         if not token_ids:
-            raise InvalidRequestError("prompt is empty", param="prompt")
+            raise InvalidRequestError(f"{param} is empty", param=param)
         return token_ids
 
     def encode_batch(self, prompts: Sequence[Prompt], param: str = "prompt") -> list[list[int]]:
@@ -122,14 +123,14 @@ class InputProcessor:
         # Token-id prompts are checked where they become requests (make_request, check_embedding_inputs).
         return [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
 
-    def check_embedding_inputs(self, token_lists: Sequence[Sequence[int]]) -> None:
+    def check_embedding_inputs(self, token_lists: Sequence[Sequence[int]], param: str = "input") -> None:
         """Inputs already through :meth:`encode` (which checks their token ids) must fit the context.
 
-        :raises CapacityError: an input is longer than the context."""
+        :raises CapacityError: an input is longer than the context (naming ``param``)."""
         for ids in token_lists:
             if len(ids) > self.limits.max_model_len:
-                raise CapacityError(f"input is {len(ids)} tokens, longer than the model's context of "
-                                    f"{self.limits.max_model_len} tokens", param="input")
+                raise CapacityError(f"{param} is {len(ids)} tokens, longer than the model's context of "
+                                    f"{self.limits.max_model_len} tokens", param=param)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], **template_vars: Any) -> str:
         """:param template_vars: the template's extra variables (``tools``)."""

@@ -142,7 +142,7 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
                 raise InvalidRequestError(f"inputs hold {len(inputs)} items; at most {MAX_BATCH} are accepted",
                                           param="inputs")
             token_lists = await tokenize(engine.inputs, inputs, "inputs")
-            vectors = await embed(runtime, tenant, token_lists)
+            vectors = await embed(runtime, tenant, token_lists, "inputs")
         return rtx_pb2.EmbedResponse(embeddings=[rtx_pb2.Embedding(values=v) for v in vectors],
                                      model=runtime.model_name, prompt_tokens=sum(len(t) for t in token_lists))
 

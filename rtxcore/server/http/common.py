@@ -24,6 +24,11 @@ T = TypeVar("T")
 LANE_HEADER = "x-rtx-lane"
 
 
+# A parsed JSON value's type as JSON names it.
+_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+               type(None): "null"}
+
+
 class ClientGone(Exception):
     """The client disconnected before its response was ready."""
 
@@ -61,7 +66,8 @@ async def read_json(request: Request) -> dict[str, Any]:
     except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise APIError(400, "request body is not valid JSON", code="invalid_json") from None
     if not isinstance(data, dict):
-        raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}")
+        raise APIError(400, f"request body must be a JSON object, got {_JSON_TYPES[type(data)]}",
+                       code="invalid_value")
     if b"\\u" in body and _has_lone_surrogate(data):  # in strict UTF-8, only an escape can put one in a string
         field = _lone_surrogate_at(data)
         if field is not None:

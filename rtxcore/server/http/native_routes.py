@@ -63,7 +63,8 @@ class NativeRoutes:
     async def embed(self, request: Request) -> Response:
         engine = self.runtime.engine()
         token_lists = await tokenize(engine.inputs, parse_embed(await read_json(request)), "inputs")
-        vectors = await until_disconnected(request, embed(self.runtime, tenant_of(request), token_lists))
+        vectors = await until_disconnected(request, embed(self.runtime, tenant_of(request), token_lists,
+                                                          "inputs"))
         return JSONResponse({"model": self.runtime.model_name, "embeddings": vectors,
                              "num_tokens": [len(t) for t in token_lists]})
 

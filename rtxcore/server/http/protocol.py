@@ -142,10 +142,9 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
     elif body.get("top_logprobs") is not None:
         raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
     max_tokens = None
-    for name in ("max_completion_tokens", "max_tokens"):  # the newer name wins, as in OpenAI's API
+    for name in ("max_tokens", "max_completion_tokens"):  # the newer name wins, as in OpenAI's API; both checked
         if body.get(name) is not None:
             max_tokens = _int(body[name], name, 1)
-            break
     stream = bool_field(body.get("stream", False), "stream")
     if tools is not None and tools.active and required_grammar(tools) is not None and "structured_output" in params:
         raise InvalidRequestError("tool_choice that requires a call cannot be combined with a structured output "
@@ -186,6 +185,9 @@ def parse_prompts(value: Any, param: str) -> list[Prompt]:
         else:
             raise InvalidRequestError(f"each item of {param} must be a string or a non-empty list of token ids",
                                       param=param)
+    if len({type(p) for p in prompts}) > 1:
+        raise InvalidRequestError(f"{param} must be a list of strings or a list of token-id lists, not a mix of "
+                                  "both", param=param)
     return prompts
 
 
@@ -198,9 +200,10 @@ def parse_generate(body: dict[str, Any]) -> GenerateRequest:
         raise InvalidRequestError(f"unknown field {unknown[0]!r}", param=unknown[0])
     if "prompt" not in body:
         raise InvalidRequestError("prompt is required", param="prompt")
-    prompts = parse_prompts(body["prompt"], "prompt")
-    if len(prompts) != 1:
+    prompt = body["prompt"]
+    if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(is_int(t) for t in prompt))):
         raise InvalidRequestError("prompt must be one string or one list of token ids", param="prompt")
+    prompts = parse_prompts(prompt, "prompt")
     params = {k: v for k, v in body.items() if k in _SAMPLING_FIELDS}
     _check_lists(params)
     draft_token_ids = body.get("draft_token_ids")
@@ -248,6 +251,9 @@ def make_sampling_params(params: dict[str, Any]) -> SamplingParams:
 
 def _openai_sampling(body: dict[str, Any]) -> dict[str, Any]:
     """The sampling fields OpenAI's completion and chat bodies share, plus vLLM's extensions."""
+    # Not sampling, but in both bodies: OpenAI's end-user id, unused here, still refused when it is no string.
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise InvalidRequestError("user must be a string", param="user")
     params: dict[str, Any] = {}
     for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "min_p",
                  "repetition_penalty", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",

@@ -41,6 +41,9 @@ def structured_output(body: dict[str, Any]) -> dict[str, Any] | None:
         if unknown:
             raise InvalidRequestError(f"structured_outputs.{unknown[0]} is not supported (supported: "
                                       f"{', '.join(STRUCTURED_OUTPUT_KINDS)})", param="structured_outputs")
+        if not given:  # as vLLM: an object that asks for nothing is a mistake, not free text
+            raise InvalidRequestError(f"structured_outputs must name one kind of structured output "
+                                      f"({', '.join(STRUCTURED_OUTPUT_KINDS)})", param="structured_outputs")
         found += [("structured_outputs", {k: v}) for k, v in given.items()]
     for name, kind in _GUIDED_FIELDS.items():
         if body.get(name) is not None:
@@ -68,8 +71,12 @@ def _response_format(value: Any) -> dict[str, Any] | None:
         if not isinstance(schema, dict):
             raise InvalidRequestError("response_format.json_schema.schema must be a JSON Schema object",
                                       param="response_format")
+        strict = spec.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise InvalidRequestError(f"response_format.json_schema.strict must be true or false, got {strict!r}",
+                                      param="response_format")
         # OpenAI's strict mode: an object takes only the properties it lists (the grammar engine, like JSON Schema,
         # otherwise allows others).
-        return {"json": closed_objects(schema) if spec.get("strict") is True else schema}
+        return {"json": closed_objects(schema) if strict else schema}
     raise InvalidRequestError("response_format.type must be 'text', 'json_object' or 'json_schema'",
                               param="response_format")

@@ -10,9 +10,10 @@ from rtxcore.server.serving.runtime import ServingRuntime
 from rtxcore.server.serving.tenants import RateLimited, Tenant
 
 
-async def embed(runtime: ServingRuntime, tenant: Tenant | None, token_lists: list[list[int]]) -> list[list[float]]:
+async def embed(runtime: ServingRuntime, tenant: Tenant | None, token_lists: list[list[int]],
+                param: str = "input") -> list[list[float]]:
     """:raises RequestError: RESOURCE_EXHAUSTED (tenant limit or server full), INVALID_ARGUMENT (an input does not
-    fit), DEADLINE_EXCEEDED."""
+    fit, naming ``param``), DEADLINE_EXCEEDED."""
     engine = runtime.engine()
     num_tokens = sum(len(t) for t in token_lists)
     try:
@@ -26,7 +27,7 @@ async def embed(runtime: ServingRuntime, tenant: Tenant | None, token_lists: lis
         raise overloaded(runtime.settings.max_active_requests)
     try:
         async with asyncio.timeout(runtime.settings.request_timeout_s):
-            return await engine.embed(token_lists)
+            return await engine.embed(token_lists, param)
     except TimeoutError:
         runtime.metrics.record_timeout()
         raise timed_out(runtime.settings.request_timeout_s) from None

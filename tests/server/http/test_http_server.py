@@ -288,6 +288,12 @@ def test_disconnect_while_waiting_for_a_full_response_aborts(server):
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": []}, 400, "prompt"),
     ("/v1/completions", {"prompt": [[1, 2], "x", 3]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [[1, 2], "x"]}, 400, "prompt"),
+    ("/generate", {"prompt": [[1, 2]]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "user": 123}, 400, "user"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": -1, "max_completion_tokens": 5}, 400, "max_tokens"),
+    ("/v1/embeddings", {"input": [-1]}, 400, "input"),
+    ("/embed", {"inputs": [-1]}, 400, "inputs"),
     ("/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
@@ -343,7 +349,8 @@ def test_bad_requests_outside_the_body(http, client):
     assert_error(http.post("/v1/completions", content=b"\xff\xfe not utf-8"), 400)
     assert_error(http.post("/v1/completions", content=b"[" * 100_000), 400)
     assert_error(http.post("/v1/completions", content=b""), 400)
-    assert_error(http.post("/v1/completions", json=[1, 2]), 400)
+    array = assert_error(http.post("/v1/completions", json=[1, 2]), 400)
+    assert array["code"] == "invalid_value" and "got an array" in array["message"]
     # Valid JSON, but a lone surrogate is no text any tokenizer takes: the field is named, wherever it is.
     assert_error(http.post("/v1/completions", content=b'{"prompt": "a\\ud800"}'), 400, "prompt")
     lone = b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}'

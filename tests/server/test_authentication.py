@@ -176,6 +176,7 @@ def test_a_plugin_that_raises_refuses_without_quoting_its_error(tokens, caplog):
     ({"authenticators": ["api-key"], "mtls": {}}, {"a": {"key_sha256": sha("k")}}, r"\[auth.mtls\] configures"),
     ({"authenticators": ["nope"]}, {"a": {}}, "no authenticator named 'nope'"),
     ({"failure_burst": 0}, {}, "failure_burst must be a positive number"),
+    ({"failure_burst": 0.5}, {}, "failure_burst must be a whole number"),
 ])
 def test_auth_config_errors_name_the_problem(table, tenants, message):
     with pytest.raises(Exception, match=message) as exc:
@@ -250,6 +251,11 @@ def test_grpc_takes_tokens_too(jwt_server, tokens):
                                timeout=30))
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert refused.value.details() == "invalid credentials"
+        # Credentials are checked before anything else, as over HTTP: a stranger learns not even the model's name.
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(rtx_pb2.GenerateRequest(token_ids=rtx_pb2.TokenIds(ids=[1]), max_tokens=2,
+                                                       model="gpt-4"), timeout=30))
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_an_address_that_keeps_failing_is_refused_with_retry_after(jwt_server, tokens):

@@ -70,6 +70,8 @@ def _json_arg(param: str, text: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise InvalidRequestError(f"{param} must be JSON text: {exc}", param=param) from None
+    except RecursionError:  # nested deeper than Python's parser goes (HTTP's read_json answers the same way)
+        raise InvalidRequestError(f"{param} is JSON nested too deeply", param=param) from None
 
 
 def speculation_from(request: rtx_pb2.GenerateRequest) -> Speculation:

@@ -12,6 +12,7 @@ frees its KV blocks.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 
@@ -46,6 +47,8 @@ LANE_METADATA = "x-rtx-lane"
 CACHE_SALT_METADATA = "x-rtx-cache-salt"
 # Initial metadata naming the request: what Resume takes.
 RTX_REQUEST_ID_METADATA = "x-rtx-request-id"
+# A client's request_id: the characters and length HTTP keeps of an x-request-id header.
+_CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
 SERVICE_NAME = rtx_pb2.DESCRIPTOR.services_by_name["Rtx"].full_name
 
@@ -59,9 +62,9 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
         runtime = self.runtime
         async with statuses_for(context):
             engine = runtime.engine()
-            runtime.check_model(request.model or None)
             metadata = dict(context.invocation_metadata() or ())
-            tenant = self._authenticate(metadata, context)
+            tenant = self._authenticate(metadata, context)  # first, as over HTTP: nothing is told to a stranger
+            runtime.check_model(request.model or None)
             params = sampling_params_from(request)
             where = route(runtime, tenant, metadata.get(LANE_METADATA), metadata.get(CACHE_SALT_METADATA),
                           lane_param=LANE_METADATA)
@@ -70,6 +73,9 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
             # The engine's ids are the server's own: a client's id, shared by every tenant's clients, would let one
             # tenant find out or block another's ids.
             client_id = request.request_id
+            if client_id and not _CLIENT_ID.fullmatch(client_id):  # it goes into logs, metrics' exemplars, Resume
+                raise InvalidRequestError("request_id must be at most 64 characters of A-Z, a-z, 0-9 and . _ : -",
+                                          param="request_id")
             gen = await Generation.start(runtime, client_id or f"grpc-{secrets.token_hex(12)}", prompts, params,
                                          trace, where, protocol="grpc", speculation=speculation_from(request),
                                          received_at=received_at)
@@ -133,8 +139,8 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
         runtime = self.runtime
         async with statuses_for(context):
             engine = runtime.engine()
-            runtime.check_model(request.model or None)
             tenant = self._authenticate(dict(context.invocation_metadata() or ()), context)
+            runtime.check_model(request.model or None)
             inputs = [*request.inputs, *(list(t.ids) for t in request.token_inputs)]
             if not inputs:
                 raise InvalidRequestError("inputs must hold at least one input", param="inputs")

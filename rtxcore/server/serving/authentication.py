@@ -81,6 +81,9 @@ class AuthSettings:
                 value = table.pop(setting)
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                     raise ConfigError(f"[auth] {setting} must be a positive number, got {value!r}")
+                # A burst is a count of failures: 0.5 would become a bucket of none, and every key then fails.
+                if setting == "failure_burst" and not (isinstance(value, int) or value.is_integer()):
+                    raise ConfigError(f"[auth] failure_burst must be a whole number of failures, got {value!r}")
                 setattr(settings, setting, int(value) if setting == "failure_burst" else float(value))
         for name, options in table.items():
             if not isinstance(options, Mapping):

@@ -186,6 +186,9 @@ def test_token_lists_hold_the_sampled_tokens(stub):
     ({"temperature": -1.0}, "temperature"),
     ({"seed": -3}, "seed"),
     ({"max_tokens": 5000}, "max_tokens"),  # longer than the model's context
+    ({"json_schema": "[" * 100_000 + "]" * 100_000}, "json_schema"),  # past Python's parser: RecursionError
+    ({"request_id": "x" * 65}, "request_id"),  # it goes into logs and Resume: HTTP's x-request-id bounds
+    ({"request_id": "a\nb"}, "request_id"),
 ])
 def test_invalid_parameters_are_invalid_argument_naming_the_field(stub, runtime, fields, param):
     with pytest.raises(grpc.RpcError) as info:

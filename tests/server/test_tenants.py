@@ -65,6 +65,7 @@ def test_no_keys_means_unauthenticated():
     ({"a": {"key_env": "MISSING"}}, "'MISSING', which is not set"),
     ({"a": {"key_sha256": "abc"}}, "64-character hex"),
     ({"a": {"key_sha256": sha("k"), "lanes": ["gold"]}}, "unknown lane 'gold'"),
+    ({"a": {"key_sha256": sha("k"), "lanes": []}}, "lanes is empty"),
     ({"a b": {"key_sha256": sha("k")}}, "tenant name"),
     ({"a": {"key_sha256": sha("k"), "requests_per_second": -1}}, "positive number"),
     ({"a": {"key_sha256": sha("k"), "tokens_per_minute": float("nan")}}, "positive number"),

@@ -21,6 +21,7 @@ can still place, so it is not a brownout step.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
@@ -57,6 +58,9 @@ class BrownoutConfig:
         if unknown:
             raise ConfigError(f"unknown setting {sorted(unknown)[0]!r} in [brownout] "
                               f"(settings: {', '.join(sorted(known))})")
+        for f in fields(cls):  # the annotations are strings (postponed evaluation): "bool", "float", "int"
+            if f.name in (table or {}):
+                _check_type(f"[brownout] {f.name}", table[f.name], str(f.type))  # type: ignore[index]
         config = cls(**(table or {}))
         if not 0 < config.exit_pressure < config.enter_pressure:
             raise ConfigError("[brownout] needs 0 < exit_pressure < enter_pressure, got "
@@ -72,6 +76,20 @@ class BrownoutConfig:
         if not config.enabled:
             config.max_level = 0
         return config
+
+
+def _check_type(name: str, value: Any, kind: str) -> None:
+    """:raises ConfigError: ``value`` is not of ``kind`` ("bool", "int" or "float": an int does for a float; a bool,
+    though an int to Python, does for neither, nor does a NaN or an infinity)."""
+    if kind == "bool":
+        ok = isinstance(value, bool)
+    elif kind == "int":
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok:
+        wanted = {"bool": "true or false", "int": "an integer"}.get(kind, "a number")
+        raise ConfigError(f"{name} must be {wanted}, got {value!r}")
 
 
 class BrownoutController:

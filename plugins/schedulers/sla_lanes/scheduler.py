@@ -16,7 +16,9 @@ lane's target.
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -69,8 +71,15 @@ class SLALanesScheduler(Scheduler):
                  clock: Callable[[], float] = time.monotonic):
         super().__init__(config, kv_cache)
         options = dict(config.options)
-        self.merge_window_s = float(options.pop("merge_window_s", 0.002))
-        brownout = BrownoutConfig.from_options(options.pop("brownout", None))
+        merge_window_s = options.pop("merge_window_s", 0.002)
+        if (isinstance(merge_window_s, bool) or not isinstance(merge_window_s, int | float)
+                or not math.isfinite(merge_window_s)):
+            raise ConfigError(f"merge_window_s must be a number of seconds, got {merge_window_s!r}")
+        self.merge_window_s = float(merge_window_s)
+        table = options.pop("brownout", None)
+        if table is not None and not isinstance(table, Mapping):
+            raise ConfigError(f"brownout must be a table of settings ([brownout]), got {table!r}")
+        brownout = BrownoutConfig.from_options(table)
         if not config.speculative:  # nothing to pause: the ladder ends a step earlier
             brownout.max_level = min(brownout.max_level, STEPS.index("pause_speculation"))
         self.brownout = BrownoutController(brownout)

@@ -260,10 +260,13 @@ def _tenant_from_table(name: str, values: Any, environ: Mapping[str, str]) -> Te
             raise ConfigError(f"{where} key_env names {var!r}, which is not set")
         hashes.append(key_digest(key))
     lanes = tuple(_as_list(values.get("lanes", list(LANE_NAMES)), f"{where} lanes"))
+    if not lanes:
+        raise ConfigError(f"{where} lanes is empty: a tenant needs at least one lane (lanes are: "
+                          f"{', '.join(LANE_NAMES)})")
     for lane in lanes:
         if lane not in LANE_NAMES:
             raise ConfigError(f"{where} lanes: unknown lane {lane!r} (lanes are: {', '.join(LANE_NAMES)})")
-    default_lane = values.get("default_lane", DEFAULT_LANE if DEFAULT_LANE in lanes else (lanes or ("",))[-1])
+    default_lane = values.get("default_lane", DEFAULT_LANE if DEFAULT_LANE in lanes else lanes[-1])
     if default_lane not in lanes:
         raise ConfigError(f"{where} default_lane {default_lane!r} is not among its lanes")
     def limit(setting: str) -> Any:

@@ -394,6 +394,16 @@ def test_bad_options_are_config_errors():
         make_sim(options={"merge_window": 1})
     with pytest.raises(ConfigError, match="exit_pressure"):
         make_sim(options={"brownout": {"exit_pressure": 2.0}})
+    # Each value of the wrong type names its key, rather than a TypeError from a comparison or a truthy "no".
+    for key, value, wanted in (("enter_pressure", "high", "a number"), ("enabled", "no", "true or false"),
+                               ("enter_after_s", True, "a number"), ("prefill_chunk", "big", "an integer"),
+                               ("interval_s", [1], "a number"), ("exit_after_s", float("nan"), "a number")):
+        with pytest.raises(ConfigError, match=rf"\[brownout\] {key} must be {wanted}"):
+            make_sim(options={"brownout": {key: value}})
+    with pytest.raises(ConfigError, match="merge_window_s must be a number of seconds"):
+        make_sim(options={"merge_window_s": "x"})
+    with pytest.raises(ConfigError, match="brownout must be a table"):
+        make_sim(options={"brownout": 5})
     with pytest.raises(ConfigError, match="unknown lane 'gold'"):
         parse_lanes({"gold": {}})
     with pytest.raises(ConfigError, match="may only preempt lanes below it"):

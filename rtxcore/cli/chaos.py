@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
+
+from rtxcore.cli.common import output_path
 
 
 def add_parser(sub) -> None:
@@ -21,7 +22,7 @@ def add_parser(sub) -> None:
     p.add_argument("drills", nargs="*", metavar="DRILL",
                    help=f"drills to run (default: all): {', '.join(DRILLS)}")
     p.add_argument("--long", action="store_true", help="more and longer requests (default: the short form CI runs)")
-    p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--json", type=output_path, default=None, metavar="FILE", help="also write the results as JSON")
     p.set_defaults(run=run)
 
 

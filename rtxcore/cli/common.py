@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -171,17 +171,44 @@ def chat_template_file(text: str) -> str:
 
 
 def output_file(text: str) -> str:
-    """A file path whose directory exists (argparse type): checked before a long run, not after it, when the
-    results would be lost."""
+    """A file path that can be written (argparse type): checked before a long run, not after it, when the results
+    would be lost. Tried for real (opened for appending, a new file removed again): permission bits alone do not
+    tell, as root, that ``/proc/x`` cannot be made."""
     path = Path(text).expanduser()
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
     parent = path.parent
     if not parent.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r}: directory {str(parent)!r} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise argparse.ArgumentTypeError(f"{text!r}: directory {str(parent)!r} is not writable")
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {exc.strerror or exc}") from None
     return str(path)
+
+
+def output_path(text: str) -> Path:
+    """:func:`output_file`, as a Path."""
+    return Path(output_file(text))
+
+
+def output_dir(text: str) -> Path:
+    """A directory that exists or can be made, and where files can be written (argparse type); tried for real, with
+    a temporary file in it or in its nearest existing parent."""
+    path = Path(text).expanduser()
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot write in {str(existing)!r}: {exc.strerror or exc}") from None
+    return path
 
 
 def engine_cli_args(args: argparse.Namespace) -> list[str]:

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from rtxcore.errors import ConfigError
+from rtxcore.cli.common import output_dir, output_path
 from rtxcore.gates import GATES
 
 
@@ -20,11 +20,11 @@ def add_parser(sub) -> None:
     p.add_argument("--only", action="append", choices=GATES, metavar="GATE",
                    help=f"run only this gate (repeat for several; one of {', '.join(GATES)}); default: all")
     p.add_argument("--gates-file", type=Path, default=None, help="thresholds (default: spec/gates.toml)")
-    p.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the report as JSON")
-    p.add_argument("--junit", type=Path, default=None, metavar="FILE", help="write the report as JUnit XML")
+    p.add_argument("--json", type=output_path, default=None, metavar="FILE", help="write the report as JSON")
+    p.add_argument("--junit", type=output_path, default=None, metavar="FILE", help="write the report as JUnit XML")
     p.add_argument("--baseline", type=Path, default=None, metavar="FILE",
                    help="an earlier --json report: a failing check names the last commit at which it passed")
-    p.add_argument("--workdir", type=Path, default=None, metavar="DIR",
+    p.add_argument("--workdir", type=output_dir, default=None, metavar="DIR",
                    help="keep the servers' logs and state here (default: a temporary directory)")
     p.set_defaults(run=run)
 
@@ -34,9 +34,6 @@ def run(args: argparse.Namespace) -> int:
     from rtxcore.gates.runner import run_gates
 
     baseline = read_baseline(args.baseline) if args.baseline is not None else None
-    for path in (args.json, args.junit):
-        if path is not None and not path.parent.is_dir():
-            raise ConfigError(f"cannot write {path}: no directory {path.parent}")
 
     def say(line: str) -> None:
         sys.stderr.write(f"rtx gates: {line}\n")

@@ -57,8 +57,8 @@ def add_parser(sub) -> None:
     g.add_argument("--target-rate", type=finite_float, default=None,
                    help="requests/s the deployment must serve: sizes replicas")
     g.add_argument("--requests", type=int, default=3000,
-                   help="simulated arrivals per prediction (default: 3000; the p99 of a lane with a tenth of them "
-                        "rests on 3 requests)")
+                   help="simulated arrivals per prediction, 100 to 100,000 (default: 3000; the p99 of a lane with "
+                        "a tenth of them rests on 3 requests)")
     g.add_argument("--seed", type=int, default=0, help="seed of arrival times, lanes and lengths")
     g.add_argument("--window", type=finite_float, default=None, metavar="SECONDS",
                    help="also give each figure's range over --windows Poisson sequences this long at each rate: "
@@ -81,8 +81,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("give one step-time profile: --profile, --profile-url URL, --profile-file FILE or "
                           "--step-time BASE_MS PER_TOKEN_MS")
     loads = _loads(args.loads)
-    if args.requests < 100:
-        raise ConfigError(f"--requests must be at least 100, got {args.requests}")
+    if not 100 <= args.requests <= MAX_WINDOW_ARRIVALS:  # the same bound as a window's, for the same reason
+        raise ConfigError(f"--requests must be between 100 and {MAX_WINDOW_ARRIVALS:,}, got {args.requests}")
     if args.target_rate is not None and args.target_rate <= 0:
         raise ConfigError(f"--target-rate must be > 0, got {args.target_rate:g}")
     if any(r <= 0 for r in args.rate):

@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from rtxcore.cli.common import output_dir
 from rtxcore.errors import ConfigError
 from rtxcore.registry import KINDS
 
@@ -67,7 +68,7 @@ def add_new_parser(psub) -> None:
     n.add_argument("kind", choices=list(KINDS), metavar="KIND", help=f"one of {', '.join(KINDS)}")
     n.add_argument("name", type=_name, metavar="NAME",
                    help="the name it registers under (lower case, digits and dashes: fifo, greedy-only)")
-    n.add_argument("--output-dir", type=Path, default=Path("."),
+    n.add_argument("--output-dir", type=output_dir, default=Path("."),
                    help="where the package's folder goes (default: the current directory)")
     n.set_defaults(run=run_new)
 

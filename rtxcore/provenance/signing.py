@@ -44,6 +44,11 @@ class SigningPolicy:
             self.public_key = Path(os.path.expanduser(self.public_key))
             if not self.public_key.is_file():
                 raise ConfigError(f"signing public key not found: {self.public_key}")
+            # Read now, not at the first signed model: a key that cannot verify anything would otherwise leave a
+            # server that believes it checks signatures while it only warns that models are unsigned.
+            problem = _ec_key_problem(self.public_key, private=False)
+            if problem:
+                raise ConfigError(f"signing public key {self.public_key} {problem}")
         if self.require_signed_models and self.public_key is None:
             raise ConfigError("require_signed_models needs a public key to verify with (--signing-public-key)")
 
@@ -89,7 +94,10 @@ def sign_model(model_path: str | Path, private_key: str | Path, signature: str |
     path = _check_model_path(model_path)
     key = Path(os.path.expanduser(private_key))
     if not key.is_file():
-        raise ConfigError(f"private key not found: {key}")
+        raise ConfigError(f"private key {key} is a directory" if key.is_dir() else f"private key not found: {key}")
+    problem = _ec_key_problem(key, private=True, password=password)
+    if problem:
+        raise ConfigError(f"cannot sign with {key}: it {problem}")
     sig = Path(signature) if signature else default_signature_path(path)
     try:
         (signing.Config().use_elliptic_key_signer(private_key=key, password=password)
@@ -112,6 +120,9 @@ def verify_model(model_path: str | Path, public_key: str | Path, signature: str 
     sig = Path(signature) if signature else default_signature_path(path)
     if not sig.is_file():
         raise SignatureError(f"model {path} is not signed: no signature at {sig} (sign it with `rtx sign`)")
+    problem = _ec_key_problem(Path(os.path.expanduser(public_key)), private=False)
+    if problem:
+        raise ConfigError(f"public key {public_key} {problem}")
     try:
         verifying.Config().use_elliptic_key_verifier(public_key=public_key).verify(path, sig)
     except Exception as exc:  # noqa: BLE001 -- the library raises ValueError, protobuf and cryptography errors alike
@@ -137,6 +148,31 @@ def check_model_signature(model_path: str, policy: SigningPolicy) -> None:
         return
     verify_model(model_path, policy.public_key, sig)
     log.info("model %s: signature %s verified", model_path, sig)
+
+
+def _ec_key_problem(key: Path, private: bool, password: str | None = None) -> str | None:
+    """What keeps ``key`` from being the PEM elliptic-curve key model-signing takes (which fails on others with an
+    AttributeError of its own), or None."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    kind = "private" if private else "public"
+    try:
+        data = key.read_bytes()
+        loaded = (serialization.load_pem_private_key(data, password.encode() if password else None) if private
+                  else serialization.load_pem_public_key(data))
+    except OSError as exc:
+        return f"cannot be read: {exc.strerror or exc}"
+    except TypeError as exc:  # a password given for an unencrypted key, or none for an encrypted one
+        return f"cannot be opened: {_first_line(exc)}"
+    except ValueError:  # not PEM, or a wrong password
+        return (f"is not a PEM {kind} key (or its password is wrong)" if private
+                else f"is not a PEM {kind} key")
+    if not isinstance(loaded, ec.EllipticCurvePrivateKey | ec.EllipticCurvePublicKey):
+        name = re.sub(r"^_|(Private|Public)Key$", "", type(loaded).__name__)
+        return (f"holds a key of type {name}; model signing takes elliptic-curve keys (openssl ecparam -genkey "
+                "-name prime256v1)")
+    return None
 
 
 def _describe_failure(exc: BaseException, path: Path) -> str:

@@ -30,6 +30,13 @@ from tests.helpers.cli import assert_one_line_error, rtx
     # checked before the model loads and the run starts, not when its results are written
     (["bench", "--json", "/no/such/dir/out.json"], "does not exist"),
     (["loadgen", "--json", "/no/such/dir/out.json"], "does not exist"),
+    # tried for real: as root the permission bits say /proc is writable, yet nothing can be made there
+    (["bench", "--model", "dummy:tiny", "--json", "/proc/out.json"], "cannot write '/proc/out.json'"),
+    (["gates", "--json", "/proc/out.json"], "cannot write '/proc/out.json'"),
+    (["chaos", "--json", "/proc/out.json"], "cannot write '/proc/out.json'"),
+    (["gates", "--workdir", __file__], "is not a directory"),
+    (["gates", "--workdir", "/proc/rtx/work"], "cannot write in '/proc'"),
+    (["plugins", "new", "sampler", "foo", "--output-dir", "/proc"], "cannot write in '/proc'"),
     (["bench", "--num-requests", "-1"], "not at least 1"),
     (["sign", "model.gguf", "--key", "k.pem", "--signature", "/no/such/dir/x.sig"], "does not exist"),
     # a file where a directory belongs, and files that are not PEM: named before anything loads

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from rtxcore.provenance.signing import SignatureError, sign_model, verify_model
 from tests.helpers.server import RTX, start_server
@@ -122,6 +122,25 @@ def test_strict_mode_needs_a_key_and_cannot_take_random_weights(keys):
     error = one_line_error(serve_until_exit("--model", "dummy:tiny", "--require-signed-models",
                                             "--signing-public-key", str(keys[1])))
     assert "random weights (dummy:) cannot be signed" in error
+
+
+def test_keys_that_are_not_ec_pem_are_named_before_any_work(signed_model, model_copy, tmp_path):
+    # model-signing fails on an RSA key with an AttributeError of its own; a file that is no key at all used to
+    # start a server that only warned "not signed", as if it checked signatures.
+    rsa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    rsa_private, rsa_public, garbage = tmp_path / "rsa.pem", tmp_path / "rsa.pub", tmp_path / "garbage.pem"
+    rsa_private.write_bytes(rsa_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                  serialization.NoEncryption()))
+    rsa_public.write_bytes(rsa_key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                             serialization.PublicFormat.SubjectPublicKeyInfo))
+    garbage.write_text("not a key\n")
+    assert "key of type RSA" in one_line_error(rtx("sign", str(model_copy), "--key", str(rsa_private)))
+    assert "key of type RSA" in one_line_error(rtx("verify", str(signed_model), "--key", str(rsa_public)))
+    assert "is a directory" in one_line_error(rtx("sign", str(model_copy), "--key", str(tmp_path)))
+    for key in (garbage, rsa_public):
+        error = one_line_error(serve_until_exit("--model", str(model_copy), "--signing-public-key", str(key)))
+        assert f"signing public key {key}" in error
+    assert not (model_copy.parent / (model_copy.name + ".sig")).exists()
 
 
 def test_a_signed_directory_covers_every_file(tmp_path, keys):

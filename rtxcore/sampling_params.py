@@ -76,7 +76,7 @@ class SamplingParams:
         _check(self.max_tokens > 0, f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check(_is_number(value), f"{name} must be a finite number, got {_short(value)}", name)
+            _check(is_finite_number(value), f"{name} must be a finite number, got {_short(value)}", name)
         _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}", "temperature")
         if self.temperature < MIN_TEMPERATURE:
             self.temperature = 0.0
@@ -96,7 +96,7 @@ class SamplingParams:
                "stop_token_ids must be non-negative integers", "stop_token_ids")
         _check(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                f"logprobs must be an integer in [0, 20], got {self.logprobs!r}", "logprobs")
-        _check(self.early_exit_threshold is None or (_is_number(self.early_exit_threshold)
+        _check(self.early_exit_threshold is None or (is_finite_number(self.early_exit_threshold)
                                                      and 0 < self.early_exit_threshold <= 1),
                f"early_exit_threshold must be in (0, 1], got {self.early_exit_threshold!r}", "early_exit_threshold")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
@@ -111,7 +111,7 @@ class SamplingParams:
             for key, value in self.logit_bias.items():
                 token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
                 _check(is_int(token) and token >= 0, f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
-                _check(_is_number(value) and -100 <= value <= 100,
+                _check(is_finite_number(value) and -100 <= value <= 100,
                        f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {key}",
                        "logit_bias")
                 bias[token] = float(value)
@@ -147,8 +147,8 @@ def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: object) -> bool:
-    # A finite int or float: NaN and infinities (JSON's 1e400 parses as inf) are refused.
+def is_finite_number(value: object) -> bool:
+    """A finite int or float (not a bool): NaN and infinities (JSON's 1e400 parses as inf) are refused."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
     try:

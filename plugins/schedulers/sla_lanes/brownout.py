@@ -21,11 +21,11 @@ can still place, so it is not a brownout step.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from rtxcore.errors import ConfigError
+from rtxcore.sampling_params import is_finite_number, is_int
 
 log = logging.getLogger("rtx.brownout")
 
@@ -83,10 +83,8 @@ def _check_type(name: str, value: Any, kind: str) -> None:
     though an int to Python, does for neither, nor does a NaN or an infinity)."""
     if kind == "bool":
         ok = isinstance(value, bool)
-    elif kind == "int":
-        ok = isinstance(value, int) and not isinstance(value, bool)
     else:
-        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        ok = is_int(value) if kind == "int" else is_finite_number(value)
     if not ok:
         wanted = {"bool": "true or false", "int": "an integer"}.get(kind, "a number")
         raise ConfigError(f"{name} must be {wanted}, got {value!r}")

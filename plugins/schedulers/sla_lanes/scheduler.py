@@ -16,7 +16,6 @@ lane's target.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -31,6 +30,7 @@ from rtxcore.errors import AdmissionRefused, ConfigError
 from rtxcore.kv.waiting_holds import WaitingHolds
 from rtxcore.lanes import LANE_NAMES, LaneSpec
 from rtxcore.request import Request, RequestStatus
+from rtxcore.sampling_params import is_finite_number
 
 # Weight of the newest request in a lane's measured TTFT ratio.
 _TTFT_WEIGHT = 0.2
@@ -72,8 +72,7 @@ class SLALanesScheduler(Scheduler):
         super().__init__(config, kv_cache)
         options = dict(config.options)
         merge_window_s = options.pop("merge_window_s", 0.002)
-        if (isinstance(merge_window_s, bool) or not isinstance(merge_window_s, int | float)
-                or not math.isfinite(merge_window_s)):
+        if not is_finite_number(merge_window_s):
             raise ConfigError(f"merge_window_s must be a number of seconds, got {merge_window_s!r}")
         self.merge_window_s = float(merge_window_s)
         table = options.pop("brownout", None)

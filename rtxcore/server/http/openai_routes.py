@@ -1,5 +1,5 @@
-"""OpenAI-compatible routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/embeddings``, ``/v1/models`` and
-``/v1/models/{id}``."""
+"""OpenAI-compatible routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``, ``/v1/embeddings``,
+``/v1/models`` and ``/v1/models/{id}``."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from rtxcore.server.http.common import (
 )
 from rtxcore.server.http.protocol import (
     DEFAULT_CHAT_MAX_TOKENS,
+    ChatRequest,
     SpeculationFields,
     make_sampling_params,
     parse_chat,
@@ -36,6 +37,7 @@ from rtxcore.server.http.protocol import (
     parse_embedding,
 )
 from rtxcore.server.http.responses import serve_generation
+from rtxcore.server.http.responses_request import parse_responses
 from rtxcore.server.http.sse import EventStreamResponse
 from rtxcore.server.http.structured_fields import structured_output_field
 from rtxcore.server.serving.embedding import embed
@@ -55,6 +57,7 @@ class OpenAIRoutes:
         return [
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/responses", self.responses, methods=["POST"]),
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             Route("/v1/models", self.list_models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.get_model, methods=["GET"]),
@@ -111,8 +114,24 @@ class OpenAIRoutes:
         return await serve_generation(self.runtime, request, self._start_chat)
 
     async def _start_chat(self, request: Request, body: dict[str, Any]) -> Started:
+        return await self._start_conversation(request, body, parse_chat(body), None)
+
+    # -- responses ------------------------------------------------------------------------------------------------
+
+    async def responses(self, request: Request) -> Response | EventStreamResponse:
+        return await serve_generation(self.runtime, request, self._start_responses)
+
+    async def _start_responses(self, request: Request, body: dict[str, Any]) -> Started:
+        """A Responses request runs as the chat request it translates to; only its response differs."""
+        translated = parse_responses(body)
+        with _responses_names():
+            return await self._start_conversation(request, translated.chat_body, parse_chat(translated.chat_body),
+                                                  translated.echo)
+
+    async def _start_conversation(self, request: Request, body: dict[str, Any], req: ChatRequest,
+                                  responses_echo: dict[str, Any] | None) -> Started:
+        """Chat, or with ``responses_echo`` (what the response repeats of its request) the Responses API."""
         inputs = self.runtime.engine().inputs
-        req = parse_chat(body)
         self.runtime.check_model(req.model)
         where = request_route(self.runtime, request, req.routing)
         messages, template_vars = req.messages, dict[str, Any]()
@@ -143,10 +162,16 @@ class OpenAIRoutes:
             gen = await Generation.start(self.runtime, request_id(request), prompts, sampling,
                                          trace_headers(request), where, speculation=speculation, n=req.n,
                                          received_at=received_at(request))
+        tool_format = call_format.name if call_format is not None else None
+        if responses_echo is not None:
+            header = {"id": f"resp_{gen.req_id}", "created_at": int(time.time()), "model": self.runtime.model_name}
+            spec = ResponseSpec("responses", req.stream, header, logprobs=sampling.logprobs is not None,
+                                tools=tool_format, request=responses_echo)
+            return Started(gen, spec, prompts, sampling)
         header = {"id": f"chatcmpl-{gen.req_id}", "object": "chat.completion.chunk" if req.stream else
                   "chat.completion", "created": int(time.time()), "model": self.runtime.model_name}
         spec = ResponseSpec("chat", req.stream, header, req.include_usage, sampling.logprobs is not None,
-                            tools=call_format.name if call_format is not None else None, n=req.n)
+                            tools=tool_format, n=req.n)
         return Started(gen, spec, prompts, sampling, n=req.n)
 
     # -- embeddings -----------------------------------------------------------------------------------------------
@@ -203,6 +228,20 @@ def _encode_vector(vector: list[float], encoding_format: str) -> list[float] | s
     if encoding_format == "base64":
         return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
     return vector
+
+
+@contextlib.contextmanager
+def _responses_names() -> Iterator[None]:
+    """Errors of a Responses request name its own fields, not the chat fields it was translated to."""
+    try:
+        yield
+    except InvalidRequestError as exc:
+        exc.param = _RESPONSES_NAMES.get(exc.param or "", exc.param)
+        raise
+
+
+_RESPONSES_NAMES = {"response_format": "text.format", "max_completion_tokens": "max_output_tokens",
+                    "messages": "input", "logprobs": "include"}
 
 
 @contextlib.contextmanager

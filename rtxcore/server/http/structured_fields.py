@@ -63,20 +63,22 @@ def _response_format(value: Any) -> dict[str, Any] | None:
     if kind == "json_object":
         return {"json_object": True}
     if kind == "json_schema":
-        spec = value.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-            raise InvalidRequestError("response_format.json_schema must be an object with a 'name' and a 'schema'",
-                                      param="response_format")
-        schema = spec.get("schema", {})
-        if not isinstance(schema, dict):
-            raise InvalidRequestError("response_format.json_schema.schema must be a JSON Schema object",
-                                      param="response_format")
-        strict = spec.get("strict")
-        if strict is not None and not isinstance(strict, bool):
-            raise InvalidRequestError(f"response_format.json_schema.strict must be true or false, got {strict!r}",
-                                      param="response_format")
-        # OpenAI's strict mode: an object takes only the properties it lists (the grammar engine, like JSON Schema,
-        # otherwise allows others).
-        return {"json": closed_objects(schema) if strict else schema}
+        return json_schema_format(value.get("json_schema"), "response_format.json_schema", "response_format")
     raise InvalidRequestError("response_format.type must be 'text', 'json_object' or 'json_schema'",
                               param="response_format")
+
+
+def json_schema_format(spec: Any, where: str, param: str) -> dict[str, Any]:
+    """A JSON-schema format, ``{"name", "schema", "strict"}``, as the grammar request it makes; ``where`` is its
+    place in the body for messages (chat's ``response_format.json_schema``, the Responses API's ``text.format``)."""
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise InvalidRequestError(f"{where} must be an object with a 'name' and a 'schema'", param=param)
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise InvalidRequestError(f"{where}.schema must be a JSON Schema object", param=param)
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise InvalidRequestError(f"{where}.strict must be true or false, got {strict!r}", param=param)
+    # OpenAI's strict mode: an object takes only the properties it lists (the grammar engine, like JSON Schema,
+    # otherwise allows others).
+    return {"json": closed_objects(schema) if strict else schema}

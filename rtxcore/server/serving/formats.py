@@ -77,7 +77,7 @@ def native_logprobs(logprobs: list[TokenLogprob]) -> list[dict[str, Any]]:
 class ResponseSpec:
     """What a response looks like beyond the outputs: everything its format needs, as plain JSON values."""
 
-    # "completion", "chat", "native" or "grpc" (a key of FORMATS).
+    # "completion", "chat", "responses", "native" or "grpc" (a key of FORMATS).
     kind: str
     stream: bool
     # The fields every body and chunk starts with (OpenAI: id, object, created, model; native: id, model).
@@ -93,6 +93,8 @@ class ResponseSpec:
     # Completions' echo: per prompt, {"text": the prompt's text, "logprobs": per prompt token [token_id, logprob,
     # [[token_id, logprob], ...]], null for the first, or null when logprobs were not asked for}; None without echo.
     echo: list[dict[str, Any]] | None = None
+    # Responses: what the response object repeats of its request (instructions, tools, text, ...).
+    request: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -112,6 +114,8 @@ class PromptToken:
 class ResponseFormat(ABC):
     # Whether a stream ends with ``data: [DONE]`` after its events.
     ends_with_done = True
+    # Whether each event carries its place in the stream (``sequence_number``, from 0), set as it is sent.
+    numbered_events = False
 
     def __init__(self, spec: ResponseSpec, tokenizer: Tokenizer | None):
         self.spec = spec
@@ -121,9 +125,14 @@ class ResponseFormat(ABC):
         """Events sent before any output."""
         return []
 
-    @abstractmethod
+    def events(self, gen: Generation, choice: Choice, out: RequestOutput) -> list[dict[str, Any]]:
+        """The events for one output (``choice`` already holds it): its chunk, if it carries anything."""
+        event = self.chunk(gen, choice, out)
+        return [] if event is None else [event]
+
     def chunk(self, gen: Generation, choice: Choice, out: RequestOutput) -> dict[str, Any] | None:
-        """The event for one output, or None when it carries nothing to send."""
+        """The event for one output, or None when it carries nothing to send (formats of one event per output)."""
+        raise NotImplementedError(f"{type(self).__name__} defines neither chunk nor events")
 
     def closing(self, gen: Generation) -> list[dict[str, Any]]:
         """Events sent after the last output (before ``[DONE]``)."""
@@ -337,6 +346,16 @@ class GrpcFormat(ResponseFormat):
 
 FORMATS: dict[str, type[ResponseFormat]] = {"completion": CompletionFormat, "chat": ChatFormat,
                                             "native": NativeFormat, "grpc": GrpcFormat}
+
+
+def _register_responses() -> None:
+    # The Responses format builds on this module's base class, so it is imported once that exists.
+    from rtxcore.server.serving.responses_format import ResponsesFormat
+
+    FORMATS["responses"] = ResponsesFormat
+
+
+_register_responses()
 
 
 def make_format(spec: ResponseSpec, tokenizer: Tokenizer | None) -> ResponseFormat:

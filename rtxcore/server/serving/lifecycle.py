@@ -98,6 +98,8 @@ async def produce(entry: ServedRequest, gen: Generation, fmt: ResponseFormat, jo
     stream = fmt.spec.stream
 
     def emit(payload: dict[str, Any] | None, output: dict[str, Any] | None) -> None:
+        if payload is not None and fmt.numbered_events:
+            payload = {**payload, "sequence_number": entry.last_seq}
         text = event_text(payload) if payload is not None else None
         if journal is not None:
             record: dict[str, Any] = {"t": "out", "id": entry.req_id}
@@ -118,8 +120,11 @@ async def produce(entry: ServedRequest, gen: Generation, fmt: ResponseFormat, jo
                 for payload in fmt.opening():
                     emit(payload, None)
             async for choice, out in gen.outputs():
-                emit(fmt.chunk(gen, choice, out) if stream else None,
-                     output_record(choice.index, out) if journal is not None else None)
+                record = output_record(choice.index, out) if journal is not None else None
+                events: list[dict[str, Any] | None] = list(fmt.events(gen, choice, out)) if stream else []
+                for event in events or [None]:  # the output's record goes with its first event, or alone
+                    emit(event, record)
+                    record = None
             if stream:
                 closing = fmt.closing(gen)
             else:
@@ -147,6 +152,8 @@ async def produce(entry: ServedRequest, gen: Generation, fmt: ResponseFormat, jo
             closing = [fmt.error_event(error)]
         elif error is not None:
             body = fmt.error_body(error)
+        if fmt.numbered_events:
+            closing = [{**p, "sequence_number": entry.last_seq + i} for i, p in enumerate(closing)]
         texts = [event_text(p) for p in closing]
         try:
             conclude(entry, journal, texts, error, body)

@@ -6,26 +6,11 @@ from __future__ import annotations
 
 import math
 
-import openai
 import pytest
-
-from tests.helpers.server import start_server
 
 pytestmark = pytest.mark.model
 
 PROMPT = "The three best things about autumn are"
-
-
-@pytest.fixture(scope="module")
-def server():
-    srv = start_server("--no-grpc")
-    yield srv
-    assert srv.stop() == 0, srv.output()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=300)
 
 
 def _complete(client, **kwargs):

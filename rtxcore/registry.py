@@ -7,6 +7,7 @@ entry-point names) restricts what loads.
 
 from __future__ import annotations
 
+import difflib
 import importlib.metadata
 from dataclasses import dataclass, field
 from typing import AbstractSet, Any, Iterable
@@ -144,6 +145,7 @@ def load_plugins(
             try:
                 module = ep.load()
                 pm.register(module, name=ep.name)
+                _check_hook_names(pm, ep.name)
             except Exception as exc:
                 registry.failures.append(PluginFailure(ep.name, package, f"{type(exc).__name__}: {exc}"))
                 continue
@@ -151,19 +153,32 @@ def load_plugins(
     for name, plugin in extra:
         try:
             pm.register(plugin, name=name)
+            _check_hook_names(pm, name)
         except Exception as exc:
             registry.failures.append(PluginFailure(name, "<inline>", f"{type(exc).__name__}: {exc}"))
             continue
         origins[name] = ("<inline>", "")
-    try:
-        pm.check_pending()
-    except pluggy.PluginValidationError as exc:
-        raise PluginError(f"a plugin implements a hook that does not exist: {exc}") from exc
 
     for kind in KINDS.values():
         for impl in getattr(pm.hook, kind.hook).get_hookimpls():
             _call_registration(registry, kind, impl, origins.get(impl.plugin_name, ("<unknown>", "")))
     return registry
+
+
+def _check_hook_names(pm: pluggy.PluginManager, name: str) -> None:
+    """Refuse the plugin just registered as ``name`` if it implements a hook that does not exist (a typo would
+    otherwise register nothing, silently): it is unregistered and reported like a plugin that fails to import, so
+    the others still load and ``rtx plugins test`` fails on it (pluggy's ``check_pending``, one plugin at a time)."""
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError:
+        plugin = pm.unregister(name=name)
+        known = [kind.hook for kind in KINDS.values()]
+        hooks = sorted(h for h in dir(plugin) if h not in known and pm.parse_hookimpl_opts(plugin, h) is not None)
+        hints = [f"{h!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(h, known, 1)) else
+                 repr(h) for h in hooks]
+        raise PluginError(f"implements a hook that does not exist: {', '.join(hints) or 'unknown'}; the hooks are "
+                          f"{', '.join(known)}") from None
 
 
 def _call_registration(registry: PluginRegistry, kind: PluginKind, impl: Any, origin: tuple[str, str]) -> None:

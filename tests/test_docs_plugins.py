@@ -54,3 +54,30 @@ def test_the_generated_block_shows_signatures_and_required_methods():
     sampler = render_kind("sampler")
     assert "| `token_ids` | `torch.Tensor` |" in sampler and "int64 [num_rows]" in sampler
     assert "`sampler.temperature`" in sampler and "rtx plugins new sampler my-sampler" in sampler
+
+
+@pytest.mark.model
+def test_the_guides_logits_processor_passes_the_suite_on_a_model_with_a_tokenizer():
+    """The no-digits example, run as written: its prepare() refuses a context without a tokenizer, so the suite
+    checks it on the default model, where it bans the digit tokens, rather than on dummy:tiny with nothing to ban."""
+    import types
+
+    from rtx_conformance.checks.logits_processor_harness import Models
+    from rtx_conformance.plugin import Selection
+    from rtx_conformance.runner import run_suite
+    from rtxcore.registry import load_plugins
+
+    source = DOC.split("```python\n# my_package/no_digits.py\n", 1)[1].split("```", 1)[0]
+    module = types.ModuleType("my_package.no_digits")
+    exec(compile(source, "docs/plugins.md (no_digits.py)", "exec"), module.__dict__)
+    registry = load_plugins(extra=[("no-digits", module)])  # the built-ins too: the suite runs an engine
+    run = run_suite(registry, Selection(names=("no-digits",)))
+    results = [(r.check, r.outcome, r.message) for r in run.session.results if r.name == "no-digits"]
+    assert run.passed and results, run.log
+    # Checked where it has something to ban: the suite's harness takes the default model's context for it.
+    models = Models(registry)
+    record = registry.get("logits_processor", "no-digits")
+    assert models.needs_tokenizer(record)
+    assert len(record.cls(models.context(tokenizer=True)).digits) > 0
+    assert all(outcome in ("passed", "skipped") for _, outcome, _ in results), results
+    assert sum(outcome == "passed" for _, outcome, _ in results) >= 8, results

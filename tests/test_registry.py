@@ -67,14 +67,23 @@ def test_duplicate_name_is_refused_and_first_wins():
     assert "not a subclass" in errors["c"]
 
 
-def test_misspelled_hook_fails_loudly():
+def test_misspelled_hook_is_a_failure_of_that_plugin_alone():
     class Typo:
         @hookimpl
         def register_eviction_policys(self, register):
-            pass
+            register("never", FIFOPolicy)
 
-    with pytest.raises(PluginError, match="register_eviction_policys"):
-        load_plugins(load_entrypoints=False, extra=[("typo", Typo())])
+        @hookimpl
+        def register_schedulers(self, register):  # a right one beside it: the plugin is refused whole
+            register("never-either", dict)
+
+    registry = load_plugins(extra=[("typo", Typo()), ("inline", InlinePlugin())])
+    (failure,) = registry.failures
+    assert failure.plugin == "typo" and "'register_eviction_policys' (did you mean " \
+        "'register_eviction_policies'?)" in failure.error
+    assert registry.get("eviction_policy", "fifo").plugin == "inline"  # the others load, built-ins too
+    assert "never" not in registry.names("eviction_policy") and "never-either" not in registry.names("scheduler")
+    assert registry.get("scheduler", "fcfs").package == "rtx-serve"
 
 
 def test_unknown_component_lists_what_exists():

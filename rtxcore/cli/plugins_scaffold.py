@@ -17,7 +17,7 @@ from pathlib import Path
 
 from rtxcore.cli.common import output_dir
 from rtxcore.errors import ConfigError
-from rtxcore.registry import KINDS
+from rtxcore.registry import KINDS, load_plugins
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "scaffold"
 # A registered name that also makes a distribution name (rtx-NAME) and an import name (rtx_NAME).
@@ -80,6 +80,10 @@ def run_new(args: argparse.Namespace) -> int:
     root = args.output_dir / package.folder
     if root.exists():
         raise ConfigError(f"{root} already exists; choose another name or --output-dir")
+    taken = load_plugins().components.get((args.kind, args.name))
+    if taken is not None:  # installed beside it, the new package's registration would be refused
+        raise ConfigError(f"{args.kind.replace('_', ' ')} {args.name!r} is already registered by {taken.package}; "
+                          "choose another name")
     for relative, text in package.files.items():
         path = root / relative
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,7 @@ backend with the model loaded, the KV cache sized from memory, and the lower KV 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -24,6 +25,8 @@ from rtxcore.models.resolve import resolve_model
 from rtxcore.models.source import ModelSource
 from rtxcore.registry import PluginRegistry, load_plugins
 from rtxcore.tokenizer import Tokenizer
+
+log = logging.getLogger("rtx.plugins")
 
 
 @dataclass(slots=True)
@@ -48,7 +51,11 @@ class EngineComponents:
 def build_components(config: EngineConfig, registry: PluginRegistry | None, source: ModelSource | None,
                      progress: Callable[[int, int], None] | None) -> EngineComponents:
     # Plugins are resolved once here; nothing on the per-token path goes through the plugin manager.
-    registry = registry or load_plugins()
+    if registry is None:
+        registry = load_plugins()
+        for failure in registry.failures:  # skipped, the engine runs without it (as vLLM warns of a plugin)
+            log.warning("plugin %s (%s) was not loaded: %s; `rtx plugins list` shows every plugin", failure.plugin,
+                        failure.package, failure.error)
     source = source or resolve_model(config.model, config.revision)
     backend = make_backend(config, registry, source)
     # The tokenizer is built (0.2 s for a 49k vocabulary) while the weights load: most of loading runs in torch

@@ -37,6 +37,7 @@ from tests.helpers.cli import assert_one_line_error, rtx
     (["gates", "--workdir", __file__], "is not a directory"),
     (["gates", "--workdir", "/proc/rtx/work"], "cannot write in '/proc'"),
     (["plugins", "new", "sampler", "foo", "--output-dir", "/proc"], "cannot write in '/proc'"),
+    (["plugins", "new", "eviction_policy", "lru", "--output-dir", "/tmp"], "'lru' is already registered by rtx-serve"),
     (["bench", "--num-requests", "-1"], "not at least 1"),
     (["sign", "model.gguf", "--key", "k.pem", "--signature", "/no/such/dir/x.sig"], "does not exist"),
     # a file where a directory belongs, and files that are not PEM: named before anything loads

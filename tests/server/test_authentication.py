@@ -163,6 +163,32 @@ def test_a_plugin_that_raises_refuses_without_quoting_its_error(tokens, caplog):
     assert caplog.messages == ["authentication failed from unknown: broken plugin failed: ValueError"]
 
 
+@pytest.mark.parametrize("schemes, hint", [
+    (["Bearer"], "send 'Authorization: Bearer <key or token>'"),
+    (["Gateway"], "send credentials of the scheme Gateway"),
+    (["Gateway", "Bearer"], "send credentials of the schemes Gateway, Bearer"),
+    ([None], "present a client certificate"),
+])
+def test_missing_credentials_are_asked_for_in_the_configured_schemes(schemes, hint):
+    def authenticator(scheme):
+        class Header(Authenticator):
+            @classmethod
+            def example(cls):
+                raise NotImplementedError
+
+            def authenticate(self, credentials):
+                return None
+
+        Header.scheme = scheme
+        return Header(None)
+
+    auth = Authentication([(f"a{i}", authenticator(s)) for i, s in enumerate(schemes)],
+                          TenantRegistry.from_config({"acme": {}}, environ={}))
+    with pytest.raises(AuthError) as refused:
+        auth.authenticate(Credentials())
+    assert refused.value.message == f"missing credentials: {hint}"
+
+
 @pytest.mark.parametrize("table, tenants, message", [
     ({"authenticators": ["jwt"]}, {}, "need tenants to prove"),
     ({"authenticators": []}, {"a": {"key_sha256": sha("k")}}, "authenticators is empty"),

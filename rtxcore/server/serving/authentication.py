@@ -109,6 +109,13 @@ class Authentication:
         schemes = dict.fromkeys(a.scheme for _, a in self.authenticators if a.scheme)
         # RFC 9110 wants a challenge on every 401; with client certificates alone, "Certificate" says what is asked.
         self.challenge = ", ".join(schemes) or "Certificate"
+        # What a request without credentials is told to send: bearer keys and tokens, or another plugin's scheme.
+        if list(schemes) == ["Bearer"]:
+            self.missing_hint = "send 'Authorization: Bearer <key or token>'"
+        elif schemes:
+            self.missing_hint = f"send credentials of the scheme{'s' if len(schemes) > 1 else ''} {self.challenge}"
+        else:
+            self.missing_hint = "present a client certificate"
         self._failures: dict[str, TokenBucket] = {}
         self._lock = threading.Lock()
 
@@ -177,7 +184,7 @@ class Authentication:
                 break
         self._failed(address, reason)
         if _nothing_presented(credentials):
-            raise AuthError("missing credentials: send 'Authorization: Bearer <key or token>'")
+            raise AuthError(f"missing credentials: {self.missing_hint}")
         raise AuthError("invalid credentials")
 
     def _check_address(self, address: str) -> None:

@@ -120,6 +120,11 @@ RTX_API_KEYS: Switch[str] = Switch(
     "API keys as `tenant=key,other=key2`, added to the tenants of the serve config; for keys that come from a "
     "secret store rather than a file.",
     _str)
+RTX_API_KEY: Switch[str] = Switch(
+    "RTX_API_KEY", "str", "",
+    "The key `rtx chat --url` sends to a server when `--api-key` is not given (then `OPENAI_API_KEY` is tried); a "
+    "client's key, not one the server accepts.",
+    _str)
 RTX_FAULT_INJECTION = _bool_switch(
     "RTX_FAULT_INJECTION", False,
     "Register the fault_injection logits processor, which fails the requests that ask for it (chaos drills only).")
@@ -192,7 +197,7 @@ RTX_KV_EVICT_AHEAD: Switch[int] = Switch(
 
 SWITCHES: dict[str, Switch[object]] = {
     switch.name: switch
-    for switch in (RTX_PLUGINS, RTX_API_KEYS, RTX_FAULT_INJECTION, RTX_TORCH_KERNELS, RTX_TORCH_GEMV, RTX_LAUNCH_CACHE,
-                   RTX_ORT_PROVIDER, RTX_PP_MICRO_BATCH_TOKENS, RTX_GRAPH_CACHE, RTX_CPU_KERNELS, RTX_INT4_MMA, RTX_PDL,
-                   RTX_FP8_TRITON_GEMM, RTX_FP8_FAST_ACCUM, RTX_KV_ROW_COPY, RTX_KV_EVICT_AHEAD)
+    for switch in (RTX_PLUGINS, RTX_API_KEYS, RTX_API_KEY, RTX_FAULT_INJECTION, RTX_TORCH_KERNELS, RTX_TORCH_GEMV,
+                   RTX_LAUNCH_CACHE, RTX_ORT_PROVIDER, RTX_PP_MICRO_BATCH_TOKENS, RTX_GRAPH_CACHE, RTX_CPU_KERNELS,
+                   RTX_INT4_MMA, RTX_PDL, RTX_FP8_TRITON_GEMM, RTX_FP8_FAST_ACCUM, RTX_KV_ROW_COPY, RTX_KV_EVICT_AHEAD)
 }

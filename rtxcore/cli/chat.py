@@ -11,6 +11,7 @@ import os
 import sys
 from collections.abc import Iterator
 
+from rtxcore import envs
 from rtxcore.cli.common import TEMPERATURE_HELP, add_engine_options, engine_config, finite_float, load_engine
 from rtxcore.sampling_params import SamplingParams
 
@@ -58,7 +59,7 @@ class RemoteChat:
     def __init__(self, args: argparse.Namespace):
         from rtxcore.client import Client
 
-        key = args.api_key or os.environ.get("RTX_API_KEY") or os.environ.get("OPENAI_API_KEY")
+        key = args.api_key or envs.RTX_API_KEY.get() or os.environ.get("OPENAI_API_KEY")
         self.client = Client(args.url, api_key=key)
         self.name = args.model or self.client.models()["data"][0]["id"]
         self.params = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed}

@@ -269,9 +269,11 @@ def _error_from_body(body: object, status: int | None, retry_after: float | None
     error = body.get("error", body) if isinstance(body, dict) else body
     if isinstance(error, dict):
         message = str(error.get("message") or error.get("detail") or f"HTTP {status}")
-        code = error.get("type") or error.get("code")
+        kind = error.get("type")
+        code = error.get("code") or kind  # the reason (queue_full, rate_limited...) tells more than the type
         return APIError(message, status=status, code=str(code) if code is not None else None,
-                        param=error.get("param"), retry_after=retry_after)
+                        param=error.get("param"), retry_after=retry_after,
+                        type=str(kind) if kind is not None else None)
     return APIError(str(error), status=status, retry_after=retry_after)
 
 

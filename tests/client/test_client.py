@@ -118,6 +118,7 @@ def test_http_errors_carry_status_and_field(server):
         with pytest.raises(APIError) as info:
             client.completions(PROMPT, top_p=1.5)
         assert (info.value.status, info.value.param) == (400, "top_p")
+        assert (info.value.code, info.value.type) == ("invalid_value", "invalid_request_error")
         assert "top_p" in info.value.message
         with pytest.raises(APIError) as info:
             list(client.stream_completions(PROMPT, model="no-such-model"))
@@ -311,6 +312,7 @@ def test_retries_are_bounded():
         with pytest.raises(APIError) as info:
             client.completions("hi")
     assert info.value.status == 429 and info.value.message == "busy"
+    assert info.value.code == info.value.type == "rate_limit_error"  # a body without a code: its type
     assert len(flaky.times) == 3
 
 

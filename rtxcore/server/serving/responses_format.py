@@ -94,14 +94,16 @@ class ResponsesFormat(ResponseFormat):
     def _items(self, gen: Generation, choice: Choice) -> tuple[list[dict[str, Any]], int | None]:
         """The output items in order, and the message's index (None: no message)."""
         logprobs = self._logprobs(choice.logprobs)
+        # Cut at max_output_tokens, the message is incomplete, as the response is (a call is whole or not a call).
+        status = "incomplete" if choice.finish_reason == "length" else "completed"
         if self.spec.tools is None:
-            return [self._message(choice.text, logprobs, "completed")], 0
+            return [self._message(choice.text, logprobs, status)], 0
         prefix = f"call_{gen.req_id}"
         parsed = parse_output(choice.text, prefix, True, self.spec.tools)
         items = [self._call(parsed, j, "completed") for j in range(len(parsed.calls))]
         if parsed.content.strip() or not parsed.calls:
             at = self._message_at(choice.text, prefix, True) if parsed.content.strip() else 0
-            items.insert(at, self._message(parsed.content, logprobs, "completed"))
+            items.insert(at, self._message(parsed.content, logprobs, status))
             return items, at
         return items, None
 
@@ -113,7 +115,7 @@ class ResponsesFormat(ResponseFormat):
     def _message(self, text: str, logprobs: list[dict[str, Any]], status: str) -> dict[str, Any]:
         content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}]
         return {"type": "message", "id": self._message_id(), "status": status, "role": "assistant",
-                "content": content if status == "completed" else []}
+                "content": content if status != "in_progress" else []}
 
     def _message_opening(self, at: int) -> list[dict[str, Any]]:
         return [{"type": "response.output_item.added", "output_index": at,

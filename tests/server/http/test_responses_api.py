@@ -184,6 +184,7 @@ def test_incomplete_at_max_output_tokens(client):
     response = client.responses.create(model="smollm2-135m", input="Tell me a long story.", max_output_tokens=3)
     assert response.status == "incomplete" and response.incomplete_details is not None
     assert response.incomplete_details.reason == "max_output_tokens" and response.usage.output_tokens == 3
+    assert [item.status for item in response.output] == ["incomplete"]
     last = list(client.responses.create(model="smollm2-135m", input="Tell me a long story.", max_output_tokens=3,
                                         stream=True))[-1]
     assert last.type == "response.incomplete"

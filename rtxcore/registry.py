@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.metadata
+import inspect
 from dataclasses import dataclass, field
 from typing import AbstractSet, Any, Iterable
 
@@ -193,6 +194,10 @@ def _call_registration(registry: PluginRegistry, kind: PluginKind, impl: Any, or
                 f"plugin {plugin!r} registered {name!r} as a {kind.name}, but {cls!r} is not a subclass of "
                 f"{kind.contract.__module__}.{kind.contract.__qualname__}"
             )
+        if inspect.isabstract(cls):  # it could never be built: refused here, where the plugin is named
+            missing = ", ".join(sorted(getattr(cls, "__abstractmethods__", ())))
+            raise PluginError(f"plugin {plugin!r} registered {name!r} as a {kind.name}, but {cls.__qualname__} does "
+                              f"not implement {missing} of the contract")
         existing = registry.components.get((kind.name, name))
         if existing is not None:
             raise PluginError(

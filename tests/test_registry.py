@@ -60,11 +60,23 @@ def test_duplicate_name_is_refused_and_first_wins():
         def register_eviction_policies(self, register):
             register("fifo", FIFOPolicy)
 
-    registry = load_plugins(load_entrypoints=False, extra=[("a", InlinePlugin()), ("b", Dupe()), ("c", Again())])
+    class Unfinished:
+        @hookimpl
+        def register_eviction_policies(self, register):
+            class Half(EvictionPolicy):
+                def add(self, block_id):
+                    pass
+
+            register("half", Half)
+
+    registry = load_plugins(load_entrypoints=False, extra=[("a", InlinePlugin()), ("b", Dupe()), ("c", Again()),
+                                                           ("d", Unfinished())])
     assert registry.get("eviction_policy", "fifo").plugin == "a"
     errors = {f.plugin: f.error for f in registry.failures}
     assert "already registered by plugin 'a'" in errors["b"]
     assert "not a subclass" in errors["c"]
+    assert "Half does not implement __contains__, __len__, evict, remove of the contract" in errors["d"]
+    assert "half" not in registry.names("eviction_policy")
 
 
 def test_misspelled_hook_is_a_failure_of_that_plugin_alone():

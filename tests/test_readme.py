@@ -101,9 +101,10 @@ def test_generate_and_chat():
 def test_serve_with_an_api_key_and_a_json_schema():
     out = run_block(block_with("--api-key sk-local --port"))
     answers = json_objects(out)
-    assert [a["object"] for a in answers] == ["chat.completion", "chat.completion"]
+    assert [a["object"] for a in answers] == ["chat.completion", "chat.completion", "response"]
     place = json.loads(answers[1]["choices"][0]["message"]["content"])
     assert isinstance(place["city"], str) and isinstance(place["country"], str)
+    assert answers[2]["output"][0]["content"][0]["text"]  # the Responses API's answer
 
 
 @pytest.fixture(scope="module")

@@ -132,6 +132,9 @@ def test_the_report_counts_rules_not_tests(broken_run):
     # Nothing else could be checked: every other rule is skipped, saying at which rule its checks stopped.
     assert unbuildable.count("failed") == 1 and unbuildable.count("passed") == 0
     assert all("stopped at eviction.builds" in s for s in unbuildable.skips), unbuildable.skips
+    # A policy whose method raised was built: its builds rule holds, not "not reached".
+    raising = {r.rule: r.outcome for r in _summary(run, "raising").rules}
+    assert raising["eviction.builds"] == "passed" and raising["eviction.api"] == "failed"
 
 
 def test_a_plugin_that_fails_to_load_fails_the_run_in_every_report(broken_run):

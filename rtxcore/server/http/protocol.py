@@ -115,7 +115,7 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
     params = _openai_sampling(body)
     logprobs = body.get("logprobs")
     if logprobs is not None:
-        params["logprobs"] = _int(logprobs, "logprobs")
+        params["logprobs"] = int_field(logprobs, "logprobs")
     max_tokens = body.get("max_tokens")
     params["max_tokens"] = 16 if max_tokens is None else max_tokens
     stream = bool_field(body.get("stream", False), "stream")
@@ -138,13 +138,13 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
     params = _openai_sampling(body)
     if bool_field(body.get("logprobs") or False, "logprobs"):
         top = body.get("top_logprobs")
-        params["logprobs"] = 0 if top is None else _int(top, "top_logprobs", 0, 20)
+        params["logprobs"] = 0 if top is None else int_field(top, "top_logprobs", 0, 20)
     elif body.get("top_logprobs") is not None:
         raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
     max_tokens = None
     for name in ("max_tokens", "max_completion_tokens"):  # the newer name wins, as in OpenAI's API; both checked
         if body.get(name) is not None:
-            max_tokens = _int(body[name], name, 1)
+            max_tokens = int_field(body[name], name, 1)
     stream = bool_field(body.get("stream", False), "stream")
     if tools is not None and tools.active and required_grammar(tools) is not None and "structured_output" in params:
         raise InvalidRequestError("tool_choice that requires a call cannot be combined with a structured output "
@@ -317,10 +317,10 @@ def _prediction(value: Any) -> str | None:
 def _num_choices(body: dict[str, Any], num_prompts: int) -> tuple[int, int]:
     """``n`` and ``best_of`` (chat has no best_of: it stays 1 there, its field ignored as OpenAI's chat has none).
     Each sampled choice is an engine request: all of a request's together stay within :data:`MAX_BATCH`."""
-    n = 1 if body.get("n") is None else _int(body["n"], "n", 1, MAX_BATCH)
+    n = 1 if body.get("n") is None else int_field(body["n"], "n", 1, MAX_BATCH)
     best_of = n
     if "prompt" in body and body.get("best_of") is not None:
-        best_of = _int(body["best_of"], "best_of", 1, MAX_BATCH)
+        best_of = int_field(body["best_of"], "best_of", 1, MAX_BATCH)
         if best_of < n:
             raise InvalidRequestError(f"best_of must be at least n ({n}), got {best_of}", param="best_of")
     if best_of * num_prompts > MAX_BATCH:
@@ -389,7 +389,7 @@ def model_field(body: dict[str, Any]) -> str | None:
     return model
 
 
-def _int(value: Any, param: str, low: int | None = None, high: int | None = None) -> int:
+def int_field(value: Any, param: str, low: int | None = None, high: int | None = None) -> int:
     if not is_int(value):
         raise InvalidRequestError(f"{param} must be an integer, got {value!r}", param=param)
     if (low is not None and value < low) or (high is not None and value > high):

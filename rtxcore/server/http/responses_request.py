@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rtxcore.errors import InvalidRequestError
+from rtxcore.server.http.protocol import bool_field, int_field
 from rtxcore.server.http.structured_fields import json_schema_format
 
 # Fields of a Responses body that have no chat counterpart of the same name, or one that means something else: the
@@ -51,8 +52,8 @@ def parse_responses(body: dict[str, Any]) -> ResponsesRequest:
         raise InvalidRequestError(f"truncation must be 'disabled' (an input longer than the context is refused), got "
                                   f"{truncation!r}", param="truncation")
     for name in ("store", "parallel_tool_calls"):
-        if body.get(name) is not None and not isinstance(body[name], bool):
-            raise InvalidRequestError(f"{name} must be true or false", param=name)
+        if body.get(name) is not None:
+            bool_field(body[name], name)
     metadata = body.get("metadata")
     if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= 16 and all(
             isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in metadata.items())):
@@ -65,7 +66,7 @@ def parse_responses(body: dict[str, Any]) -> ResponsesRequest:
     chat: dict[str, Any] = {k: v for k, v in body.items() if k not in _RESPONSES_FIELDS | _CHAT_ONLY_FIELDS}
     chat["messages"] = messages
     if body.get("max_output_tokens") is not None:
-        chat["max_completion_tokens"] = _positive_int(body["max_output_tokens"], "max_output_tokens")
+        chat["max_completion_tokens"] = int_field(body["max_output_tokens"], "max_output_tokens", 1)
     response_format = _text_format(body.get("text"))
     if response_format is not None:
         chat["response_format"] = response_format
@@ -159,12 +160,6 @@ def _string(item: dict[str, Any], key: str, where: str) -> str:
     value = item.get(key)
     if not isinstance(value, str) or not value:
         raise InvalidRequestError(f"{where}.{key} must be a non-empty string", param="input")
-    return value
-
-
-def _positive_int(value: Any, param: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidRequestError(f"{param} must be a positive integer, got {value!r}", param=param)
     return value
 
 

@@ -125,14 +125,9 @@ class ResponseFormat(ABC):
         """Events sent before any output."""
         return []
 
+    @abstractmethod
     def events(self, gen: Generation, choice: Choice, out: RequestOutput) -> list[dict[str, Any]]:
-        """The events for one output (``choice`` already holds it): its chunk, if it carries anything."""
-        event = self.chunk(gen, choice, out)
-        return [] if event is None else [event]
-
-    def chunk(self, gen: Generation, choice: Choice, out: RequestOutput) -> dict[str, Any] | None:
-        """The event for one output, or None when it carries nothing to send (formats of one event per output)."""
-        raise NotImplementedError(f"{type(self).__name__} defines neither chunk nor events")
+        """The events for one output (``choice`` already holds it); none when it carries nothing to send."""
 
     def closing(self, gen: Generation) -> list[dict[str, Any]]:
         """Events sent after the last output (before ``[DONE]``)."""
@@ -151,7 +146,19 @@ class ResponseFormat(ABC):
         return openai_error_body(err)
 
 
-class CompletionFormat(ResponseFormat):
+class ChunkFormat(ResponseFormat):
+    """A format of at most one event per output, its chunk."""
+
+    def events(self, gen: Generation, choice: Choice, out: RequestOutput) -> list[dict[str, Any]]:
+        event = self.chunk(gen, choice, out)
+        return [] if event is None else [event]
+
+    @abstractmethod
+    def chunk(self, gen: Generation, choice: Choice, out: RequestOutput) -> dict[str, Any] | None:
+        """The event for one output, or None when it carries nothing to send."""
+
+
+class CompletionFormat(ChunkFormat):
     def opening(self) -> list[dict[str, Any]]:
         """With echo, each choice's prompt, before any of its output."""
         if self.spec.echo is None:
@@ -285,15 +292,17 @@ class ChatFormat(CompletionFormat):
                 "finish_reason": finish_reason}
 
     def _chat_logprobs(self, lps: list[TokenLogprob]) -> dict[str, Any] | None:
-        if not self.spec.logprobs:
-            return None
+        return {"content": chat_logprobs(self.tokenizer, lps)} if self.spec.logprobs else None
 
-        def entry(token_id: int, logprob: float) -> dict[str, Any]:
-            token = token_text(self.tokenizer, token_id)
-            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
-        return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, p) for t, p in lp.top]}
-                            for lp in lps]}
+def chat_logprobs(tokenizer: Tokenizer | None, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
+    """Each token as OpenAI's chat and Responses APIs list it: ``{"token", "logprob", "bytes", "top_logprobs"}``."""
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        token = token_text(tokenizer, token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, p) for t, p in lp.top]} for lp in lps]
 
 
 def _call_prefix(gen: Generation, choice: Choice) -> str:
@@ -301,7 +310,7 @@ def _call_prefix(gen: Generation, choice: Choice) -> str:
     return f"call_{gen.req_id}" if choice.index == 0 else f"call_{gen.req_id}_{choice.index}"
 
 
-class NativeFormat(ResponseFormat):
+class NativeFormat(ChunkFormat):
     """``/generate``: one event per engine output, ``{"text", "token_ids", "finished", ...}``; the last one has the
     usage."""
 
@@ -322,7 +331,7 @@ class NativeFormat(ResponseFormat):
                 "logprobs": native_logprobs(choice.logprobs) if self.spec.logprobs else None, "usage": gen.usage()}
 
 
-class GrpcFormat(ResponseFormat):
+class GrpcFormat(ChunkFormat):
     """gRPC ``Generate``: each event holds one ``GenerateResponse``'s fields (the servicer builds the message from
     it), so a gRPC request is produced, journaled, replayed and resumed like an HTTP one. Always a stream; an error
     event carries the error's code, which the servicer maps to a status."""

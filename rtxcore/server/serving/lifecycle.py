@@ -121,7 +121,7 @@ async def produce(entry: ServedRequest, gen: Generation, fmt: ResponseFormat, jo
                     emit(payload, None)
             async for choice, out in gen.outputs():
                 record = output_record(choice.index, out) if journal is not None else None
-                events: list[dict[str, Any] | None] = list(fmt.events(gen, choice, out)) if stream else []
+                events: list[dict[str, Any] | None] = [*fmt.events(gen, choice, out)] if stream else []
                 for event in events or [None]:  # the output's record goes with its first event, or alone
                     emit(event, record)
                     record = None

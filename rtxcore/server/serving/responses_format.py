@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from rtxcore.engine.outputs import RequestOutput, TokenLogprob
-from rtxcore.server.serving.formats import ResponseFormat, token_text
+from rtxcore.server.serving.formats import ResponseFormat, chat_logprobs
 from rtxcore.server.serving.generation import Choice, Generation
 from rtxcore.server.serving.tool_calls import ParsedOutput, parse_output
 
@@ -164,11 +164,4 @@ class ResponsesFormat(ResponseFormat):
         return self._message_index
 
     def _logprobs(self, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
-        if not self.spec.logprobs:
-            return []
-
-        def entry(token_id: int, logprob: float) -> dict[str, Any]:
-            token = token_text(self.tokenizer, token_id)
-            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
-
-        return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, p) for t, p in lp.top]} for lp in lps]
+        return chat_logprobs(self.tokenizer, lps) if self.spec.logprobs else []

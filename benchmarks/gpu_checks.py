@@ -54,9 +54,40 @@ def greedy_equality(model: str = "dummy:smollm2-135m") -> dict:
     return out
 
 
+def decode_graph(e: Engine, batch: int):
+    """The engine's captured decode graph that runs ``batch`` rows (the smallest size at least that)."""
+    graphs = e.core.backend._graphs
+    return graphs._graphs[next(s for s in graphs.sizes if s >= batch)]
+
+
+def replay_ms(graph, replays: int = 50) -> float:
+    """One replay of ``graph``, device time by CUDA events over ``replays`` after 5 untimed."""
+    for _ in range(5):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def replay_kernels(graph, replays: int = 50) -> list[tuple[str, float, int]]:
+    """``(kernel name, µs per replay, launches per replay)`` of ``graph`` under the torch profiler, largest first."""
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    return sorted(((ev.key, ev.device_time_total / replays, ev.count // replays) for ev in prof.key_averages()
+                   if ev.device_time_total > 0), key=lambda r: -r[1])
+
+
 def step_times(batches=(1, 256), label: str = "") -> dict:
     e = engine("dummy:llama-1b", "cuda", "bfloat16", max_num_batched_tokens=8192, max_num_seqs=256)
-    graphs = e.core.backend._graphs
     out = {}
     for batch in batches:
         params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
@@ -72,17 +103,8 @@ def step_times(batches=(1, 256), label: str = "") -> dict:
             host.append(time.perf_counter() - t)
         while e.has_unfinished_requests():
             e.step()
-        size = next(s for s in graphs.sizes if s >= batch)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(5):
-            graphs._graphs[size].replay()
-        start.record()
-        for _ in range(50):
-            graphs._graphs[size].replay()
-        end.record()
-        torch.cuda.synchronize()
         host.sort()
-        out[batch] = {"graph_replay_ms": start.elapsed_time(end) / 50, "engine_step_ms_median": 1000 * host[16],
+        out[batch] = {"graph_replay_ms": replay_ms(decode_graph(e, batch)), "engine_step_ms_median": 1000 * host[16],
                       "engine_step_ms_min": 1000 * host[0]}
         print(f"decode batch {batch}{label}: {out[batch]}", flush=True)
     return out
@@ -91,7 +113,6 @@ def step_times(batches=(1, 256), label: str = "") -> dict:
 def decode_kernels(batch: int = 1, replays: int = 50) -> dict:
     """Device time per kernel (by name) of one decode graph replay at ``batch``, largest first."""
     e = engine("dummy:llama-1b", "cuda", "bfloat16", max_num_batched_tokens=8192, max_num_seqs=256)
-    graphs = e.core.backend._graphs
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         e.add_request([1000 + (i * 7 + j) % 5000 for j in range(128)], params)
@@ -99,16 +120,7 @@ def decode_kernels(batch: int = 1, replays: int = 50) -> dict:
         e.step()
     while e.has_unfinished_requests():
         e.step()
-    graph = graphs._graphs[next(s for s in graphs.sizes if s >= batch)]
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graph.replay()
-        torch.cuda.synchronize()
-    rows = sorted(((ev.key, ev.device_time_total / replays, ev.count // replays) for ev in prof.key_averages()
-                   if ev.device_time_total > 0), key=lambda r: -r[1])
+    rows = replay_kernels(decode_graph(e, batch), replays)
     total = sum(us for _, us, _ in rows)
     print(f"decode graph replay at batch {batch}: {total:.1f} us of kernels a step", flush=True)
     for name, us, count in rows[:25]:

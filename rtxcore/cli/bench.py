@@ -134,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
         results[0].label = f"rtx engine ({method})"
     elif args.baseline == "static":
         engine.core.kv_cache.reset_prefix_cache()
+        warm_up(engine, requests, _requests_progress("baseline warm-up"), static_batching=True)
         results.append(run_engine(engine, requests, label="rtx engine (static batching)", static_batching=True,
                                   progress=_requests_progress("baseline")))
     elif args.baseline == "hf":

@@ -1,0 +1,187 @@
+"""Where an offline run's time goes, step by step: continuous against static batching on one workload.
+
+Every ``schedule()`` of the engine is recorded with the step it made (rows, prompt tokens beside the decodes, the
+context the step's attention reads) and the time to the next one. In the overlapped engine a step's device work
+shows in the return after the next launch, so each gap is put to the step scheduled one before it. Steps are then
+grouped by kind (decodes only, or decodes beside prompt tokens) and by rows, for the continuous run and the static
+baseline of the same engine in the same process, the way `rtx bench --baseline static` runs them (each warmed up
+by one untimed run of its own).
+
+    python benchmarks/step_breakdown.py --workload W2 --model dummy:llama-1b --max-num-seqs 64 \
+        --max-num-batched-tokens 8192 --max-model-len 4096 [--json F]
+
+Every `rtx bench` engine option is taken. ``--steady 64x830`` also holds 64 requests of 830-token contexts decoding
+(on a CUDA device): the engine's step time on the host against one replay of its decode graph timed on the device,
+which tells a host-bound step from a device-bound one, and the replay's kernels under the torch profiler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+
+from rtxcore.bench.offline import run_engine, warm_up
+from rtxcore.bench.workloads import WORKLOADS, get_workload, make_requests
+from rtxcore.cli.bench import machine_description
+from rtxcore.cli.common import add_engine_options, engine_config, load_engine
+
+
+@dataclass(slots=True)
+class StepRecord:
+    at: float  # perf_counter at its schedule()
+    rows: int
+    prompt_tokens: int  # tokens of requests past their first step's single token: prefill chunks
+    context_tokens: int  # tokens the step's attention reads (every row's context, its new tokens included)
+    preempted: int
+
+
+@dataclass(slots=True)
+class Group:
+    steps: int = 0
+    seconds: float = 0.0
+    rows: int = 0
+    prompt_tokens: int = 0
+    context_tokens: int = 0
+
+    def add(self, r: StepRecord, seconds: float) -> None:
+        self.steps += 1
+        self.seconds += seconds
+        self.rows += r.rows
+        self.prompt_tokens += r.prompt_tokens
+        self.context_tokens += r.context_tokens
+
+
+def record_steps(engine) -> list[StepRecord]:
+    """Wrap the engine core's ``schedule`` so that each step it makes is appended to the returned list."""
+    core, records = engine.core, []
+    schedule = core.schedule
+
+    def recorded():
+        sched = schedule()
+        if not sched.is_empty:
+            decodes = sum(1 for n in sched.num_scheduled_tokens if n == 1)
+            prompt = sched.total_num_scheduled_tokens - decodes
+            context = sum(r.num_computed_tokens + n for r, n in zip(sched.scheduled, sched.num_scheduled_tokens))
+            records.append(StepRecord(time.perf_counter(), len(sched.scheduled), prompt, context,
+                                      len(sched.preempted)))
+        return sched
+
+    core.schedule = recorded
+    return records
+
+
+def breakdown(records: list[StepRecord], end: float) -> dict:
+    """Group the steps; step i is charged the gap from schedule i+1 to schedule i+2 (the last two steps: to the
+    run's end, split evenly)."""
+    times = [r.at for r in records] + [end]
+    gaps = [times[i + 1] - times[i] for i in range(len(records))]
+    charged = gaps[1:] + [0.0]
+    if len(records) >= 2:
+        charged[-2] = charged[-1] = (gaps[-1]) / 2 if len(gaps) >= 1 else 0.0
+    kinds: dict[str, Group] = defaultdict(Group)
+    by_rows: dict[str, Group] = defaultdict(Group)
+    for r, s in zip(records, charged):
+        kind = "mixed" if r.prompt_tokens else "decode"
+        kinds[kind].add(r, s)
+        bucket = 1 << max(0, (r.rows - 1).bit_length())  # rows rounded up to a power of two
+        by_rows[f"{kind} <= {bucket} rows"].add(r, s)
+    return {"steps": len(records), "seconds": sum(charged), "preempted": sum(r.preempted for r in records),
+            "kinds": {k: asdict(g) for k, g in sorted(kinds.items())},
+            "by_rows": {k: asdict(g) for k, g in sorted(by_rows.items(), key=lambda kv: (kv[0][0], len(kv[0]), kv[0]))}}
+
+
+def run(engine, requests, static: bool) -> dict:
+    warm_up(engine, requests, static_batching=static)  # each batching makes steps of its own shapes
+    records = record_steps(engine)
+    result = run_engine(engine, requests, static_batching=static)
+    summary = breakdown(records, time.perf_counter())
+    engine.core.schedule = type(engine.core).schedule.__get__(engine.core)
+    engine.core.kv_cache.reset_prefix_cache()
+    summary.update(tokens_per_s=result.tokens_per_s, elapsed_s=result.elapsed_s, output_tokens=result.output_tokens)
+    return summary
+
+
+def steady_decode(engine, rows: int, context: int, replays: int = 50) -> dict:
+    """``rows`` requests with ``context``-token prompts decoding together: the median engine step on the host, one
+    decode graph replay on the device, and the replay's kernels, largest first."""
+    import torch
+    from gpu_checks import decode_graph, replay_kernels, replay_ms  # this folder's GPU helpers
+
+    from rtxcore.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
+    for i in range(rows):
+        engine.add_request([1000 + (i * 7 + j) % 5000 for j in range(context)], params)
+    budget = engine.core.config.scheduling.max_num_batched_tokens
+    for _ in range(-(-rows * context // budget) + 6):  # the prompts' chunks, then a few decodes
+        engine.step()
+    torch.cuda.synchronize()
+    host = []
+    for _ in range(40):
+        t = time.perf_counter()
+        engine.step()
+        host.append(time.perf_counter() - t)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.core.kv_cache.reset_prefix_cache()
+    graph = decode_graph(engine, rows)
+    replay, kernels = replay_ms(graph, replays), replay_kernels(graph, replays)
+    host.sort()
+    return {"rows": rows, "context": context, "engine_step_ms_median": 1000 * host[len(host) // 2],
+            "graph_replay_ms": replay,
+            "kernels": [{"name": n, "us": us, "launches": c} for n, us, c in kernels]}
+
+
+def print_table(name: str, s: dict) -> None:
+    print(f"## {name}: {s['tokens_per_s']:.1f} tok/s, {s['elapsed_s']:.3f} s, {s['steps']} steps, "
+          f"{s['preempted']} preempted")
+    print("| steps | count | seconds | ms a step | rows a step | prompt tokens a step | context tokens a step |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for key, g in list(s["kinds"].items()) + list(s["by_rows"].items()):
+        n = max(g["steps"], 1)
+        print(f"| {key} | {g['steps']} | {g['seconds']:.3f} | {1000 * g['seconds'] / n:.3f} | {g['rows'] / n:.1f} "
+              f"| {g['prompt_tokens'] / n:.1f} | {g['context_tokens'] / n:.0f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", default="W2", choices=sorted(WORKLOADS))
+    ap.add_argument("--num-requests", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", dest="json_path", default=None)
+    ap.add_argument("--steady", default=None, metavar="ROWSxCONTEXT[,...]",
+                    help="also time a steady decode of ROWS requests of CONTEXT tokens (CUDA only)")
+    add_engine_options(ap)
+    args = ap.parse_args()
+    engine = load_engine(engine_config(args))
+    workload = get_workload(args.workload)
+    requests = make_requests(workload, engine.core.model_config.vocab_size, seed=args.seed,
+                             num_requests=args.num_requests, tokenizer=engine.core.tokenizer)
+    report = {"machine": machine_description(), "argv": sys.argv[1:],
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "continuous": run(engine, requests, static=False), "static": run(engine, requests, static=True)}
+    report["ratio"] = report["continuous"]["tokens_per_s"] / report["static"]["tokens_per_s"]
+    print(f"# {report['machine']}, {report['date']}: continuous / static {report['ratio']:.3f}x")
+    print_table("continuous", report["continuous"])
+    print_table("static", report["static"])
+    for shape in args.steady.split(",") if args.steady else ():
+        rows, context = (int(x) for x in shape.split("x"))
+        steady = steady_decode(engine, rows, context)
+        report.setdefault("steady", []).append(steady)
+        print(f"## steady decode, {rows} rows of {context} tokens: engine step {steady['engine_step_ms_median']:.3f} "
+              f"ms (host, median), decode graph replay {steady['graph_replay_ms']:.3f} ms (device)")
+        total = sum(k["us"] for k in steady["kernels"])
+        print(f"kernels of a replay: {total:.1f} us")
+        for k in steady["kernels"][:20]:
+            print(f"  {k['us']:8.1f} us  x{k['launches']:<3} {k['name'][:100]}")
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

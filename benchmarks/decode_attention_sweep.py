@@ -7,9 +7,12 @@ in [100, 2048]). Each shape is timed with CUDA events over 50 calls after 5 warm
 counts the K/V bytes each call must read (every request's context once), so an fp8 cache that halves the time shows
 the same GB/s.
 
-``--splits 1,2,4`` times each shape at those split counts too (default: the kernel's own choice alone).
+``--splits 1,2,4`` times each shape at those split counts too (default: the kernel's own choice alone);
+``--partitions 256,512`` in fixed partitions of those many tokens as well (as many splits as the longest context
+needs; a long context gets more programs than a short one).
 
 Usage: python benchmarks/decode_attention_sweep.py [--json OUT.json] [--quick] [--heads llama-1b] [--splits N,...]
+       [--partitions TOKENS,...]
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="only the default shape and a few others")
     parser.add_argument("--heads", choices=sorted(HEADS), default="llama-8b", help="the model whose heads to use")
     parser.add_argument("--splits", default=None, help="split counts to time besides the kernel's choice: 1,2,4")
+    parser.add_argument("--partitions", default=None, help="fixed partition sizes to time as well: 256,512")
     args = parser.parse_args()
     global H, KVH, D
     H, KVH, D = HEADS[args.heads]
@@ -69,18 +73,21 @@ def main() -> None:
                                                                     (torch.bfloat16, torch.float8_e4m3fn)):
         q, k, v, tables, lens = _case(batch, low, high, cache_dtype)
         chosen = choose_num_splits(batch, KVH, high)
-        split_counts = sorted({chosen, *(int(n) for n in args.splits.split(","))}) if args.splits else [chosen]
+        split_counts: list[tuple[int, int | None]] = [
+            (n, None) for n in sorted({chosen, *(int(n) for n in args.splits.split(","))} if args.splits else {chosen})]
+        split_counts += [(-(-high // int(p)), int(p)) for p in args.partitions.split(",")] if args.partitions else []
         kv_bytes = 2 * int(lens.sum()) * KVH * D * cache_dtype.itemsize
         out = torch.empty_like(q)
-        for (block_n, warps, stages), splits in itertools.product(shapes, split_counts):
+        for (block_n, warps, stages), (splits, partition) in itertools.product(shapes, split_counts):
             try:
                 ms = _time_ms(functools.partial(decode_attention, q, k, v, tables, lens, D ** -0.5, splits, out=out,
-                                                block_n=block_n, num_warps=warps, num_stages=stages))
+                                                block_n=block_n, num_warps=warps, num_stages=stages,
+                                                partition_size=partition))
             except Exception as exc:  # a shape that does not compile (shared memory): noted, not fatal
                 print(f"{name} {cache_dtype} {block_n}/{warps}/{stages}: {type(exc).__name__}")
                 continue
             row = {"case": name, "heads": args.heads, "cache": str(cache_dtype).removeprefix("torch."),
-                   "splits": splits, "chosen_splits": chosen,
+                   "splits": splits, "partition": partition, "chosen_splits": chosen,
                    "block_n": block_n or "default", "num_warps": warps, "num_stages": stages,
                    "us": round(1000 * ms, 1), "GB/s": round(kv_bytes / ms / 1e6)}
             results.append(row)

@@ -83,6 +83,15 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, max_seq_len_hint: int,
     return max(1, min(by_occupancy, by_length, _MAX_SPLITS))
 
 
+def partition_plan(partition_size: int, max_seq_len: int, block_size: int) -> tuple[int, int]:
+    """``(num_splits, partition_size)`` for fixed partitions of about ``partition_size`` tokens over contexts of up
+    to ``max_seq_len``: the size rounded up to whole blocks, and grown where the contexts would need more than
+    :data:`_MAX_SPLITS` partitions (the merge's scratch grows with the split count)."""
+    blocks = max(-(-partition_size // block_size), -(-max_seq_len // (block_size * _MAX_SPLITS)), 1)
+    size = blocks * block_size
+    return max(1, -(-max_seq_len // size)), size
+
+
 def unsplit_block_n(head_size: int, itemsize: int) -> int:
     """Keys per tile of an unsplit program: :data:`_UNSPLIT_TILE_BYTES` of keys, 64 to 128 (the sizes measured)."""
     return max(_BLOCK_N, min(128, _UNSPLIT_TILE_BYTES // (head_size * itemsize)))
@@ -100,7 +109,7 @@ def _decode_split_kernel(
     stride_lb, stride_lh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, PARTITION_BLOCKS: tl.constexpr,
 ):
     wait_for_previous(USE_PDL)
     req = tl.program_id(0)
@@ -108,7 +117,10 @@ def _decode_split_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + req)
-    blocks_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_SIZE), num_splits)
+    if PARTITION_BLOCKS > 0:  # fixed partitions: a long context takes more splits, a short one leaves some empty
+        blocks_per_split = PARTITION_BLOCKS
+    else:  # each context in ``num_splits`` equal parts
+        blocks_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_SIZE), num_splits)
     start = split * blocks_per_split * BLOCK_SIZE
     end = tl.minimum(start + blocks_per_split * BLOCK_SIZE, seq_len)
 
@@ -203,6 +215,7 @@ def decode_attention(
     num_warps: int = 4,
     num_stages: int = 3,
     launch_cache: dict | None = None,
+    partition_size: int | None = None,
 ) -> torch.Tensor:
     """Attention of each request's single query token over its paged K/V; returns ``out`` ``[B, H, D]``.
 
@@ -213,6 +226,10 @@ def decode_attention(
         (a sweep, docs/benchmarks.md times the alternatives).
     :param launch_cache: a dict kept for one step's layers, to launch them without Triton's dispatch
         (:func:`rtx_kernels.launch.launch`).
+    :param partition_size: split every context into partitions of this many tokens (a multiple of the cache's block
+        size) instead of ``num_splits`` equal parts, so that long contexts get more programs than short ones;
+        ``num_splits`` must then cover the longest context (``cdiv(max_len, partition_size)``): splits past a
+        context's end are empty.
     """
     batch, num_heads, head_size = q.shape
     num_kv_heads, _, block_size, _ = k_cache.shape
@@ -226,6 +243,11 @@ def decode_attention(
                     ("out", out)):
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension")
+    partition_blocks = 0
+    if partition_size is not None:
+        if partition_size < block_size or partition_size % block_size:
+            raise ValueError(f"partition_size {partition_size} must be a multiple of the block size {block_size}")
+        partition_blocks = partition_size // block_size
     if out is None:
         out = torch.empty_like(q)
     group = num_heads // num_kv_heads
@@ -262,7 +284,7 @@ def decode_attention(
         "BLOCK_SIZE": block_size, "BLOCK_N": block_n, "DIRECT": direct,
         # fp32 inputs would otherwise run in TF32 on the GPU and miss fp32 accuracy.
         "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
-        "DOT_DTYPE": dot_dtype(q.dtype, k_cache.dtype), "USE_PDL": use_pdl,
+        "DOT_DTYPE": dot_dtype(q.dtype, k_cache.dtype), "USE_PDL": use_pdl, "PARTITION_BLOCKS": partition_blocks,
     }, options, launch_cache)
     if not direct:
         launch(_decode_merge_kernel, (batch, num_heads), (

@@ -76,6 +76,55 @@ def test_decode_attention_matches_reference(num_heads, num_kv_heads, head_size, 
     assert (out[lens == 0] == 0).all()
 
 
+# (num_heads, num_kv_heads, head_size, block_size, seq_lens, partition_size, num_splits)
+PARTITION_CASES = [
+    pytest.param(32, 8, 64, 16, _lens[:64], 512, 4, id="b64-gqa4-d64-p512") if ON_GPU else
+    pytest.param(4, 2, 32, 4, [0, 1, 4, 9, 23], 8, 3, id="gqa2-p8"),
+    pytest.param(4, 2, 32, 4, [5, 0, 17, 40], 4, 16, id="gqa2-p4-splits-past-every-context"),
+]
+
+
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES, ids=str)
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_size, block_size, seq_lens, partition_size, num_splits",
+                         PARTITION_CASES)
+def test_decode_attention_in_fixed_partitions_matches_reference(num_heads, num_kv_heads, head_size, block_size,
+                                                                seq_lens, partition_size, num_splits, dtype):
+    gen = generator(len(seq_lens) + partition_size)
+    k_cache, v_cache, block_tables = paged_cache(seq_lens, num_kv_heads, block_size, head_size, dtype, gen)
+    q = randn(len(seq_lens), num_heads, head_size, gen=gen, dtype=dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+
+    decode_attention(q, k_cache, v_cache, block_tables, lens, head_size**-0.5, num_splits, out=out,
+                     partition_size=partition_size)
+
+    _assert_attention_close(out, decode_attention_ref(q, k_cache, v_cache, block_tables, lens, head_size**-0.5),
+                            dtype)
+    assert (out[lens == 0] == 0).all()
+
+
+def test_decode_attention_partitions_hold_their_size():
+    # Two splits of 8 tokens read the first 16 of each context, whatever its length: the partition, not an equal
+    # share of the context, sets what a split covers.
+    gen = generator(5)
+    seq_lens = [40, 9, 16, 3]
+    k_cache, v_cache, block_tables = paged_cache(seq_lens, 2, 4, 32, torch.float32, gen)
+    q = randn(len(seq_lens), 4, 32, gen=gen, dtype=torch.float32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = decode_attention(q, k_cache, v_cache, block_tables, lens, 0.2, 2, partition_size=8)
+    _assert_attention_close(out, decode_attention_ref(q, k_cache, v_cache, block_tables, lens.clamp(max=16), 0.2),
+                            torch.float32)
+
+
+def test_decode_attention_refuses_a_partition_off_the_blocks():
+    k_cache = torch.zeros(2, 3, 4, 16, device=DEVICE)
+    q = torch.zeros(1, 2, 16, device=DEVICE)
+    tables = torch.zeros(1, 2, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="multiple of the block size 4"):
+        decode_attention(q, k_cache, k_cache, tables, torch.ones(1, dtype=torch.int32, device=DEVICE), 1.0, 2,
+                         partition_size=6)
+
+
 def test_decode_attention_reuses_a_larger_workspace():
     gen = generator(7)
     seq_lens, num_splits = [9, 0, 21], 4

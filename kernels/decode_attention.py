@@ -83,15 +83,6 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, max_seq_len_hint: int,
     return max(1, min(by_occupancy, by_length, _MAX_SPLITS))
 
 
-def partition_plan(partition_size: int, max_seq_len: int, block_size: int) -> tuple[int, int]:
-    """``(num_splits, partition_size)`` for fixed partitions of about ``partition_size`` tokens over contexts of up
-    to ``max_seq_len``: the size rounded up to whole blocks, and grown where the contexts would need more than
-    :data:`_MAX_SPLITS` partitions (the merge's scratch grows with the split count)."""
-    blocks = max(-(-partition_size // block_size), -(-max_seq_len // (block_size * _MAX_SPLITS)), 1)
-    size = blocks * block_size
-    return max(1, -(-max_seq_len // size)), size
-
-
 def unsplit_block_n(head_size: int, itemsize: int) -> int:
     """Keys per tile of an unsplit program: :data:`_UNSPLIT_TILE_BYTES` of keys, 64 to 128 (the sizes measured)."""
     return max(_BLOCK_N, min(128, _UNSPLIT_TILE_BYTES // (head_size * itemsize)))
@@ -229,7 +220,8 @@ def decode_attention(
     :param partition_size: split every context into partitions of this many tokens (a multiple of the cache's block
         size) instead of ``num_splits`` equal parts, so that long contexts get more programs than short ones;
         ``num_splits`` must then cover the longest context (``cdiv(max_len, partition_size)``): splits past a
-        context's end are empty.
+        context's end are empty. The engine does not use it: on an H100 it was slower than equal splits at W2's
+        contexts (docs/benchmarks.md, Decisions); benchmarks/decode_attention_sweep.py times it.
     """
     batch, num_heads, head_size = q.shape
     num_kv_heads, _, block_size, _ = k_cache.shape

@@ -183,13 +183,6 @@ RTX_PDL = _bool_switch(
     "RTX_PDL", True,
     "Programmatic dependent launch for the decode path's Triton kernels on Hopper and later; `0` turns it off, "
     "for A/B measurements. Read once per process.")
-RTX_DECODE_PARTITION: Switch[int] = Switch(
-    "RTX_DECODE_PARTITION", "int", 0,
-    "Decode attention splits every context into partitions of this many tokens (rounded up to the KV block size; at "
-    "most 32 per context), so that a long context gets more programs than a short one; `0` (the default) splits "
-    "each context into equal parts by the batch's size. An A/B switch for the decode-attention sweep's fixed "
-    "partitions in the engine. Read once per process.",
-    _count)
 RTX_KV_ROW_COPY = _bool_switch(
     "RTX_KV_ROW_COPY", True,
     "KV blocks move between the GPU and the pinned host tier in one Triton launch per reload or spill; `0` makes "
@@ -206,6 +199,5 @@ SWITCHES: dict[str, Switch[object]] = {
     switch.name: switch
     for switch in (RTX_PLUGINS, RTX_API_KEYS, RTX_API_KEY, RTX_FAULT_INJECTION, RTX_TORCH_KERNELS, RTX_TORCH_GEMV,
                    RTX_LAUNCH_CACHE, RTX_ORT_PROVIDER, RTX_PP_MICRO_BATCH_TOKENS, RTX_GRAPH_CACHE, RTX_CPU_KERNELS,
-                   RTX_INT4_MMA, RTX_PDL, RTX_FP8_TRITON_GEMM, RTX_FP8_FAST_ACCUM, RTX_DECODE_PARTITION,
-                   RTX_KV_ROW_COPY, RTX_KV_EVICT_AHEAD)
+                   RTX_INT4_MMA, RTX_PDL, RTX_FP8_TRITON_GEMM, RTX_FP8_FAST_ACCUM, RTX_KV_ROW_COPY, RTX_KV_EVICT_AHEAD)
 }

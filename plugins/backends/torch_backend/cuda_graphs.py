@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
-from rtx_kernels.decode_attention import choose_num_splits, partition_plan
-from rtx_plugins.backends.torch_backend.triton_attention import TritonAttentionMetadata, decode_partition
+from rtx_kernels.decode_attention import choose_num_splits
+from rtx_plugins.backends.torch_backend.triton_attention import TritonAttentionMetadata
 from rtxcore.contracts.backend import ForwardBatch
 
 if TYPE_CHECKING:
@@ -69,7 +69,6 @@ class DecodeGraphs:
         self.max_batch = self.sizes[-1]
         self.max_model_len = max_model_len
         self.max_blocks = -(-max_model_len // block_size)
-        self.block_size = block_size
         self._forward = forward
         self._num_kv_heads = num_kv_heads
         n, w = self.max_batch, self.max_blocks
@@ -105,11 +104,8 @@ class DecodeGraphs:
     def _meta(self, size: int) -> TritonAttentionMetadata:
         # The split count is fixed per graph; each split's range follows the row's own context length.
         splits = choose_num_splits(size, self._num_kv_heads, self.max_model_len)
-        partition_size = None
-        if partition := decode_partition():  # fixed partitions: as many splits as the longest context needs
-            splits, partition_size = partition_plan(partition, self.max_model_len, self.block_size)
         inputs = self._inputs[size]
-        return TritonAttentionMetadata(inputs.slots, size, inputs.tables, inputs.lens, splits, partition_size)
+        return TritonAttentionMetadata(inputs.slots, size, inputs.tables, inputs.lens, splits)
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return (batch.write_kv and batch.num_decodes == batch.num_reqs and 0 < batch.num_reqs <= self.max_batch

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rtx_kernels.decode_attention import DecodeWorkspace, choose_num_splits, decode_attention, partition_plan
+from rtx_kernels.decode_attention import DecodeWorkspace, choose_num_splits, decode_attention
 from rtx_kernels.prefill_attention import prefill_attention
 from rtx_kernels.rotary import apply_rotary
 from rtx_plugins.backends.torch_backend.layers import RotaryEmbedding
@@ -33,12 +33,6 @@ def _launch_cache_enabled() -> bool:
     return envs.RTX_LAUNCH_CACHE.get()
 
 
-@functools.cache
-def decode_partition() -> int:
-    """Tokens per fixed decode-attention partition (RTX_DECODE_PARTITION), 0 for equal parts; read once."""
-    return envs.RTX_DECODE_PARTITION.get()
-
-
 @dataclass(slots=True)
 class TritonAttentionMetadata:
     slot_mapping: torch.Tensor  # [tokens] int64
@@ -46,8 +40,6 @@ class TritonAttentionMetadata:
     decode_block_tables: torch.Tensor  # [decodes, width] int32
     decode_seq_lens: torch.Tensor  # [decodes] int32
     num_splits: int
-    # Fixed partitions of this many tokens per split instead of equal parts (RTX_DECODE_PARTITION); None: equal.
-    partition_size: int | None = None
     num_prefills: int = 0
     # Offsets of each prefill chunk among the prefill tokens (the first prefill token is row 0), [prefills + 1].
     prefill_query_start_loc: torch.Tensor | None = None
@@ -74,9 +66,6 @@ class TritonAttentionMetadata:
             decode_seq_lens=seq_lens[:nd],
             num_splits=choose_num_splits(nd, num_kv_heads, max(batch.seq_lens[:nd])) if nd else 1,
         )
-        if nd and (partition := decode_partition()):
-            meta.num_splits, meta.partition_size = partition_plan(partition, max(batch.seq_lens[:nd]),
-                                                                  batch.block_size)
         if device.type == "cuda" and _launch_cache_enabled():
             meta.launch_cache = {}
         if meta.num_splits > 1 and num_heads:
@@ -131,7 +120,7 @@ def attend(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: T
     if nd:
         decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
                          meta.num_splits, out=out[:nd], workspace=meta.decode_workspace,
-                         launch_cache=meta.launch_cache, partition_size=meta.partition_size)
+                         launch_cache=meta.launch_cache)
     if meta.num_prefills:
         prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_query_start_loc, meta.prefill_seq_lens,
                           meta.prefill_block_tables, scale, meta.max_query_len, out=out[nd:],

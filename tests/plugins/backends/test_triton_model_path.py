@@ -58,21 +58,6 @@ def test_single_stream_matches_torch_path(monkeypatch):
     assert _tokens(monkeypatch, "triton", prompts) == _tokens(monkeypatch, "torch", prompts)
 
 
-def test_decode_attention_in_fixed_partitions_matches_torch_path(monkeypatch):
-    # RTX_DECODE_PARTITION=16 at blocks of 8: contexts of up to 82 tokens span one to six partitions, so the decode
-    # rows of one step take different numbers of non-empty splits, merged by the second kernel.
-    from rtx_plugins.backends.torch_backend import triton_attention
-
-    expected = _tokens(monkeypatch, "torch", max_num_batched_tokens=32)
-    monkeypatch.setenv("RTX_DECODE_PARTITION", "16")
-    triton_attention.decode_partition.cache_clear()
-    try:
-        assert triton_attention.decode_partition() == 16
-        assert _tokens(monkeypatch, "triton", max_num_batched_tokens=32) == expected
-    finally:
-        triton_attention.decode_partition.cache_clear()
-
-
 def test_unknown_kernel_choice_is_refused(monkeypatch):
     from rtxcore.errors import ConfigError
 

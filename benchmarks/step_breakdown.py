@@ -75,13 +75,14 @@ def record_steps(engine) -> list[StepRecord]:
 
 
 def breakdown(records: list[StepRecord], end: float) -> dict:
-    """Group the steps; step i is charged the gap from schedule i+1 to schedule i+2 (the last two steps: to the
-    run's end, split evenly)."""
+    """Group the steps; step i is charged the gap from schedule i+1 to schedule i+2, the last two steps the gap from
+    the last schedule to the run's end, split evenly (the first gap, before any step's device work shows, is left
+    out)."""
     times = [r.at for r in records] + [end]
     gaps = [times[i + 1] - times[i] for i in range(len(records))]
     charged = gaps[1:] + [0.0]
     if len(records) >= 2:
-        charged[-2] = charged[-1] = (gaps[-1]) / 2 if len(gaps) >= 1 else 0.0
+        charged[-2] = charged[-1] = gaps[-1] / 2
     kinds: dict[str, Group] = defaultdict(Group)
     by_rows: dict[str, Group] = defaultdict(Group)
     for r, s in zip(records, charged):

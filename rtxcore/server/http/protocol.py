@@ -12,6 +12,7 @@ from typing import Any
 from rtxcore.errors import InvalidRequestError
 from rtxcore.lanes import check_lane_name
 from rtxcore.sampling_params import SamplingParams, is_int
+from rtxcore.server.http.fields import bool_field, int_field, model_field
 from rtxcore.server.http.structured_fields import structured_output, structured_output_field
 from rtxcore.server.serving.limits import MAX_BATCH
 from rtxcore.server.serving.tool_calls import ToolRequest, parse_tools, required_grammar
@@ -380,25 +381,3 @@ def _check_tool_calls(calls: Any, param: str) -> None:
                                       param="messages")
         if call.get("type", "function") != "function":
             raise InvalidRequestError(f'{param}[{i}].type must be "function"', param="messages")
-
-
-def model_field(body: dict[str, Any]) -> str | None:
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise InvalidRequestError("model must be a string", param="model")
-    return model
-
-
-def int_field(value: Any, param: str, low: int | None = None, high: int | None = None) -> int:
-    if not is_int(value):
-        raise InvalidRequestError(f"{param} must be an integer, got {value!r}", param=param)
-    if (low is not None and value < low) or (high is not None and value > high):
-        bounds = f"at least {low}" if high is None else f"in [{low}, {high}]"
-        raise InvalidRequestError(f"{param} must be {bounds}, got {value}", param=param)
-    return value
-
-
-def bool_field(value: Any, param: str) -> bool:
-    if not isinstance(value, bool):
-        raise InvalidRequestError(f"{param} must be true or false", param=param)
-    return value

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rtxcore.errors import InvalidRequestError
-from rtxcore.server.http.protocol import bool_field, int_field
+from rtxcore.server.http.fields import bool_field, int_field
 from rtxcore.server.http.structured_fields import json_schema_format
 
 # Fields of a Responses body that have no chat counterpart of the same name, or one that means something else: the

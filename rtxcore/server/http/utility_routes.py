@@ -19,7 +19,8 @@ from rtxcore.engine.input_processor import InputProcessor
 from rtxcore.errors import InvalidRequestError
 from rtxcore.sampling_params import is_int
 from rtxcore.server.http.common import read_json
-from rtxcore.server.http.protocol import bool_field, model_field, parse_chat
+from rtxcore.server.http.fields import bool_field, model_field
+from rtxcore.server.http.protocol import parse_chat
 from rtxcore.server.serving.runtime import ServingRuntime
 from rtxcore.tokenizer import Tokenizer
 

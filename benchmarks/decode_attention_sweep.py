@@ -26,20 +26,21 @@ import torch
 
 from rtx_kernels.decode_attention import choose_num_splits, decode_attention
 
-H, KVH, D, BS = 32, 8, 128, 16
+BS = 16
 HEADS = {"llama-8b": (32, 8, 128), "llama-1b": (32, 8, 64)}  # query heads, kv heads, head size
 CASES = {"W8B 256 x [128, 256]": (256, 128, 256), "W2-like 64 x [100, 2048]": (64, 100, 2048)}
 
 
-def _case(batch: int, low: int, high: int, cache_dtype: torch.dtype):
+def _case(batch: int, low: int, high: int, cache_dtype: torch.dtype, heads: tuple[int, int, int]):
+    num_heads, kv_heads, head_size = heads
     gen = torch.Generator(device="cuda").manual_seed(0)
     seq_lens = torch.randint(low, high + 1, (batch,), device="cuda", generator=gen, dtype=torch.int32)
     blocks_per_seq = -(-high // BS)
     num_blocks = batch * blocks_per_seq + 1
-    k = torch.randn(KVH, num_blocks, BS, D, device="cuda", generator=gen).to(cache_dtype)
-    v = torch.randn(KVH, num_blocks, BS, D, device="cuda", generator=gen).to(cache_dtype)
+    k = torch.randn(kv_heads, num_blocks, BS, head_size, device="cuda", generator=gen).to(cache_dtype)
+    v = torch.randn(kv_heads, num_blocks, BS, head_size, device="cuda", generator=gen).to(cache_dtype)
     tables = (torch.randperm(num_blocks - 1, device="cuda", generator=gen) + 1).view(batch, blocks_per_seq).int()
-    q = torch.randn(batch, H, D, device="cuda", generator=gen).bfloat16()
+    q = torch.randn(batch, num_heads, head_size, device="cuda", generator=gen).bfloat16()
     return q, k, v, tables, seq_lens
 
 
@@ -63,25 +64,24 @@ def main() -> None:
     parser.add_argument("--splits", default=None, help="split counts to time besides the kernel's choice: 1,2,4")
     parser.add_argument("--partitions", default=None, help="fixed partition sizes to time as well: 256,512")
     args = parser.parse_args()
-    global H, KVH, D
-    H, KVH, D = HEADS[args.heads]
+    _, kv_heads, head_size = HEADS[args.heads]
     shapes = [(None, 4, 3)] + list(itertools.product((64, 128, 256), (4, 8), (2, 3, 4)))
     if args.quick:
         shapes = shapes[:1] + [(128, 8, 3), (256, 8, 3), (256, 8, 2)]
     results = []
     for (name, (batch, low, high)), cache_dtype in itertools.product(CASES.items(),
                                                                     (torch.bfloat16, torch.float8_e4m3fn)):
-        q, k, v, tables, lens = _case(batch, low, high, cache_dtype)
-        chosen = choose_num_splits(batch, KVH, high)
+        q, k, v, tables, lens = _case(batch, low, high, cache_dtype, HEADS[args.heads])
+        chosen = choose_num_splits(batch, kv_heads, high)
         split_counts: list[tuple[int, int | None]] = [
             (n, None) for n in sorted({chosen, *(int(n) for n in args.splits.split(","))} if args.splits else {chosen})]
         split_counts += [(-(-high // int(p)), int(p)) for p in args.partitions.split(",")] if args.partitions else []
-        kv_bytes = 2 * int(lens.sum()) * KVH * D * cache_dtype.itemsize
+        kv_bytes = 2 * int(lens.sum()) * kv_heads * head_size * cache_dtype.itemsize
         out = torch.empty_like(q)
         for (block_n, warps, stages), (splits, partition) in itertools.product(shapes, split_counts):
             try:
-                ms = _time_ms(functools.partial(decode_attention, q, k, v, tables, lens, D ** -0.5, splits, out=out,
-                                                block_n=block_n, num_warps=warps, num_stages=stages,
+                ms = _time_ms(functools.partial(decode_attention, q, k, v, tables, lens, head_size ** -0.5, splits,
+                                                out=out, block_n=block_n, num_warps=warps, num_stages=stages,
                                                 partition_size=partition))
             except Exception as exc:  # a shape that does not compile (shared memory): noted, not fatal
                 print(f"{name} {cache_dtype} {block_n}/{warps}/{stages}: {type(exc).__name__}")

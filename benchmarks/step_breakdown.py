@@ -84,15 +84,14 @@ def breakdown(records: list[StepRecord], end: float) -> dict:
     if len(records) >= 2:
         charged[-2] = charged[-1] = gaps[-1] / 2
     kinds: dict[str, Group] = defaultdict(Group)
-    by_rows: dict[str, Group] = defaultdict(Group)
+    by_rows: dict[tuple[str, int], Group] = defaultdict(Group)
     for r, s in zip(records, charged):
         kind = "mixed" if r.prompt_tokens else "decode"
         kinds[kind].add(r, s)
-        bucket = 1 << max(0, (r.rows - 1).bit_length())  # rows rounded up to a power of two
-        by_rows[f"{kind} <= {bucket} rows"].add(r, s)
+        by_rows[kind, 1 << max(0, (r.rows - 1).bit_length())].add(r, s)  # rows rounded up to a power of two
     return {"steps": len(records), "seconds": sum(charged), "preempted": sum(r.preempted for r in records),
             "kinds": {k: asdict(g) for k, g in sorted(kinds.items())},
-            "by_rows": {k: asdict(g) for k, g in sorted(by_rows.items(), key=lambda kv: (kv[0][0], len(kv[0]), kv[0]))}}
+            "by_rows": {f"{kind} <= {rows} rows": asdict(g) for (kind, rows), g in sorted(by_rows.items())}}
 
 
 def run(engine, requests, static: bool) -> dict:
@@ -100,7 +99,7 @@ def run(engine, requests, static: bool) -> dict:
     records = record_steps(engine)
     result = run_engine(engine, requests, static_batching=static)
     summary = breakdown(records, time.perf_counter())
-    engine.core.schedule = type(engine.core).schedule.__get__(engine.core)
+    del engine.core.schedule  # the wrapper goes: the class's own method shows again
     engine.core.kv_cache.reset_prefix_cache()
     summary.update(tokens_per_s=result.tokens_per_s, elapsed_s=result.elapsed_s, output_tokens=result.output_tokens)
     return summary

@@ -73,12 +73,13 @@ def test_w5_at_one_and_a_half_times_capacity(w5_server, capacity):
 def test_brownout_enters_under_a_spike_and_leaves_once(w5_server, capacity):
     # Start from normal service: the previous test's overload may still hold a brownout level.
     assert _wait_for_brownout_level_zero(w5_server.base_url, 90)[-1:] == [0], "brownout never left before the spike"
-    # Half of capacity, then 5x capacity for 8 s, then half again: one spike. W5's spikes are 3x for 10 s (the
+    # Half of capacity, then 10x capacity for 8 s, then half again: one spike. W5's spikes are 3x for 10 s (the
     # benchmark runs those); whether 3x overloads the protected lanes within a short run depends on how the capacity
-    # measurement fell, and this test must not, so its spike is unambiguous.
+    # measurement fell, and this test must not, so its spike is unambiguous. 5x was not: one CI machine measured
+    # 1.25 req/s, half of what it then served, and its 5x spike kept standard's TTFT under 0.5 of its target.
     report = run_loadgen_sync(LoadgenConfig(
         url=w5_server.base_url, lanes=W5_LANES, capacity=capacity, load=0.5, duration_s=30, seed=9,
-        pattern=SpikyArrivals(factor=10.0, spike_len_s=8.0, period_s=1000.0, start_s=4.0), metrics_interval_s=0.25))
+        pattern=SpikyArrivals(factor=20.0, spike_len_s=8.0, period_s=1000.0, start_s=4.0), metrics_interval_s=0.25))
     print(report.table())
     _check_every_request_accounted(report)
     levels = [s.level for s in report.brownout if s.level is not None]

@@ -3,11 +3,14 @@ backend with the model loaded, the KV cache sized from memory, and the lower KV 
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import cast
+
+import torch
 
 from rtxcore.contracts.backend import BackendOptions, ExecutionBackend, runs_quantization
 from rtxcore.contracts.logits_processor import LogitsProcessorContext
@@ -72,8 +75,11 @@ def build_components(config: EngineConfig, registry: PluginRegistry | None, sour
     max_model_len = min(config.max_model_len or model_config.max_position, model_config.max_position)
     num_blocks = config.num_kv_blocks or _num_blocks_from_memory(config, backend, max_model_len)
     policy = registry.create("eviction_policy", config.eviction_policy, num_blocks)
-    backend.allocate_kv_cache(num_blocks, config.block_size)
-    kv_tiers = (KVTiers(config, backend, registry, source) if config.kv_host_bytes or config.kv_disk_dir else None)
+    with _sized_by("--num-kv-blocks", f"a KV cache of {num_blocks} blocks"):
+        backend.allocate_kv_cache(num_blocks, config.block_size)
+    with _sized_by("--kv-host-bytes and --kv-disk-dir", "the KV tiers"):
+        kv_tiers = (KVTiers(config, backend, registry, source) if config.kv_host_bytes or config.kv_disk_dir
+                    else None)
     kv_cache = KVCacheManager(num_blocks, config.block_size, policy, config.enable_prefix_caching,
                               kv_tiers.offload if kv_tiers is not None else None)
     if kv_tiers is not None:
@@ -100,6 +106,24 @@ def build_components(config: EngineConfig, registry: PluginRegistry | None, sour
                             forced_tokens=logits.forced_tokens if grammar_proposals else None)
     return EngineComponents(registry, source, backend, tokenizer, max_model_len, kv_tiers, kv_cache, scheduler,
                             sampler, output_processor, speculator, logits)
+
+
+@contextlib.contextmanager
+def _sized_by(flags: str, what: str) -> Iterator[None]:
+    """Memory that a setting sizes and the machine cannot give (or a place that cannot be made) is that setting's
+    error, named, not a traceback from the allocator."""
+    try:
+        yield
+    except (MemoryError, OverflowError, torch.OutOfMemoryError) as exc:
+        raise ConfigError(f"cannot allocate {what}: {type(exc).__name__} {exc}".rstrip() + f"; check {flags}") \
+            from None
+    except RuntimeError as exc:
+        if "allocate" not in str(exc):  # torch's CPU allocator: "DefaultCPUAllocator: can't allocate memory"
+            raise
+        raise ConfigError(f"cannot allocate {what}: {str(exc).splitlines()[0]}; check {flags}") from None
+    except OSError as exc:  # an anonymous map too large (ENOMEM), a tier directory that cannot be made
+        raise ConfigError(f"cannot set up {what}: {exc.strerror or exc}"
+                          f"{f' ({exc.filename})' if exc.filename else ''}; check {flags}") from None
 
 
 def steps_overlap(config: EngineConfig, backend: ExecutionBackend) -> bool:

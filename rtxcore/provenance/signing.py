@@ -99,6 +99,12 @@ def sign_model(model_path: str | Path, private_key: str | Path, signature: str |
     if problem:
         raise ConfigError(f"cannot sign with {key}: it {problem}")
     sig = Path(signature) if signature else default_signature_path(path)
+    # The signature is written over whatever is at its path: never the model or the key it would stand for.
+    for what, other in (("the model", path), ("the private key", key)):
+        if sig.resolve() == other.resolve():
+            raise ConfigError(f"the signature would overwrite {what} ({other}): give --signature another path")
+    if path.is_dir() and not any(f.is_file() and f.resolve() != sig.resolve() for f in path.rglob("*")):
+        raise ConfigError(f"{path} holds no files to sign")
     try:
         (signing.Config().use_elliptic_key_signer(private_key=key, password=password)
          .set_hashing_config(_hashing_config(hashing, path, sig)).sign(path, sig))

@@ -124,7 +124,8 @@ def render_chat_template(source: str, messages: Sequence[Mapping[str, Any]], *, 
         return template.render(**context)
     except jinja2.TemplateError as exc:
         raise InvalidRequestError(f"chat template rejected the conversation: {exc}", param="messages") from None
-    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
-        # Templates assume shapes (string content, alternating roles) that a request can break in plain Python ways.
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError, RecursionError) as exc:
+        # Templates assume shapes (string content, alternating roles) that a request can break in plain Python ways,
+        # and a template of a user's own (--chat-template) can fail in arithmetic ({{ 1 / 0 }}) or recursion.
         raise InvalidRequestError(f"chat template failed on these messages: {type(exc).__name__}: {exc}",
                                   param="messages") from None

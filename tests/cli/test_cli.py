@@ -48,9 +48,20 @@ from tests.helpers.cli import assert_one_line_error, rtx
     (["generate", "hi", "--model", "dummy:tiny", "--system", "be brief"], "it needs --chat"),
     (["serve", "--model", "dummy:tiny", "--ssl-certfile", __file__, "--ssl-keyfile", __file__],
      "are not a PEM certificate chain"),
+    (["loadgen", "--url", "http://127.0.0.1:99999", "--duration", "1"], "port in [1, 65535]"),
 ])
 def test_bad_input_one_line_exit_2(args, fragment):
     assert_one_line_error(rtx(*args), fragment)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--num-kv-blocks", "99999999999999999999"], "--num-kv-blocks"),
+    (["--kv-host-bytes", "99999999TiB"], "--kv-host-bytes"),
+    (["--kv-disk-dir", "/proc/rtx-kv"], "--kv-disk-dir"),
+])
+def test_memory_no_machine_has_names_the_flag_once_the_weights_are_in(args, fragment):
+    # Sizes in bytes are known once the model is: the error comes after the loading lines, one line, no traceback.
+    assert_one_line_error(rtx("generate", "hi", "--model", "dummy:tiny", *args), fragment, after_progress=True)
 
 
 def test_truncated_gguf_is_refused(tmp_path, default_model_file):

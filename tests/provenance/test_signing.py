@@ -143,6 +143,20 @@ def test_keys_that_are_not_ec_pem_are_named_before_any_work(signed_model, model_
     assert not (model_copy.parent / (model_copy.name + ".sig")).exists()
 
 
+def test_a_signature_never_overwrites_the_model_or_the_key_and_an_empty_directory_is_not_signed(tmp_path, keys):
+    private, _ = keys
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF and more")
+    assert "would overwrite the model" in one_line_error(rtx("sign", str(model), "--key", str(private),
+                                                             "--signature", str(model)))
+    assert model.read_bytes() == b"GGUF and more"
+    assert "would overwrite the private key" in one_line_error(rtx("sign", str(model), "--key", str(private),
+                                                                   "--signature", str(private)))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "holds no files" in one_line_error(rtx("sign", str(empty), "--key", str(private)))
+
+
 def test_a_signed_directory_covers_every_file(tmp_path, keys):
     """Hugging Face directories and ONNX exports are signed as directories: an added, removed or changed file fails."""
     model = tmp_path / "export"

@@ -206,6 +206,9 @@ def test_template_helpers(tok: Tokenizer) -> None:
         custom.apply_chat_template([{"role": "tool", "content": "x"}])
     with pytest.raises(InvalidRequestError, match="chat template is invalid"):
         _with_template(tok, "{% for m in messages %}").apply_chat_template([{"role": "user", "content": "x"}])
+    # A template of one's own (--chat-template) can fail in arithmetic too: a request error, not a traceback.
+    with pytest.raises(InvalidRequestError, match="ZeroDivisionError"):
+        _with_template(tok, "{{ 1 / 0 }}").apply_chat_template([{"role": "user", "content": "x"}])
 
 
 def test_template_is_sandboxed(tok: Tokenizer) -> None:

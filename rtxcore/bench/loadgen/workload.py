@@ -8,6 +8,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
+
 from rtxcore.errors import ConfigError
 
 LANE_HEADER = "x-rtx-lane"
@@ -240,6 +242,14 @@ class LoadgenConfig:
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
             raise ConfigError(f"url must start with http:// or https://, got {self.url!r}")
+        try:
+            # httpx parses it as it will connect: a port past 65535 would only fail there, deep in a task group.
+            url = httpx.URL(self.url)
+            ok = bool(url.host) and (url.port is None or 0 < url.port <= 65535)
+        except (httpx.InvalidURL, ValueError):
+            ok = False
+        if not ok:
+            raise ConfigError(f"url must be http(s)://HOST[:PORT] with a port in [1, 65535], got {self.url!r}")
         self.url = self.url.rstrip("/")
         if self.rate is not None and self.load is not None:
             raise ConfigError("give either a rate or a load (a multiple of capacity), not both")

@@ -8,6 +8,8 @@ field at fault (``param``), how long to wait before retrying (``retry_after_s``)
 from __future__ import annotations
 
 import enum
+import re
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -54,6 +56,16 @@ class RequestError(RtxError):
         self.param = param
         self.retry_after_s = retry_after_s
         self.reason = reason
+
+    def rename_param(self, names: Mapping[str, str]) -> None:
+        """Name the field at fault as the client sent it (``names``: the engine's name to the request's), in
+        ``param`` and wherever the message names it (``"structured_output: ..."`` becomes ``"guided_regex: ..."``)."""
+        new = names.get(self.param or "")
+        if self.param is None or new is None:
+            return
+        self.message = re.sub(rf"\b{re.escape(self.param)}\b", new, self.message)
+        self.args = (self.message,)
+        self.param = new
 
     def to_json(self) -> dict[str, Any]:
         return {"code": self.code.value, "message": self.message, "param": self.param,

@@ -84,8 +84,9 @@ class SamplingParams:
                f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}", "top_k")
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {_short(self.top_p)}", "top_p")
         _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {_short(self.min_p)}", "min_p")
-        _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}",
-               "repetition_penalty")
+        _check(MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+               f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}], got "
+               f"{_short(self.repetition_penalty)}", "repetition_penalty")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(-2 <= value <= 2, f"{name} must be in [-2, 2], got {_short(value)}", name)
@@ -121,10 +122,6 @@ class SamplingParams:
             _check(ids is None or (isinstance(ids, list) and all(is_int(t) and t >= 0 for t in ids)),
                    f"{name} must be a list of token ids", name)
         _check(self.allowed_token_ids != [], "allowed_token_ids must not be empty", "allowed_token_ids")
-        _check(not (self.allowed_token_ids and self.banned_token_ids
-                    and set(self.allowed_token_ids) <= set(self.banned_token_ids)),
-               "banned_token_ids bans every token allowed_token_ids allows: nothing could be sampled",
-               "banned_token_ids")
         so = self.structured_output
         if so is not None:
             _check(isinstance(so, dict) and len(so) == 1 and next(iter(so)) in STRUCTURED_OUTPUT_KINDS,
@@ -132,14 +129,32 @@ class SamplingParams:
                    "structured_output")
         _check(isinstance(self.logits_processors, dict) and all(isinstance(k, str) for k in self.logits_processors),
                "logits_processors must be an object of processor name -> arguments", "logits_processors")
+        for name, field_name in PROCESSOR_FIELDS.items():
+            # A built-in named in the map too would be given twice, the map's silently winning.
+            _check(not (name in self.logits_processors and getattr(self, field_name) not in (None, {}, [])),
+                   f"{name} is given twice: as {field_name} and in logits_processors", "logits_processors")
+        # Allowed and banned tokens from their fields or the map: every allowed one banned leaves nothing to sample.
+        allowed = self.logits_processors.get("allowed_tokens", self.allowed_token_ids)
+        banned = self.logits_processors.get("banned_tokens", self.banned_token_ids)
+        where = "banned_token_ids" if self.banned_token_ids else "logits_processors"
+        _check(not (isinstance(allowed, list) and allowed and isinstance(banned, list)
+                    and all(is_int(t) for t in allowed + banned) and set(allowed) <= set(banned)),
+               f"{where}: the banned tokens ban every token the allowed tokens allow: nothing could be sampled", where)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
 
+# The built-in logits processors and the request field each takes its arguments from (processor_args).
+PROCESSOR_FIELDS = {"logit_bias": "logit_bias", "allowed_tokens": "allowed_token_ids",
+                    "banned_tokens": "banned_token_ids", "structured_output": "structured_output"}
 # The smallest temperature taken as given; below it, greedy (see SamplingParams.temperature).
 MIN_TEMPERATURE = 1e-5
+# repetition_penalty's range. A seen token's positive logit is divided by the penalty: far below this bound it
+# overflows float32 (at 1e-38 sampling drew end-of-text tokens the model gave 1e-5), and far above it every seen
+# negative logit becomes -inf. Usual values are 1 to 2.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-3, 1e3
 
 
 def is_int(value: object) -> bool:

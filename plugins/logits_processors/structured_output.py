@@ -28,7 +28,12 @@ import llguidance as llg
 import numpy as np
 import torch
 
-from rtxcore.contracts.logits_processor import LogitsProcessor, LogitsProcessorContext, RowContext
+from rtxcore.contracts.logits_processor import (
+    LogitsProcessor,
+    LogitsProcessorContext,
+    RequestArgumentError,
+    RowContext,
+)
 from rtxcore.errors import ConfigError
 from rtxcore.hookspecs import Register, hookimpl
 
@@ -188,12 +193,13 @@ class StructuredOutput(LogitsProcessor):
 
 
 def _raise_if_gave_up(matcher: llg.LLMatcher) -> None:
-    """For a matcher in its error state: ValueError unless a refused token put it there. Any other error is llguidance
-    giving up on a grammar it accepted (a resource limit met mid-way): the request then fails naming it
-    (rtxcore.engine.faults) rather than ending quietly with what came before."""
+    """For a matcher in its error state: RequestArgumentError unless a refused token put it there. Any other error is
+    llguidance giving up on a grammar it accepted (a resource limit met mid-way): the request then fails as its
+    client's error naming the grammar's field (rtxcore.engine.faults) rather than ending quietly with what came
+    before."""
     error = matcher.get_error()
     if not any(refused in error for refused in _REFUSED):
-        raise ValueError(f"the grammar engine gave up: {error.splitlines()[0]}")
+        raise RequestArgumentError(f"the grammar engine gave up on this grammar: {error.splitlines()[0]}")
 
 
 def _fill_rows(logits: torch.Tensor, rows: list[int], forbidden: torch.Tensor) -> None:

@@ -29,8 +29,11 @@ def apply_top_k_top_p(
     if top_p is not None:
         probs = sorted_logits.softmax(dim=-1)
         mass_ahead = probs.cumsum(dim=-1) - probs
-        # The top token has nothing ahead of it and top_p > 0, so every row keeps at least one token.
-        sorted_logits.masked_fill_(mass_ahead >= top_p.unsqueeze(1), float("-inf"))
+        outside = mass_ahead >= top_p.unsqueeze(1)
+        # The top token always stays: a top_p below float32's smallest value (1e-300) is 0 in the tensor, and
+        # nothing would be left to sample from.
+        outside[:, 0] = False
+        sorted_logits.masked_fill_(outside, float("-inf"))
     return sorted_logits.scatter(1, order, sorted_logits)
 
 

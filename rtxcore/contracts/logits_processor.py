@@ -33,6 +33,14 @@ if TYPE_CHECKING:
     from rtxcore.tokenizer import Tokenizer
 
 
+class RequestArgumentError(ValueError):
+    """Raised from :meth:`LogitsProcessor.advance`, :meth:`~LogitsProcessor.apply` or
+    :meth:`~LogitsProcessor.forced_tokens` when the request's own arguments cannot go on, though ``prepare``
+    accepted them (a grammar past the grammar engine's limits, met only as generation reaches that part of it): the
+    request ends as its client's error (HTTP 400, gRPC INVALID_ARGUMENT) naming its field, not as the plugin's fault.
+    Any other exception is the plugin's fault (HTTP 500)."""
+
+
 @dataclass(slots=True)
 class LogitsProcessorContext:
     # The model's tokenizer (None for a model without one: text-based processors then refuse in prepare).

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 from rtxcore.engine.core import EngineCore
 from rtxcore.engine.input_processor import InputProcessor, Prompt
-from rtxcore.engine.outputs import RequestOutput, TokenLogprob
-from rtxcore.errors import EngineFailed, ErrorCode, RequestError
+from rtxcore.engine.outputs import RequestFailure, RequestOutput, TokenLogprob
+from rtxcore.errors import EngineFailed, ErrorCode, InvalidRequestError, RequestError
 from rtxcore.lanes import DEFAULT_LANE
 from rtxcore.request import Request
 from rtxcore.sampling_params import SamplingParams
@@ -202,8 +202,7 @@ class AsyncEngine:
                 for out in outputs:
                     sink = self._sinks.pop(out.req_id, None) if out.finished else self._sinks.get(out.req_id)
                     if sink is not None:
-                        self._deliver(out.req_id, sink, out if out.error is None else
-                                      RequestError(ErrorCode.INTERNAL, out.error.describe(), reason="plugin_failed"))
+                        self._deliver(out.req_id, sink, out if out.error is None else _request_error(out.error))
         except BaseException as exc:  # the loop must never die silently: fail every waiting stream
             self.error = exc
             log.exception("engine loop failed")
@@ -269,3 +268,11 @@ class AsyncEngine:
             self._sinks[item.req.req_id] = item.sink
             item.accepted.set_result(item.req.req_id)
             self._observe("on_admit", item.req, item.submitted_at, time.monotonic())
+
+
+def _request_error(failure: RequestFailure) -> RequestError:
+    """The error a failed request's client gets: its own (400) when its arguments could not go on, else the
+    plugin's (500)."""
+    if failure.param is not None:
+        return InvalidRequestError(failure.describe(), param=failure.param)
+    return RequestError(ErrorCode.INTERNAL, failure.describe(), reason="plugin_failed")

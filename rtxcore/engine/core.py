@@ -202,7 +202,9 @@ class EngineCore:
         "error"), and the step goes on for the others."""
         if self.requests.get(req.req_id) is not req:
             return  # gone already (a grammar's step can end it before the fault is found)
-        log.error("request %s failed: %s", req.req_id, failure.describe())
+        # A request whose own arguments could not go on is its client's error, not the server's.
+        log.log(logging.WARNING if failure.param is not None else logging.ERROR, "request %s failed: %s", req.req_id,
+                failure.describe())
         req.status = RequestStatus.FINISHED_ERROR
         out = self.output_processor.make_output(req, [], "")
         out.error = failure

@@ -37,13 +37,16 @@ log = logging.getLogger(__name__)
 class PluginFault(Exception):
     """A plugin raised; carries which one, so that the request's error names it."""
 
-    def __init__(self, cause: str, plugin: str, exc: BaseException):
-        super().__init__(f"{type(exc).__name__}: {exc}")
+    def __init__(self, cause: str, plugin: str, exc: BaseException, param: str | None = None):
+        """:param param: the request field at fault, when the request's arguments are (then the message is the
+            exception's own, for the client)."""
+        super().__init__(str(exc) if param is not None else f"{type(exc).__name__}: {exc}")
         self.cause = cause
         self.plugin = plugin
+        self.param = param
 
     def failure(self) -> RequestFailure:
-        return RequestFailure(self.cause, self.plugin, str(self))
+        return RequestFailure(self.cause, self.plugin, str(self), self.param)
 
 
 def fault_of(exc: Exception, cause: str, plugin: str) -> RequestFailure:

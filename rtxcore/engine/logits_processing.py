@@ -11,18 +11,22 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rtxcore.contracts.logits_processor import LogitsProcessor, LogitsProcessorContext, RowContext
+from rtxcore.contracts.logits_processor import (
+    LogitsProcessor,
+    LogitsProcessorContext,
+    RequestArgumentError,
+    RowContext,
+)
 from rtxcore.engine.faults import PluginFault
 from rtxcore.errors import ConfigError, InvalidRequestError
 from rtxcore.request import Request
-from rtxcore.sampling_params import SamplingParams
+from rtxcore.sampling_params import PROCESSOR_FIELDS, SamplingParams
 
 if TYPE_CHECKING:
     from rtxcore.registry import PluginRegistry
 
 # The request field behind each built-in processor, named in errors; other processors come from logits_processors.
-_PARAM_OF = {"logit_bias": "logit_bias", "allowed_tokens": "allowed_token_ids", "banned_tokens": "banned_token_ids",
-             "structured_output": "structured_output"}
+_PARAM_OF = PROCESSOR_FIELDS
 
 
 @dataclass(slots=True, eq=False)
@@ -69,6 +73,12 @@ def _prepare(processor: LogitsProcessor, value: Any, param: str) -> Any:
         return processor.prepare(value)
     except ValueError as exc:
         raise InvalidRequestError(f"{param}: {exc}", param=param) from None
+
+
+def _fault(name: str, exc: Exception) -> PluginFault:
+    """Processor ``name`` raised ``exc``: its fault, or the request's when its arguments cannot go on."""
+    param = _PARAM_OF.get(name, "logits_processors") if isinstance(exc, RequestArgumentError) else None
+    return PluginFault("logits_processor", name, exc, param)
 
 
 class LogitsProcessing:
@@ -152,7 +162,7 @@ class LogitsProcessing:
             try:
                 self.processors[name].apply(logits, processor_rows)
             except Exception as exc:
-                raise PluginFault("logits_processor", name, exc) from exc
+                raise _fault(name, exc) from exc
 
     def forced_tokens(self, req: Request, max_tokens: int) -> list[int]:
         """At most ``max_tokens`` tokens that ``req``'s processors force next (the first processor that forces any),
@@ -165,7 +175,7 @@ class LogitsProcessing:
             try:
                 tokens = self.processors[name].forced_tokens(state.states[name], max_tokens)
             except Exception as exc:
-                raise PluginFault("logits_processor", name, exc) from exc
+                raise _fault(name, exc) from exc
             if tokens:
                 return list(tokens[:max_tokens])
         return []
@@ -178,5 +188,5 @@ class LogitsProcessing:
                 try:
                     self.processors[name].advance(processor_state, new)
                 except Exception as exc:
-                    raise PluginFault("logits_processor", name, exc) from exc
+                    raise _fault(name, exc) from exc
             state.seen = len(outputs)

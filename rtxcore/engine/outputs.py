@@ -25,8 +25,13 @@ class RequestFailure:
     cause: str
     plugin: str
     message: str
+    # The request field at fault when the request's own arguments could not go on (a logits processor's
+    # RequestArgumentError: a client error); None when the plugin failed.
+    param: str | None = None
 
     def describe(self) -> str:
+        if self.param is not None:
+            return f"{self.param}: {self.message}"
         return f"{self.cause} plugin {self.plugin!r} failed on this request: {self.message}"
 
 

@@ -113,6 +113,13 @@ def test_bad_prompts_raise_without_side_effects(tiny_engine, prompt, params, mat
     ({"top_p": 1.5}, "top_p"),
     ({"top_k": -1}, "top_k"),
     ({"min_p": 2.0}, "min_p"),
+    # a seen token's logit divided by 1e-38 overflowed float32, and sampling drew tokens the model all but excluded
+    ({"repetition_penalty": 1e-38}, "repetition_penalty"),
+    ({"repetition_penalty": 1e4}, "repetition_penalty"),
+    # a built-in through the map skipped its field's checks (allowed tokens all banned, and token 0 sampled), or
+    # was given twice with the map's silently winning
+    ({"allowed_token_ids": [5], "logits_processors": {"banned_tokens": [5]}}, "logits_processors"),
+    ({"logit_bias": {"1": 1}, "logits_processors": {"logit_bias": {"2": 1}}}, "logits_processors"),
     ({"seed": -1}, "seed"),
     # bool is an int in Python: these passed once and then broke the sampler on the engine's thread
     ({"top_k": True}, "top_k"),

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from rtx_plugins.samplers.default import DefaultSampler
-from rtxcore.contracts.logits_processor import LogitsProcessor
+from rtxcore.contracts.logits_processor import LogitsProcessor, RequestArgumentError
 from rtxcore.engine.async_engine import AsyncEngine
 from rtxcore.engine.config import EngineConfig
 from rtxcore.engine.llm import LLM
-from rtxcore.errors import EngineFailed, RequestError
+from rtxcore.errors import EngineFailed, InvalidRequestError, RequestError
 from rtxcore.hookspecs import hookimpl
 from rtxcore.metrics.engine_metrics import EngineMetrics
 from rtxcore.registry import load_plugins
@@ -47,6 +47,24 @@ class ExplodingProcessor(LogitsProcessor):
             raise ValueError("exploding processor went off")
 
 
+class GivingUpProcessor(LogitsProcessor):
+    """Bans nothing; gives up on the arguments of requests that asked it to, once they have two tokens (as a grammar
+    engine gives up on a grammar it accepted, mid-way)."""
+
+    def prepare(self, args):
+        return bool(args)
+
+    def new_state(self, prepared, output_token_ids):
+        return [prepared, len(output_token_ids)]
+
+    def advance(self, state, token_ids):
+        state[1] += len(token_ids)
+
+    def apply(self, logits, rows):
+        if any(r.state[0] and r.state[1] >= 2 for r in rows):
+            raise RequestArgumentError("these arguments cannot go on")
+
+
 class FaultyPlugins:
     @hookimpl
     def register_samplers(self, register):
@@ -55,6 +73,7 @@ class FaultyPlugins:
     @hookimpl
     def register_logits_processors(self, register):
         register("exploding", ExplodingProcessor)
+        register("giving_up", GivingUpProcessor)
 
 
 @pytest.fixture(scope="module")
@@ -164,27 +183,43 @@ def test_backend_steps_failing_in_a_row_give_up_on_the_engine(tiny_engine):
         tiny_engine.step()
 
 
-def test_a_served_request_a_plugin_fails_on_ends_with_an_error_naming_it(faulty_registry):
+def _serve_beside_a_good_request(registry, params: SamplingParams, **engine_options):
+    """A greedy request and one with ``params`` served together; returns the good one's outputs, what the other
+    ended with, the engine and its metrics."""
     metrics = EngineMetrics("tiny")
-    engine = AsyncEngine(make_engine(registry=faulty_registry, sampler="flaky").core, [metrics.observer()])
+    engine = AsyncEngine(make_engine(registry=registry, **engine_options).core, [metrics.observer()])
     engine.start()
 
-    async def run(params):
-        return [out async for out in engine.generate([1, 2, 3], params)]
+    async def run(p):
+        return [out async for out in engine.generate([1, 2, 3], p)]
 
     async def both():
-        return await asyncio.gather(run(GREEDY), run(MARKED), return_exceptions=True)
+        return await asyncio.gather(run(GREEDY), run(params), return_exceptions=True)
     try:
         good, bad = asyncio.run(both())
     finally:
         engine.stop()
+    return good, bad, engine, metrics.render()[0].decode()
+
+
+def test_a_served_request_a_plugin_fails_on_ends_with_an_error_naming_it(faulty_registry):
+    good, bad, engine, text = _serve_beside_a_good_request(faulty_registry, MARKED, sampler="flaky")
     assert good[-1].finish_reason == "length"
     assert isinstance(bad, RequestError) and bad.reason == "plugin_failed"
     assert "sampler plugin 'flaky'" in bad.message
     assert engine.error is None
-    text = metrics.render()[0].decode()
     assert 'rtx_request_failures_total{cause="sampler",model="tiny",plugin="flaky"} 1.0' in text
     assert 'rtx_requests_finished_total{finish_reason="error",model="tiny"} 1.0' in text
+
+
+def test_arguments_a_processor_gives_up_on_are_the_clients_error_naming_the_field(faulty_registry):
+    giving_up = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logits_processors={"giving_up": True})
+    good, bad, engine, text = _serve_beside_a_good_request(faulty_registry, giving_up)
+    assert good[-1].finish_reason == "length"
+    assert isinstance(bad, InvalidRequestError) and bad.param == "logits_processors", bad
+    assert bad.message == "logits_processors: these arguments cannot go on"
+    assert engine.error is None
+    assert 'cause="logits_processor",model="tiny",plugin="giving_up"} 1.0' in text
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

@@ -9,6 +9,7 @@ from rtxcore.engine.outputs import RequestOutput
 from rtxcore.errors import InvalidRequestError
 from rtxcore.sampling_params import SamplingParams
 from rtxcore.server.grpc.codegen import ensure_generated
+from rtxcore.server.serving import strict_json
 from rtxcore.server.serving.generation import Speculation
 
 ensure_generated()
@@ -67,7 +68,10 @@ def _structured_output(request: rtx_pb2.GenerateRequest) -> dict[str, Any] | Non
 
 def _json_arg(param: str, text: str) -> Any:
     try:
-        return json.loads(text)
+        return strict_json.loads(text)
+    except strict_json.NotJSONNumber as exc:
+        raise InvalidRequestError(f"{param} must be JSON text: {exc.args[0]} is not a JSON number",
+                                  param=param) from None
     except json.JSONDecodeError as exc:
         raise InvalidRequestError(f"{param} must be JSON text: {exc}", param=param) from None
     except RecursionError:  # nested deeper than Python's parser goes (HTTP's read_json answers the same way)

@@ -14,6 +14,7 @@ from rtxcore.lanes import check_lane_name
 from rtxcore.metrics.timeline import TraceHeaders
 from rtxcore.server.http.errors import APIError
 from rtxcore.server.http.protocol import RoutingFields
+from rtxcore.server.serving import strict_json
 from rtxcore.server.serving.routing import Route, route
 from rtxcore.server.serving.runtime import ServingRuntime
 from rtxcore.server.serving.tenants import Tenant
@@ -62,8 +63,13 @@ async def read_json(request: Request) -> dict[str, Any]:
     body = await request.body()
     try:
         # Decoded strictly first: json.loads(bytes) would guess UTF-16 and let encoded surrogates through.
-        data = json.loads(body.decode("utf-8-sig"))
-    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        data = strict_json.loads(body.decode("utf-8-sig"))
+    except strict_json.NotJSONNumber as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc.args[0]} is not a JSON number",
+                       code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "request body is nested too deeply", code="invalid_json") from None
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise APIError(400, "request body is not valid JSON", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, f"request body must be a JSON object, got {_JSON_TYPES[type(data)]}",

@@ -30,3 +30,9 @@ def bool_field(value: Any, param: str) -> bool:
     if not isinstance(value, bool):
         raise InvalidRequestError(f"{param} must be true or false", param=param)
     return value
+
+
+def flag_field(body: dict[str, Any], name: str) -> bool:
+    """An optional true/false field, null or absent meaning false (any other type refused, 0 and "" included)."""
+    value = body.get(name)
+    return False if value is None else bool_field(value, name)

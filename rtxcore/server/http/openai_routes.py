@@ -90,7 +90,7 @@ class OpenAIRoutes:
         header = {"id": f"cmpl-{gen.req_id}", "object": "text_completion", "created": int(time.time()),
                   "model": self.runtime.model_name}
         spec = ResponseSpec("completion", req.stream, header, req.include_usage, logprobs, n=req.n,
-                            best_of=req.best_of, echo=echo)
+                            best_of=req.best_of, echo=echo, param_names=_names_as_sent(body))
         return Started(gen, spec, prompts, params, n=req.best_of)
 
     async def _echo(self, sent: Sequence[Prompt], prompts: list[list[int]],
@@ -163,15 +163,17 @@ class OpenAIRoutes:
                                          trace_headers(request), where, speculation=speculation, n=req.n,
                                          received_at=received_at(request))
         tool_format = call_format.name if call_format is not None else None
+        names = _names_as_sent(body)
         if responses_echo is not None:
             header = {"id": f"resp_{gen.req_id}", "created_at": int(time.time()), "model": self.runtime.model_name}
             spec = ResponseSpec("responses", req.stream, header, logprobs=sampling.logprobs is not None,
-                                tools=tool_format, request=responses_echo)
+                                tools=tool_format, request=responses_echo,
+                                param_names={k: _RESPONSES_NAMES.get(v, v) for k, v in names.items()})
             return Started(gen, spec, prompts, sampling)
         header = {"id": f"chatcmpl-{gen.req_id}", "object": "chat.completion.chunk" if req.stream else
                   "chat.completion", "created": int(time.time()), "model": self.runtime.model_name}
         spec = ResponseSpec("chat", req.stream, header, req.include_usage, sampling.logprobs is not None,
-                            tools=tool_format, n=req.n)
+                            tools=tool_format, n=req.n, param_names=names)
         return Started(gen, spec, prompts, sampling, n=req.n)
 
     # -- embeddings -----------------------------------------------------------------------------------------------
@@ -236,7 +238,7 @@ def _responses_names() -> Iterator[None]:
     try:
         yield
     except InvalidRequestError as exc:
-        exc.param = _RESPONSES_NAMES.get(exc.param or "", exc.param)
+        exc.rename_param(_RESPONSES_NAMES)
         raise
 
 
@@ -244,14 +246,22 @@ _RESPONSES_NAMES = {"response_format": "text.format", "max_completion_tokens": "
                     "messages": "input", "logprobs": "include"}
 
 
+def _names_as_sent(body: dict[str, Any]) -> dict[str, str]:
+    """The body's names of engine parameters: a grammar the engine refuses is named by the field the body gave it in
+    (``response_format``, a ``guided_*`` field, ``tools``...), not by the engine's own name for it; an output budget
+    by ``max_completion_tokens`` where the body used it."""
+    # A required tool call's grammar is built from the tools' parameter schemas.
+    field = structured_output_field(body) or ("tools" if body.get("tools") else None)
+    names = {"structured_output": field} if field is not None else {}
+    if body.get("max_completion_tokens") is not None:  # the newer name wins, as in parse_chat
+        names["max_tokens"] = "max_completion_tokens"
+    return names
+
+
 @contextlib.contextmanager
 def _named_as_sent(body: dict[str, Any]) -> Iterator[None]:
-    """A grammar the engine refuses is named by the field the body gave it in (``response_format``, a
-    ``guided_*`` field, ``tools``...), not by the engine's own name for it."""
     try:
         yield
     except InvalidRequestError as exc:
-        if exc.param == "structured_output":
-            # A required tool call's grammar is built from the tools' parameter schemas.
-            exc.param = structured_output_field(body) or ("tools" if body.get("tools") else exc.param)
+        exc.rename_param(_names_as_sent(body))
         raise

@@ -12,7 +12,7 @@ from typing import Any
 from rtxcore.errors import InvalidRequestError
 from rtxcore.lanes import check_lane_name
 from rtxcore.sampling_params import SamplingParams, is_int
-from rtxcore.server.http.fields import bool_field, int_field, model_field
+from rtxcore.server.http.fields import bool_field, flag_field, int_field, model_field
 from rtxcore.server.http.structured_fields import structured_output, structured_output_field
 from rtxcore.server.serving.limits import MAX_BATCH
 from rtxcore.server.serving.tool_calls import ToolRequest, parse_tools, required_grammar
@@ -108,7 +108,7 @@ class GenerateRequest:
 
 
 def parse_completion(body: dict[str, Any]) -> CompletionRequest:
-    echo = bool_field(body.get("echo") or False, "echo")
+    echo = flag_field(body, "echo")
     if body.get("suffix") not in (None, ""):
         raise InvalidRequestError("suffix is not supported", param="suffix")
     if "prompt" not in body:
@@ -137,7 +137,7 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
         raise InvalidRequestError("messages must be a non-empty list of {'role', 'content'} objects",
                                   param="messages")
     params = _openai_sampling(body)
-    if bool_field(body.get("logprobs") or False, "logprobs"):
+    if flag_field(body, "logprobs"):
         top = body.get("top_logprobs")
         params["logprobs"] = 0 if top is None else int_field(top, "top_logprobs", 0, 20)
     elif body.get("top_logprobs") is not None:
@@ -157,6 +157,7 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
 def parse_embedding(body: dict[str, Any]) -> EmbeddingRequest:
     if "input" not in body:
         raise InvalidRequestError("input is required", param="input")
+    _check_user(body)
     if body.get("dimensions") is not None:
         raise InvalidRequestError("dimensions is not supported: embeddings have the model's hidden size",
                                   param="dimensions")
@@ -252,9 +253,7 @@ def make_sampling_params(params: dict[str, Any]) -> SamplingParams:
 
 def _openai_sampling(body: dict[str, Any]) -> dict[str, Any]:
     """The sampling fields OpenAI's completion and chat bodies share, plus vLLM's extensions."""
-    # Not sampling, but in both bodies: OpenAI's end-user id, unused here, still refused when it is no string.
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise InvalidRequestError("user must be a string", param="user")
+    _check_user(body)  # not sampling, but in both bodies
     params: dict[str, Any] = {}
     for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "min_p",
                  "repetition_penalty", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
@@ -342,14 +341,34 @@ def _include_usage(body: dict[str, Any], stream: bool) -> bool:
     return bool_field(options.get("include_usage", False), "stream_options.include_usage")
 
 
+def _check_user(body: dict[str, Any]) -> None:
+    # OpenAI's end-user id: unused here, still refused when it is no string, as OpenAI does.
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise InvalidRequestError("user must be a string", param="user")
+
+
+# OpenAI's roles ("function" is its older name for "tool"). A role outside them was rendered into the prompt as it
+# was: a typo ("usr") went unnoticed.
+_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
 def _message(message: Any, index: int) -> dict[str, Any]:
     """A chat message with its content flattened to text (OpenAI allows a list of ``{"type": "text"}`` parts)."""
     param = f"messages[{index}]"
     if not isinstance(message, dict):
         raise InvalidRequestError(f"{param} must be an object", param="messages")
-    if not isinstance(message.get("role"), str):
+    role = message.get("role")
+    if not isinstance(role, str):
         raise InvalidRequestError(f"{param} lacks a string 'role'", param="messages")
+    if role not in _ROLES:
+        raise InvalidRequestError(f"{param}.role must be one of {', '.join(_ROLES)}, got {role!r}", param="messages")
     content = message.get("content")
+    # Only an assistant's turn may have no content (when it made tool calls).
+    if content is None and role != "assistant":
+        raise InvalidRequestError(f"{param} ({role}) needs a content", param="messages")
+    if role == "tool" and not isinstance(message.get("tool_call_id"), str):
+        raise InvalidRequestError(f"{param} (tool) needs the string tool_call_id of the call it answers",
+                                  param="messages")
     if isinstance(content, list):
         texts = []
         for part in content:

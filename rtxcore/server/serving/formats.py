@@ -95,6 +95,9 @@ class ResponseSpec:
     echo: list[dict[str, Any]] | None = None
     # Responses: what the response object repeats of its request (instructions, tools, text, ...).
     request: dict[str, Any] | None = None
+    # The request's own names of engine parameters, for errors that arise while it runs (a grammar the grammar
+    # engine gives up on mid-way is the request's "structured_output", sent as "response_format" or "guided_regex").
+    param_names: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -132,6 +132,7 @@ async def produce(entry: ServedRequest, gen: Generation, fmt: ResponseFormat, jo
         except TimeoutError:
             error = gen.timeout_error()
         except RequestError as exc:
+            exc.rename_param(fmt.spec.param_names)
             error = exc
         except EngineFailed as exc:
             if journal is not None:

@@ -144,7 +144,8 @@ def test_reduced_precision_logits(sampler):
 @pytest.mark.parametrize("params", [
     SamplingParams(top_k=1), SamplingParams(top_p=1e-3), SamplingParams(min_p=1.0), SamplingParams(temperature=1e-4),
     SamplingParams(temperature=1e-320),  # a subnormal: logits divided by it would overflow to infinity
-], ids=["top_k=1", "top_p~0", "min_p=1", "tiny-temperature", "subnormal-temperature"])
+    SamplingParams(top_p=1e-300),  # 0 in a float32 tensor: every token was filtered out, and token 0 drawn
+], ids=["top_k=1", "top_p~0", "min_p=1", "tiny-temperature", "subnormal-temperature", "top_p-below-float32"])
 def test_settings_that_leave_one_token_act_greedy(sampler, params):
     logits = torch.randn(32, 50, generator=torch.Generator().manual_seed(2))
     assert torch.equal(sampler.sample(logits.clone(), make_batch([params] * 32)).token_ids, logits.argmax(dim=-1))

@@ -331,6 +331,17 @@ def test_disconnect_while_waiting_for_a_full_response_aborts(server):
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2**70]}, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"\u00b2": 1}}, 400, "logit_bias"),
+    # A falsy value of the wrong type is still the wrong type.
+    ("/v1/completions", {"prompt": "hi", "echo": 0}, 400, "echo"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": ""}, 400, "logprobs"),
+    ("/v1/embeddings", {"input": "hi", "user": 5}, 400, "user"),
+    ("/v1/chat/completions", {"messages": [{"role": "usr", "content": "hi"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [*CHAT, {"role": "tool", "content": "4"}]}, 400, "messages"),
+    ("/tokenize", {"messages": [{"role": "", "content": "hi"}]}, 400, "messages"),
+    # The output budget is named as the body named it.
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 10**6}, 400, "max_completion_tokens"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 10**6}, 400, "max_output_tokens"),
 ])
 def test_bad_input_gets_its_status_and_a_json_error(http, path, body, status, param):
     assert_error(http.post(path, json=body), status, param)
@@ -339,9 +350,15 @@ def test_bad_input_gets_its_status_and_a_json_error(http, path, body, status, pa
 @pytest.mark.parametrize("field", ["temperature", "top_p", "repetition_penalty", "presence_penalty"])
 def test_numbers_past_floats_range_are_refused(http, field):
     # JSON's 1e400 parses as infinity (and Infinity too, in Python's json): refused, not sampled with.
-    for number in (b"1e400", b"-Infinity", b"1" + b"0" * 400):
+    for number in (b"1e400", b"1" + b"0" * 400):
         body = b'{"prompt": "hi", "max_tokens": 2, "%s": %s}' % (field.encode(), number)
         assert "finite number" in assert_error(http.post("/v1/completions", content=body), 400, field)["message"]
+    # NaN and Infinity are not JSON, though Python's json reads them: a body holding one is refused whole (one was
+    # echoed into a Responses answer that Starlette could not write: a 500).
+    for constant in (b"NaN", b"-Infinity"):
+        body = b'{"prompt": "hi", "max_tokens": 2, "%s": %s}' % (field.encode(), constant)
+        error = assert_error(http.post("/v1/completions", content=body), 400)
+        assert error["code"] == "invalid_json" and constant.decode() in error["message"], error
 
 
 def test_bad_requests_outside_the_body(http, client):
@@ -362,6 +379,10 @@ def test_bad_requests_outside_the_body(http, client):
     assert http.post("/tokenize", content=b'{"prompt": "\\ud83d\\ude00"}').status_code == 200
     deep = b'{"prompt": "hi", "x": ' + b"[" * 1400 + b'"\\u00e9"' + b"]" * 1400 + b"}"
     assert http.post("/tokenize", content=deep).status_code in (200, 400)
+    deeper = b'{"prompt": "hi", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert "nested too deeply" in assert_error(http.post("/tokenize", content=deeper), 400)["message"]
+    responses_nan = b'{"input": "hi", "max_output_tokens": 2, "text": {"format": {"type": "json_object", "x": NaN}}}'
+    assert assert_error(http.post("/v1/responses", content=responses_nan), 400)["code"] == "invalid_json"
     assert_error(http.get("/v2/nothing"), 404)
     error = assert_error(http.get("/v1/completions"), 405)
     assert error["code"] == "method_not_allowed"

@@ -164,6 +164,37 @@ def test_bad_values_answer_400_naming_the_field(server, body, param, reason):
     assert reason in error["message"], error
 
 
+# Grammars llguidance compiles and then gives up on as generation reaches them: the client's error, not the server's.
+RECURSIVE = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+TOO_BIG_REGEX = "a{1000000}"
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", {"messages": _messages("hi"), "guided_regex": TOO_BIG_REGEX}, "guided_regex"),
+    ("/v1/chat/completions", {"messages": _messages("hi"), "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": RECURSIVE}}}, "response_format"),
+    ("/v1/completions", {"prompt": "hi", "n": 2, "guided_regex": TOO_BIG_REGEX}, "guided_regex"),
+    ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": RECURSIVE}}},
+     "text.format"),
+    ("/generate", {"prompt": "hi", "structured_output": {"regex": TOO_BIG_REGEX}}, "structured_output"),
+])
+def test_a_grammar_the_engine_gives_up_on_midway_answers_400_naming_its_field(server, path, body, param):
+    limit = "max_output_tokens" if path == "/v1/responses" else "max_tokens"
+    response = httpx.post(server.base_url + path, timeout=120, json={**body, limit: 4})
+    error = assert_error(response, 400, param)
+    assert error["message"].startswith(f"{param}: the grammar engine gave up on this grammar"), error
+    # The server goes on serving.
+    assert httpx.post(server.base_url + "/v1/completions", timeout=60,
+                      json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_a_streamed_request_whose_grammar_is_given_up_on_before_its_first_token_answers_400(server):
+    # The engine gives up on these at the first step, before the stream's 200 is sent.
+    response = httpx.post(server.base_url + "/v1/chat/completions", timeout=120, json={
+        "messages": _messages("hi"), "max_tokens": 4, "stream": True, "guided_regex": TOO_BIG_REGEX})
+    assert "gave up on this grammar" in assert_error(response, 400, "guided_regex")["message"]
+
+
 # -- tools -------------------------------------------------------------------------------------------------------------
 
 WEATHER = {"type": "function", "function": {
@@ -290,7 +321,9 @@ def test_grpc_structured_output_and_token_lists(server):
     with grpc.insecure_channel(server.grpc_target) as channel:
         stub = rtx_pb2_grpc.RtxStub(channel)
         for fields, param in [({"json_schema": "{not json"}, "json_schema"),
+                              ({"json_schema": '{"const": NaN}'}, "json_schema"),
                               ({"regex": "(unclosed"}, "structured_output"),
+                              ({"regex": TOO_BIG_REGEX}, "structured_output"),  # given up on, not INTERNAL
                               ({"logit_bias": {1: 500.0}}, "logit_bias")]:
             with pytest.raises(grpc.RpcError) as info:
                 list(stub.Generate(rtx_pb2.GenerateRequest(text="hi", max_tokens=4, **fields), timeout=60))

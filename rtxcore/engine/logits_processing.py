@@ -25,8 +25,6 @@ from rtxcore.sampling_params import PROCESSOR_FIELDS, SamplingParams
 if TYPE_CHECKING:
     from rtxcore.registry import PluginRegistry
 
-# The request field behind each built-in processor, named in errors; other processors come from logits_processors.
-_PARAM_OF = PROCESSOR_FIELDS
 
 
 @dataclass(slots=True, eq=False)
@@ -77,7 +75,7 @@ def _prepare(processor: LogitsProcessor, value: Any, param: str) -> Any:
 
 def _fault(name: str, exc: Exception) -> PluginFault:
     """Processor ``name`` raised ``exc``: its fault, or the request's when its arguments cannot go on."""
-    param = _PARAM_OF.get(name, "logits_processors") if isinstance(exc, RequestArgumentError) else None
+    param = PROCESSOR_FIELDS.get(name, "logits_processors") if isinstance(exc, RequestArgumentError) else None
     return PluginFault("logits_processor", name, exc, param)
 
 
@@ -97,7 +95,7 @@ class LogitsProcessing:
             return None
         prepared: dict[str, Any] = {}
         for name, value in args.items():
-            param = _PARAM_OF.get(name, "logits_processors")
+            param = PROCESSOR_FIELDS.get(name, "logits_processors")
             processor = self.processors.get(name)
             if processor is None:
                 raise InvalidRequestError(f"no logits processor named {name!r} is installed (installed: "

@@ -12,6 +12,7 @@ from typing import Any
 from rtxcore.errors import InvalidRequestError
 from rtxcore.lanes import check_lane_name
 from rtxcore.sampling_params import SamplingParams, is_int
+from rtxcore.server.http.chat_messages import parse_message
 from rtxcore.server.http.fields import bool_field, flag_field, int_field, model_field
 from rtxcore.server.http.structured_fields import structured_output, structured_output_field
 from rtxcore.server.serving.limits import MAX_BATCH
@@ -150,8 +151,8 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
     if tools is not None and tools.active and required_grammar(tools) is not None and "structured_output" in params:
         raise InvalidRequestError("tool_choice that requires a call cannot be combined with a structured output "
                                   f"({structured_output_field(body)})", param="tool_choice")
-    return ChatRequest(model_field(body), [_message(m, i) for i, m in enumerate(messages)], params, max_tokens, stream,
-                       _include_usage(body, stream), parse_routing(body), _openai_speculation(body), tools, n)
+    return ChatRequest(model_field(body), [parse_message(m, i) for i, m in enumerate(messages)], params, max_tokens,
+                       stream, _include_usage(body, stream), parse_routing(body), _openai_speculation(body), tools, n)
 
 
 def parse_embedding(body: dict[str, Any]) -> EmbeddingRequest:
@@ -345,58 +346,3 @@ def _check_user(body: dict[str, Any]) -> None:
     # OpenAI's end-user id: unused here, still refused when it is no string, as OpenAI does.
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise InvalidRequestError("user must be a string", param="user")
-
-
-# OpenAI's roles ("function" is its older name for "tool"). A role outside them was rendered into the prompt as it
-# was: a typo ("usr") went unnoticed.
-_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
-
-
-def _message(message: Any, index: int) -> dict[str, Any]:
-    """A chat message with its content flattened to text (OpenAI allows a list of ``{"type": "text"}`` parts)."""
-    param = f"messages[{index}]"
-    if not isinstance(message, dict):
-        raise InvalidRequestError(f"{param} must be an object", param="messages")
-    role = message.get("role")
-    if not isinstance(role, str):
-        raise InvalidRequestError(f"{param} lacks a string 'role'", param="messages")
-    if role not in _ROLES:
-        raise InvalidRequestError(f"{param}.role must be one of {', '.join(_ROLES)}, got {role!r}", param="messages")
-    content = message.get("content")
-    # Only an assistant's turn may have no content (when it made tool calls).
-    if content is None and role != "assistant":
-        raise InvalidRequestError(f"{param} ({role}) needs a content", param="messages")
-    if role == "tool" and not isinstance(message.get("tool_call_id"), str):
-        raise InvalidRequestError(f"{param} (tool) needs the string tool_call_id of the call it answers",
-                                  param="messages")
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise InvalidRequestError(f"{param}: only text content parts are supported", param="messages")
-            texts.append(part["text"])
-        content = "".join(texts)
-    elif content is None:
-        content = ""
-    elif not isinstance(content, str):
-        raise InvalidRequestError(f"{param}.content must be a string or a list of text parts", param="messages")
-    if message.get("tool_calls") is not None:
-        _check_tool_calls(message["tool_calls"], f"{param}.tool_calls")
-    return {**message, "content": content}
-
-
-def _check_tool_calls(calls: Any, param: str) -> None:
-    """An earlier turn's calls, as OpenAI returned them: ``[{"id", "type": "function", "function": {"name",
-    "arguments"}}]``. The arguments are JSON text; an object is taken too (Hugging Face templates' form)."""
-    if not isinstance(calls, list):
-        raise InvalidRequestError(f"{param} must be a list of tool calls", param="messages")
-    for i, call in enumerate(calls):
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise InvalidRequestError(f'{param}[{i}] must be an object with "function": {{"name": string, '
-                                      f'"arguments": string}}', param="messages")
-        if not isinstance(function.get("arguments", "{}"), str | dict):
-            raise InvalidRequestError(f"{param}[{i}].function.arguments must be a JSON string (or an object)",
-                                      param="messages")
-        if call.get("type", "function") != "function":
-            raise InvalidRequestError(f'{param}[{i}].type must be "function"', param="messages")

@@ -1,8 +1,10 @@
 """Fixtures of the HTTP tests: ``rtx serve`` on the default model without gRPC, one per test module that uses it
-(a module that needs other options defines its own ``server``), and the official ``openai`` client on it."""
+(a module that needs other options defines its own ``server``), and the official ``openai`` client and an httpx
+client on it."""
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
@@ -19,3 +21,9 @@ def server():
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.base_url, timeout=120) as c:
+        yield c

@@ -44,14 +44,18 @@ def replace_atomically(path: Path, data: bytes | Sequence[bytes | memoryview], d
         fsync_dir(path.parent)
 
 
-def check_directory_path(path: str, what: str) -> None:
+def check_directory_path(path: str, what: str, make_parents: bool = True) -> None:
     """A directory that is there or can be made: the nearest existing part of ``path`` must be a directory.
 
-    :raises ConfigError: naming ``what`` (the flag or setting) and the file in the way.
+    :param make_parents: False: only ``path`` itself may be missing (it will be made, but not its parents).
+    :raises ConfigError: naming ``what`` (the flag or setting) and the file in the way, or the missing parent.
     """
     for part in (Path(path), *Path(path).parents):
         if part.exists():
             if not part.is_dir():
                 in_the_way = "" if part == Path(path) else f" ({part} is a file)"
                 raise ConfigError(f"{what} {path!r} is not a directory{in_the_way}")
+            if not make_parents and part not in (Path(path), Path(path).parent):
+                raise ConfigError(f"{what} {path!r}: {Path(path).parent} does not exist (only the last directory is "
+                                  "made: create the others first, or check the path for a typo)")
             return

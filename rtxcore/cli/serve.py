@@ -6,12 +6,13 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Collection
 
 from rtxcore.cli.common import add_engine_options, byte_size, engine_config, finite_float, run_worker_node
 
 
 def add_parser(sub) -> None:
-    from rtxcore.server.serving.settings import ServeSettings
+    from rtxcore.server.serving.settings import MIN_JOURNAL_COMPACT_BYTES, ServeSettings
 
     d = ServeSettings()
     p = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible) and gRPC",
@@ -20,8 +21,9 @@ def add_parser(sub) -> None:
                                    "`vllm serve MODEL`. With no arguments it serves the default model on 127.0.0.1.")
     g = p.add_argument_group("server")
     g.add_argument("--host", default=d.host, help=f"address to listen on (default: {d.host})")
-    g.add_argument("--port", type=int, default=d.port, help=f"HTTP port; 0 picks a free one (default: {d.port})")
-    g.add_argument("--grpc-port", type=int, default=d.grpc_port,
+    g.add_argument("--port", type=port_number, default=d.port,
+                   help=f"HTTP port; 0 picks a free one (default: {d.port})")
+    g.add_argument("--grpc-port", type=port_number, default=d.grpc_port,
                    help=f"gRPC port; 0 picks a free one (default: {d.grpc_port})")
     g.add_argument("--no-grpc", action="store_true", help="do not start the gRPC server")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
@@ -69,7 +71,8 @@ def add_parser(sub) -> None:
                               f"(default: {d.journal_retention_s:g})")
     durable.add_argument("--journal-compact-bytes", type=byte_size, default=d.journal_compact_min_bytes,
                          metavar="SIZE", help="compact the journal once it is this large and mostly requests past "
-                                              f"retention (default: {d.journal_compact_min_bytes >> 20}M)")
+                                              f"retention; at least {MIN_JOURNAL_COMPACT_BYTES >> 10}KiB "
+                                              f"(default: {d.journal_compact_min_bytes >> 20}M)")
     fleet = p.add_argument_group("fleet view: the dashboard's replicas and autoscaling panel (docs/serving.md)")
     fleet.add_argument("--fleet-peers", default=None, metavar="HOSTS",
                        help="comma-separated host[:port] whose /metrics the panel reads (this server's port when "
@@ -91,10 +94,23 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def fleet_settings(args: argparse.Namespace):
+def port_number(text: str) -> int:
+    """A TCP port, 0 (pick a free one) to 65535 (argparse type: the error names the flag)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port in [0, 65535]")
+    return value
+
+
+def fleet_settings(args: argparse.Namespace, lanes: Collection[str] | None = None):
     """The --fleet-*/--autoscale-* flags as FleetSettings; None without --fleet-peers.
+    :param lanes: the lanes configured (default: every lane), one of which --autoscale-lane must name.
     :raises ConfigError: a malformed value, or autoscaling targets without peers to read."""
     from rtxcore.errors import ConfigError
+    from rtxcore.lanes import LANE_NAMES
     from rtxcore.server.fleet import FleetSettings, parse_autoscale_replicas
 
     given = [flag for flag, value in (("--autoscale-queue-depth", args.autoscale_queue_depth),
@@ -102,12 +118,19 @@ def fleet_settings(args: argparse.Namespace):
                                       ("--autoscale-replicas", args.autoscale_replicas),
                                       ("--autoscale-lane", args.autoscale_lane),
                                       ("--autoscale-mode", args.autoscale_mode)) if value is not None]
-    if not args.fleet_peers:
+    if args.fleet_peers is None:
         if given:
             raise ConfigError(f"{given[0]} needs --fleet-peers (the pods whose signals it is compared with)")
         return None
+    peers = tuple(p.strip() for p in args.fleet_peers.split(","))
+    if not all(peers):
+        raise ConfigError(f"--fleet-peers {args.fleet_peers!r} has an empty entry: expected comma-separated "
+                          "host or host:port")
+    lanes = LANE_NAMES if lanes is None else lanes
+    if args.autoscale_lane is not None and args.autoscale_lane not in lanes:
+        raise ConfigError(f"--autoscale-lane {args.autoscale_lane!r} is not a lane (lanes: {', '.join(lanes)})")
     low, high = parse_autoscale_replicas(args.autoscale_replicas) if args.autoscale_replicas else (1, None)
-    return FleetSettings(peers=tuple(p.strip() for p in args.fleet_peers.split(",") if p.strip()),
+    return FleetSettings(peers=peers,
                          target_queue_depth=args.autoscale_queue_depth, target_ttft_p95_s=args.autoscale_ttft_p95,
                          min_replicas=low, max_replicas=high, latency_lane=args.autoscale_lane,
                          interval_s=args.fleet_interval, mode=args.autoscale_mode or "hpa")
@@ -116,6 +139,7 @@ def fleet_settings(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from rtxcore.cli.progress import Progress
     from rtxcore.errors import ConfigError
+    from rtxcore.files import check_directory_path
     from rtxcore.models.resolve import resolve_model
     from rtxcore.server.launcher import serve
     from rtxcore.server.serve_config import load_serve_config
@@ -124,8 +148,6 @@ def run(args: argparse.Namespace) -> int:
     from rtxcore.server.serving.settings import TlsSettings
     from rtxcore.server.serving.tenants import TenantRegistry
 
-    if not 0 <= args.port <= 65535 or (args.grpc_port is not None and not 0 <= args.grpc_port <= 65535):
-        raise ConfigError("ports must be in [0, 65535]")
     tls = None
     if args.ssl_certfile or args.ssl_keyfile:
         if not (args.ssl_certfile and args.ssl_keyfile):
@@ -133,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         tls = TlsSettings(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs)
     elif args.ssl_ca_certs or args.ssl_cert_reqs != "none":
         raise ConfigError("--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile and --ssl-keyfile")
+    config_file = load_serve_config(args.config)
     settings = ServeSettings(
         host=args.host, port=args.port, grpc_port=None if args.no_grpc else args.grpc_port,
         max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout,
@@ -143,13 +166,16 @@ def run(args: argparse.Namespace) -> int:
         require_signed_models=args.require_signed_models, state_dir=args.state_dir,
         journal_retention_s=args.journal_retention, journal_compact_min_bytes=args.journal_compact_bytes,
         allowed_origins=tuple(o.strip() for item in args.allowed_origins or () for o in item.split(",") if o.strip()),
-        tls=tls, fleet=fleet_settings(args))
-    config_file = load_serve_config(args.config)
+        tls=tls, fleet=fleet_settings(args, config_file.lanes))
     tenants = TenantRegistry.from_config(config_file.tenants, api_keys=args.api_key or ())
     auth = Authentication.from_config(config_file.auth, tenants)
     if any(name == "mtls" for name, _ in auth.authenticators) and (tls is None or tls.cert_reqs != "required"):
         raise ConfigError("the mtls authenticator needs client certificates: --ssl-certfile, --ssl-keyfile, "
                           "--ssl-ca-certs and --ssl-cert-reqs required")
+    if args.kv_disk_dir:
+        # Its last directory is made if missing, not a chain of them: a typo in a mount point would otherwise put
+        # the disk tier (up to --kv-disk-bytes) on whatever disk holds the first directory that exists.
+        check_directory_path(args.kv_disk_dir, "--kv-disk-dir", make_parents=False)
     config = engine_config(args, config_file)
     if config.node_rank > 0:
         return run_worker_node(config)  # this node only runs ranks: node 0 serves
@@ -162,6 +188,8 @@ def run(args: argparse.Namespace) -> int:
     resolve_model(config.model, config.revision)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.kv_disk_dir and not os.path.isdir(args.kv_disk_dir):
+        logging.getLogger("rtx.server").info("--kv-disk-dir %s does not exist: making it", args.kv_disk_dir)
     if auth.required:
         logging.getLogger("rtx.server").info("authentication required (%s): %d tenants (%s)",
                                              ", ".join(name for name, _ in auth.authenticators), len(tenants.tenants),

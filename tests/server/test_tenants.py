@@ -68,7 +68,7 @@ def test_no_keys_means_unauthenticated():
     ({"a": {"key_sha256": sha("k"), "lanes": []}}, "lanes is empty"),
     ({"a b": {"key_sha256": sha("k")}}, "tenant name"),
     ({"a": {"key_sha256": sha("k"), "requests_per_second": -1}}, "positive number"),
-    ({"a": {"key_sha256": sha("k"), "tokens_per_minute": float("nan")}}, "positive number"),
+    ({"a": {"key_sha256": sha("k"), "tokens_per_minute": float("nan")}}, "positive integer"),
     ({"a": {"key_sha256": sha("k"), "lanes": 5}}, "lanes must be a string or a list of strings"),
     ({"a": {"key_sha256": sha("k")}, "b": {"key_sha256": sha("k")}}, "tenants 'a' and 'b' have the same key"),
 ])

@@ -77,12 +77,18 @@ async def start_grpc_server(runtime: ServingRuntime, host: str = "127.0.0.1", po
             bound = server.add_secure_port(address, grpc.ssl_server_credentials(
                 [(key, chain)], root_certificates=ca, require_client_auth=tls.cert_reqs == "required"))
     except RuntimeError as exc:
-        raise OSError(f"gRPC server cannot listen on {address} (is the port in use?): {exc}") from None
+        raise OSError(f"gRPC server cannot listen on {address} ({_bind_hint(tls)}): {exc}") from None
     if bound == 0:  # older grpcio reports a failed bind this way instead of raising
-        raise OSError(f"gRPC server cannot listen on {address} (is the port in use?)")
+        raise OSError(f"gRPC server cannot listen on {address} ({_bind_hint(tls)})")
     await server.start()
     log.info("gRPC server listening on %s:%d", host, bound)
     return GrpcServer(server, health_servicer, bound, runtime)
+
+
+def _bind_hint(tls: TlsSettings | None) -> str:
+    # gRPC reports credentials it cannot use as a failed bind. TlsSettings loads the files first, so that is
+    # unlikely, but the port is then not the only suspect.
+    return "is the port in use?" if tls is None else "is the port in use, or are the TLS files ones gRPC refuses?"
 
 
 async def _set_health(servicer: health.aio.HealthServicer, serving: bool) -> None:

@@ -17,6 +17,10 @@ if TYPE_CHECKING:
 # --ssl-cert-reqs: whether clients must present a certificate the CA (--ssl-ca-certs) signed. There is no "optional":
 # gRPC's Python server can only not ask for one or require it, and both servers take the same setting.
 CERT_REQS = ("none", "required")
+# The smallest --journal-compact-bytes. A request's records (its accept record, then one per batch of tokens) run to
+# kilobytes: a compaction below this rewrites and fsyncs the file to win back next to nothing, and at 0 an empty
+# journal counts as "mostly garbage" and is rewritten on every sync (5 times a second).
+MIN_JOURNAL_COMPACT_BYTES = 64 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +53,17 @@ class TlsSettings:
             except (ssl.SSLError, OSError) as e:
                 raise ConfigError(f"--ssl-certfile {self.certfile!r} and --ssl-keyfile {self.keyfile!r} are not a "
                                   f"PEM certificate chain and its private key (unencrypted): {e}") from None
+        if self.ca_certs:
+            # Both servers load it only as they start: uvicorn's error would not name it, and gRPC's C core prints
+            # lines of its own and then blames the port.
+            ca_context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            try:
+                ca_context.load_verify_locations(cafile=self.ca_certs)
+            except (ssl.SSLError, OSError) as e:
+                raise ConfigError(f"--ssl-ca-certs {self.ca_certs!r} is not a file of PEM CA certificates: "
+                                  f"{e}") from None
+            if not ca_context.cert_store_stats()["x509"]:  # only revocation lists: gRPC would refuse it
+                raise ConfigError(f"--ssl-ca-certs {self.ca_certs!r} holds no certificate (only revocation lists)")
 
     def read(self) -> tuple[bytes, bytes, bytes | None]:
         """(key, certificate chain, CA certificates or None) as PEM bytes, as gRPC takes them."""
@@ -97,6 +112,9 @@ class ServeSettings:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.journal_retention_s < 0:
             raise ConfigError(f"journal_retention_s must be >= 0, got {self.journal_retention_s}")
+        if self.journal_compact_min_bytes < MIN_JOURNAL_COMPACT_BYTES:
+            raise ConfigError(f"--journal-compact-bytes must be at least {MIN_JOURNAL_COMPACT_BYTES >> 10}KiB "
+                              f"({MIN_JOURNAL_COMPACT_BYTES}), got {self.journal_compact_min_bytes}")
         if self.shutdown_grace_s < 0:
             raise ConfigError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
         names = [self.served_model_name] if self.served_model_name is not None else []

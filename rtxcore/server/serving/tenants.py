@@ -269,16 +269,23 @@ def _tenant_from_table(name: str, values: Any, environ: Mapping[str, str]) -> Te
     default_lane = values.get("default_lane", DEFAULT_LANE if DEFAULT_LANE in lanes else lanes[-1])
     if default_lane not in lanes:
         raise ConfigError(f"{where} default_lane {default_lane!r} is not among its lanes")
-    def limit(setting: str) -> Any:
+    def limit(setting: str, integer: bool) -> Any:
+        """The setting, None where not given. Counts (requests, tokens) are integers: TOML tells 2 from 2.0, and
+        a bool is a number only to Python."""
         value = values.get(setting)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not 0 < value < math.inf):
-            raise ConfigError(f"{where} {setting} must be a positive number, got {value!r}")
+        if value is None:
+            return None
+        kinds = (int,) if integer else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kinds) or not 0 < value < math.inf:
+            raise ConfigError(f"{where} {setting} must be a positive {'integer' if integer else 'number'}, "
+                              f"got {value!r}")
         return value
 
-    return Tenant(name, hashes, lanes, default_lane, requests_per_second=limit("requests_per_second"),
-                  burst=limit("burst"), tokens_per_minute=limit("tokens_per_minute"),
-                  max_concurrency=limit("max_concurrency"))
+    if "burst" in values and "requests_per_second" not in values:
+        raise ConfigError(f"{where} burst needs requests_per_second (it is the depth of that rate's bucket)")
+    return Tenant(name, hashes, lanes, default_lane, requests_per_second=limit("requests_per_second", False),
+                  burst=limit("burst", True), tokens_per_minute=limit("tokens_per_minute", True),
+                  max_concurrency=limit("max_concurrency", True))
 
 
 def _env_keys(value: str) -> list[tuple[str, str]]:

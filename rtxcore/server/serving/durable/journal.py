@@ -65,6 +65,8 @@ class JournalOptions:
             raise ConfigError(f"journal retention must be >= 0 seconds, got {self.retention_s}")
         if self.sync_interval_s <= 0:
             raise ConfigError(f"journal sync interval must be > 0 seconds, got {self.sync_interval_s}")
+        if self.compact_min_bytes < 1:  # an empty journal would be "all garbage" and rewritten on every sync
+            raise ConfigError(f"compact_min_bytes must be at least 1, got {self.compact_min_bytes}")
         if not 0 < self.compact_garbage_ratio <= 1:
             raise ConfigError(f"compact_garbage_ratio must be in (0, 1], got {self.compact_garbage_ratio}")
 

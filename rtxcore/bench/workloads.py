@@ -10,6 +10,15 @@ from importlib import resources
 from rtxcore.errors import InvalidRequestError
 from rtxcore.tokenizer import Tokenizer
 
+# The most requests a run builds: far beyond any workload here (1 to 256) or published run, and still a few GB of
+# host memory. Without a bound, a typo (--num-requests 99999999999999) grew the request list until memory ran out.
+MAX_NUM_REQUESTS = 1_000_000
+# And the most prompt tokens in all: every prompt is built before the run as a list of Python ints, about 36 bytes a
+# token, so 100M is about 3.6 GB (W7's 8192-token prompts reach it at 12,207 requests, W1's 128 at 781,250).
+MAX_PROMPT_TOKENS = 100_000_000
+# W6's prompts are a text's, not drawn: the 774-token report and a task, within this many tokens.
+GROUNDED_PROMPT_TOKENS = 1024
+
 
 @dataclass(frozen=True, slots=True)
 class Workload:
@@ -20,6 +29,12 @@ class Workload:
     description: str
     # Also measure the prefill attention's achieved FLOP/s (rtxcore.bench.attention_flops), on a GPU.
     measures_prefill_attention: bool = False
+
+    @property
+    def max_num_requests(self) -> int:
+        """The most requests of this workload one run may build (:data:`MAX_NUM_REQUESTS`,
+        :data:`MAX_PROMPT_TOKENS`)."""
+        return min(MAX_NUM_REQUESTS, MAX_PROMPT_TOKENS // (self.prompt_len[1] or GROUNDED_PROMPT_TOKENS))
 
 
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (

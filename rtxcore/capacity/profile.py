@@ -14,9 +14,10 @@ learnt from its own steps under real load, spread included.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from rtxcore.capacity.step_time import (
@@ -72,18 +73,52 @@ class StepTimeProfile:
 
     @classmethod
     def load(cls, path: Path) -> StepTimeProfile:
+        """The profile in JSON file ``path`` (as :meth:`to_json` writes it).
+
+        :raises ConfigError: unreadable, not JSON, or a field missing, unknown or out of range, naming the file and
+            the field.
+        """
         try:
             data = json.loads(Path(path).read_text())
-            profile = cls(float(data["base_s"]), float(data["per_token_s"]), str(data.get("source", str(path))),
-                          tuple(float(x) for x in data.get("spread", ())),
-                          tuple(float(x) for x in data.get("ingress", ())),
-                          tuple(float(x) for x in data.get("delivery", ())), float(data.get("per_row_s", 0.0)),
-                          {int(rows): float(s) for rows, s in data.get("decode_s", {}).items()},
-                          tuple(float(x) for x in data.get("decode_spread", ())))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ConfigError(f"cannot read a step-time profile from {path}: {exc}") from None
-        if min(profile.base_s, profile.per_token_s, profile.per_row_s) < 0 \
-                or profile.base_s + profile.per_token_s + profile.per_row_s == 0:
+        except OSError as exc:
+            raise ConfigError(f"cannot read step-time profile {path}: {exc.strerror or exc}") from None
+        except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
+            raise ConfigError(f"step-time profile {path} is not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"step-time profile {path} must be a JSON object {{base_s, per_token_s, ...}}, got "
+                              f"{type(data).__name__}")
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(data.keys() - set(names))
+        if unknown:
+            raise ConfigError(f"step-time profile {path} has unknown field {unknown[0]!r} (fields: "
+                              f"{', '.join(names)})")
+        for name in ("base_s", "per_token_s"):
+            if name not in data:
+                raise ConfigError(f"step-time profile {path} has no {name}")
+
+        def seconds(name: str, value: object) -> float:
+            # Not nan or inf, which every check below would let through (nan compares false with anything).
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+                raise ConfigError(f"step-time profile {path}: {name} must be a finite number >= 0, got {value!r}")
+            return float(value)
+
+        def series(name: str) -> tuple[float, ...]:
+            values = data.get(name, [])
+            if not isinstance(values, list):
+                raise ConfigError(f"step-time profile {path}: {name} must be a list of numbers, got {values!r}")
+            return tuple(seconds(name, x) for x in values)
+
+        decode_s = data.get("decode_s", {})
+        if not isinstance(decode_s, dict) or not all(rows.isdigit() for rows in decode_s):
+            raise ConfigError(f"step-time profile {path}: decode_s must map batch sizes to seconds, got {decode_s!r}")
+        source = data.get("source", str(path))
+        if not isinstance(source, str):
+            raise ConfigError(f"step-time profile {path}: source must be a string, got {source!r}")
+        profile = cls(seconds("base_s", data["base_s"]), seconds("per_token_s", data["per_token_s"]), source,
+                      series("spread"), series("ingress"), series("delivery"),
+                      seconds("per_row_s", data.get("per_row_s", 0.0)),
+                      {int(rows): seconds("decode_s", s) for rows, s in decode_s.items()}, series("decode_spread"))
+        if profile.base_s + profile.per_token_s + profile.per_row_s == 0:
             raise ConfigError(f"a step-time profile's base_s, per_row_s and per_token_s must be >= 0, not all 0 "
                               f"({path})")
         if any(rows < 1 or s <= 0 for rows, s in profile.decode_s.items()):

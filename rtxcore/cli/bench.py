@@ -13,7 +13,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rtxcore.bench.workloads import WORKLOADS, BenchRequest, get_workload, make_requests
+from rtxcore.bench.workloads import (
+    MAX_NUM_REQUESTS,
+    MAX_PROMPT_TOKENS,
+    WORKLOADS,
+    BenchRequest,
+    Workload,
+    get_workload,
+    make_requests,
+)
 from rtxcore.cli.common import (
     add_engine_options,
     engine_cli_args,
@@ -34,12 +42,17 @@ if TYPE_CHECKING:
 
 # Device-to-device copy bandwidth measured on the H200 (shared/WORKLOADS.md): the floor W3 is compared with.
 H200_COPY_BYTES_PER_S = 4.24e12
+# --serve sends every request at once, each from its own streaming client and connection: 16x the largest workload,
+# and within the open files a process usually gets, where thousands more would fail as connection errors.
+MAX_SERVED_CLIENTS = 4096
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="measure offline throughput on a workload (shared/WORKLOADS.md)")
     p.add_argument("--workload", default="cpu", choices=sorted(WORKLOADS), help="workload name (default: cpu)")
-    p.add_argument("--num-requests", type=positive_int, default=None, help="override the workload's request count")
+    p.add_argument("--num-requests", type=positive_int, default=None,
+                   help=f"override the workload's request count (at most {MAX_NUM_REQUESTS:,}, fewer for workloads "
+                        f"of long prompts: {MAX_PROMPT_TOKENS:,} prompt tokens in all)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and lengths")
     p.add_argument("--baseline", choices=["none", "hf", "static", "unquantized", "plain"], default="none",
                    help="hf: HF transformers eager generate with static batching; static: this engine with static "
@@ -73,14 +86,29 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _check_num_requests(workload: Workload, num_requests: int | None, serve: bool) -> None:
+    """Refuse, before anything loads, more requests than the run can hold (:attr:`Workload.max_num_requests`) or,
+    with --serve, than it can send at once."""
+    if num_requests is None:
+        return
+    if num_requests > workload.max_num_requests:
+        raise ConfigError(f"--num-requests {num_requests} is more than {workload.max_num_requests:,}, the most for "
+                          f"workload {workload.name} ({MAX_NUM_REQUESTS:,} requests and {MAX_PROMPT_TOKENS:,} "
+                          f"prompt tokens in all at most)")
+    if serve and num_requests > MAX_SERVED_CLIENTS:
+        raise ConfigError(f"--num-requests {num_requests} with --serve is as many concurrent streaming clients; at "
+                          f"most {MAX_SERVED_CLIENTS:,}")
+
+
 def run(args: argparse.Namespace) -> int:
+    workload = get_workload(args.workload)
+    _check_num_requests(workload, args.num_requests, args.serve)
     # Imported here, not at the top: torch takes seconds, and `rtx --help` imports this module.
     from rtxcore.bench.offline import run_engine, warm_up
     from rtxcore.bench.serving import run_served, summarize
     from rtxcore.engine.speculation.speculator import ProposerStats
     from rtxcore.transfer import release_device_memory
 
-    workload = get_workload(args.workload)
     config = engine_config(args)
     if args.baseline == "unquantized" and not config.quantization:
         raise ConfigError("--baseline unquantized compares against --quantization METHOD: give one")

@@ -12,7 +12,14 @@ import sys
 from collections.abc import Iterator
 
 from rtxcore import envs
-from rtxcore.cli.common import TEMPERATURE_HELP, add_engine_options, engine_config, finite_float, load_engine
+from rtxcore.cli.common import (
+    TEMPERATURE_HELP,
+    add_engine_options,
+    engine_config,
+    finite_float,
+    http_url,
+    load_engine,
+)
 from rtxcore.sampling_params import SamplingParams
 
 Messages = list[dict[str, str]]
@@ -26,7 +33,7 @@ def add_parser(sub) -> None:
                                    "streams back. /reset starts over, /exit or Ctrl-D leaves, Ctrl-C stops an "
                                    "answer. Runs MODEL (or the default model) here, or talks to a server with --url, "
                                    "asking it for MODEL where one is given.")
-    p.add_argument("--url", default=None,
+    p.add_argument("--url", type=http_url, default=None,
                    help="a running rtx serve (or any OpenAI-compatible server), e.g. http://127.0.0.1:8000, instead "
                         "of loading the model here")
     p.add_argument("--api-key", default=None,
@@ -75,7 +82,7 @@ class RemoteChat:
 
 
 def run(args: argparse.Namespace) -> int:
-    chat = RemoteChat(args) if args.url else LocalChat(args)
+    chat = RemoteChat(args) if args.url is not None else LocalChat(args)
     start: Messages = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(start)
     print(f"chatting with {chat.name}: /reset starts over, /exit leaves", flush=True)

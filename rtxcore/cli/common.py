@@ -7,6 +7,7 @@ import math
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,8 +18,6 @@ from rtxcore.engine.config import EngineConfig
 from rtxcore.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from rtxcore.server.serve_config import ServeConfigFile
 
 
@@ -33,13 +32,14 @@ MODEL_ARG = "model_arg"
 def add_engine_options(p: argparse.ArgumentParser) -> None:
     """The options of the commands that load a model, and the model as their first positional argument (``rtx serve
     MODEL``, as ``vllm serve MODEL``); a command with positional arguments of its own adds them after this."""
-    p.add_argument(MODEL_ARG, nargs="?", default=None, metavar="MODEL", help="the model, as --model takes it")
+    p.add_argument(MODEL_ARG, nargs="?", type=non_empty, default=None, metavar="MODEL",
+                   help="the model, as --model takes it")
     g = p.add_argument_group("model and engine")
-    g.add_argument("--model", default=None,
+    g.add_argument("--model", type=non_empty, default=None,
                    help="smollm2-135m (default), a .gguf file, a Hugging Face directory or Hub id (owner/name: "
                         "from the HF cache, else downloaded; see `rtx pull`), or dummy:<shape>; the same as the "
                         "positional MODEL")
-    g.add_argument("--revision", default=None,
+    g.add_argument("--revision", type=non_empty, default=None,
                    help="a Hub id's branch, tag or commit (default: main)")
     g.add_argument("--backend", default="torch", help="execution backend plugin (default: torch)")
     g.add_argument("--scheduler", default="fcfs", help="scheduler plugin (default: fcfs)")
@@ -144,13 +144,53 @@ def finite_float(text: str) -> float:
 
 def positive_int(text: str) -> int:
     """An integer >= 1 (argparse type)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    value = _integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not at least 1")
     return value
+
+
+def bounded_int(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an integer from ``low`` to ``high``, the bound named in the error."""
+    def parse(text: str) -> int:
+        value = _integer(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text!r} is not at least {low:,}")
+        if value > high:
+            raise argparse.ArgumentTypeError(f"{text!r} is more than {high:,}")
+        return value
+    return parse
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def non_empty(text: str) -> str:
+    """A string with something in it (argparse type): an empty --model or --revision read as none given, and the
+    command went on with the default model or branch (or failed far away, as a network error)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must not be empty, got {text!r}")
+    return text
+
+
+def http_url(text: str) -> str:
+    """An ``http(s)://HOST[:PORT]`` URL (argparse type), parsed as httpx will connect: an empty one read as none
+    given (``rtx chat`` then loaded a model here), a bad port failed deep in a task group."""
+    import httpx
+
+    try:
+        url = httpx.URL(text)
+        ok = url.scheme in ("http", "https") and bool(url.host) and (url.port is None or 0 < url.port <= 65535)
+    except (httpx.InvalidURL, ValueError):
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"must start with http:// or https:// and name HOST[:PORT], a port in "
+                                         f"[1, 65535]; got {text!r}")
+    return text
 
 
 def chat_template_file(text: str) -> str:

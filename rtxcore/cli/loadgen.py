@@ -7,7 +7,8 @@ import datetime
 import json
 import sys
 
-from rtxcore.cli.common import finite_float, output_file
+from rtxcore.bench.loadgen.workload import MAX_CONNECTIONS
+from rtxcore.cli.common import bounded_int, finite_float, http_url, non_empty, output_file
 from rtxcore.cli.progress import Progress
 from rtxcore.errors import ConfigError
 
@@ -18,7 +19,8 @@ def add_parser(sub) -> None:
         description="Send streaming completions to a running `rtx serve` at Poisson or spiky arrival times over a "
                     "mix of lanes and tenants; report per lane TTFT and inter-token latency p50/p95/p99, goodput, "
                     "429s, 5xx and lost requests. Capacity is measured first when --load is used.")
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (default: http://127.0.0.1:8000)")
+    p.add_argument("--url", type=http_url, default="http://127.0.0.1:8000",
+                   help="server base URL (default: http://127.0.0.1:8000)")
     p.add_argument("--duration", type=finite_float, default=30.0, help="seconds of arrivals (default: 30)")
     g = p.add_argument_group("rate")
     g.add_argument("--rate", type=finite_float, default=None, help="base arrival rate in requests/s")
@@ -26,8 +28,8 @@ def add_parser(sub) -> None:
                    help="base arrival rate as a multiple of capacity (default: 1.0 when --rate is not given)")
     g.add_argument("--capacity", type=finite_float, default=None,
                    help="capacity in completed requests/s, skipping its measurement")
-    g.add_argument("--capacity-clients", type=int, default=8,
-                   help="closed-loop clients while measuring capacity (default: 8)")
+    g.add_argument("--capacity-clients", type=bounded_int(1, MAX_CONNECTIONS), default=8,
+                   help=f"closed-loop clients while measuring capacity, at most {MAX_CONNECTIONS} (default: 8)")
     g.add_argument("--capacity-duration", type=finite_float, default=20.0,
                    help="seconds of capacity measurement (default: 20)")
     g = p.add_argument_group("arrivals")
@@ -52,7 +54,7 @@ def add_parser(sub) -> None:
     g.add_argument("--logprobs", action="store_true",
                    help="ask for logprobs so chunks carry tokens: TTFT is then the first token's, not the first "
                         "text's (which may come a token later); needed to time models without a tokenizer (dummy:*)")
-    g.add_argument("--model", default=None, help="model id to send (default: none, the served model)")
+    g.add_argument("--model", type=non_empty, default=None, help="model id to send (default: none, the served model)")
     g.add_argument("--timeout", type=finite_float, default=60.0,
                    help="seconds a request may take from send to end of stream before it counts as lost "
                         "(default: 60)")
@@ -102,13 +104,27 @@ def run(args: argparse.Namespace) -> int:
 def loadgen_config(args: argparse.Namespace):
     """The :class:`LoadgenConfig` the options describe; :class:`ConfigError` names the option that is wrong."""
     from rtxcore.bench.loadgen import LoadgenConfig
+    from rtxcore.bench.loadgen.workload import MAX_PLANNED_REQUESTS, expected_arrivals
 
-    return LoadgenConfig(
+    config = LoadgenConfig(
         url=args.url, duration_s=args.duration, rate=args.rate, load=args.load, capacity=args.capacity,
         pattern=_pattern(args), lanes=lane_profiles(args), targets=_targets(args.target), tenants=_tenants(args.tenant),
         capacity_clients=args.capacity_clients, capacity_duration_s=args.capacity_duration,
         request_timeout_s=args.timeout, metrics_interval_s=args.metrics_interval, seed=args.seed,
         token_id_range=_int_pair(args.token_ids, "--token-ids"), logprobs=args.logprobs, model=args.model)
+    # The load phase's size where its rate is known before the run, refused before any work (plan_requests refuses
+    # one from a measured capacity, once it is measured).
+    if config.rate is not None:
+        rate, given = config.rate, f"--rate {config.rate:g}"
+    elif config.capacity is not None and config.load is not None:
+        rate, given = config.capacity * config.load, f"--load {config.load:g} x --capacity {config.capacity:g}"
+    else:
+        return config
+    if expected_arrivals(config, rate) > MAX_PLANNED_REQUESTS:
+        spikes = f" (x{config.pattern.peak_factor:g} in spikes)" if config.pattern.peak_factor > 1 else ""
+        raise ConfigError(f"{given} requests/s{spikes} for --duration {config.duration_s:g} s is about "
+                          f"{expected_arrivals(config, rate):,.0f} requests; at most {MAX_PLANNED_REQUESTS:,}")
+    return config
 
 
 def _pattern(args: argparse.Namespace):

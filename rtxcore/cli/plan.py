@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from rtxcore.capacity.step_time import SPREAD_QUANTILES
-from rtxcore.cli.common import add_engine_options, engine_config, finite_float, output_file
+from rtxcore.cli.common import add_engine_options, engine_config, finite_float, http_url, output_file
 from rtxcore.cli.loadgen import add_lane_mix_options, lane_profiles
 from rtxcore.errors import ConfigError
 
@@ -37,7 +37,7 @@ def add_parser(sub) -> None:
     g.add_argument("--profile", action="store_true",
                    help="measure it here: load the model and time decode and prefill steps (also gives the KV "
                         "block count)")
-    g.add_argument("--profile-url", default=None, metavar="URL",
+    g.add_argument("--profile-url", type=http_url, default=None, metavar="URL",
                    help="read it from a running rtx serve after minutes of load: the step time its engine learnt "
                         "from its own steps and their spread (rtx_step_time_profile_seconds, "
                         "rtx_step_time_spread_ratio), the serving path's seconds (rtx_serving_path_seconds) and "

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import argparse
 
+from rtxcore.cli.common import non_empty
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("pull", help="download a Hugging Face Hub model (owner/name) into the local HF cache",
                        description="Download a model's config, tokenizer and safetensors weights from the Hugging "
                                    "Face Hub into the local cache (HF_HOME, HF_HUB_CACHE), as `rtx serve owner/name` "
                                    "would; prints the snapshot folder. Gated models need HF_TOKEN.")
-    p.add_argument("model", help="the Hub id, owner/name")
-    p.add_argument("--revision", default=None, help="branch, tag or commit (default: main)")
+    p.add_argument("model", type=non_empty, help="the Hub id, owner/name")
+    p.add_argument("--revision", type=non_empty, default=None, help="branch, tag or commit (default: main)")
     p.set_defaults(run=run)
 
 

@@ -12,6 +12,7 @@ from rtx_conformance.gates.cache import run_cache
 from rtx_conformance.gates.config import load_gates
 from rtxcore.engine.config import EngineConfig
 from rtxcore.gates.outcome import Check
+from rtxcore.gates.thresholds import require
 from rtxcore.registry import load_plugins
 
 GATE = "cache"
@@ -20,6 +21,9 @@ GATE = "cache"
 @dataclass(frozen=True, slots=True)
 class CacheSettings:
     min_hit_rate: float
+
+    def __post_init__(self) -> None:
+        require(0 <= self.min_hit_rate <= 1, "min_hit_rate", "from 0 to 1", self.min_hit_rate)
 
 
 def run(settings: CacheSettings, gates_file: Path | None, say) -> list[Check]:

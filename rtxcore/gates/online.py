@@ -23,9 +23,15 @@ from rtxcore.bench.loadgen import (
     measure_capacity,
     run_loadgen,
 )
+from rtxcore.bench.loadgen.workload import MAX_CONNECTIONS
+from rtxcore.errors import ConfigError
 from rtxcore.gates.outcome import Check
 from rtxcore.gates.restart import ReliabilitySettings
 from rtxcore.gates.served import ServedProcess
+from rtxcore.gates.thresholds import require
+
+# The lanes the checks hold to their targets.
+CHECKED_LANES = ("realtime", "standard")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,13 +47,43 @@ class LatencySettings:
     serve_args: list[str] = field(default_factory=list)
     seed: int = 1
 
+    def __post_init__(self) -> None:
+        for key in ("load", "duration_s", "capacity_duration_s"):
+            require(getattr(self, key) > 0, key, "> 0", getattr(self, key))
+        require(1 <= self.capacity_clients <= MAX_CONNECTIONS, "capacity_clients", f"from 1 to {MAX_CONNECTIONS:,}",
+                self.capacity_clients)
+        require(bool(self.lanes), "lanes", "a table of at least one lane", self.lanes)
+        self.profiles()
+        for lane, target in self.targets.items():
+            require(len(target) == 2 and all(t > 0 for t in target), f"targets.{lane}", "[ttft_s, itl_s], both > 0",
+                    target)
+        missing = [lane for lane in (*self.lanes, *CHECKED_LANES) if lane not in self.targets]
+        if missing:
+            raise ConfigError(f"targets has no lane {missing[0]}: give it [ttft_s, itl_s]")
+
+    def profiles(self) -> tuple[LaneProfile, ...]:
+        """The lane mix as the load sends it.
+
+        :raises ConfigError: a lane's weight or lengths, naming it.
+        """
+        profiles = []
+        for name, value in self.lanes.items():
+            require(len(value) == 5 and all(float(x).is_integer() for x in value[1:]), f"lanes.{name}",
+                    "[weight, prompt low, prompt high, output low, output high], the lengths whole numbers", value)
+            weight, p0, p1, o0, o1 = value
+            try:
+                profiles.append(LaneProfile(name, weight, LengthRange(int(p0), int(p1)),
+                                            LengthRange(int(o0), int(o1))))
+            except ConfigError as exc:
+                raise ConfigError(f"lanes.{name}: {exc}") from None
+        return tuple(profiles)
+
 
 def run(latency: LatencySettings, overload: ReliabilitySettings | None, workdir: Path, say) -> list[Check]:
     config_file = workdir / "lanes.toml"
     config_file.write_text("".join(f"[lanes.{lane}]\nttft_target_s = {ttft}\nitl_target_s = {itl}\n\n"
                                    for lane, (ttft, itl) in latency.targets.items()))
-    lanes = tuple(LaneProfile(name, w, LengthRange(int(p0), int(p1)), LengthRange(int(o0), int(o1)))
-                  for name, (w, p0, p1, o0, o1) in latency.lanes.items())
+    lanes = latency.profiles()
     say("latency: starting rtx serve (sla-lanes) on the default model...")
     with ServedProcess(["--scheduler", "sla-lanes", "--config", str(config_file), *latency.serve_args],
                        workdir / "online-server.log") as server:
@@ -90,7 +126,8 @@ def _phase(base: LoadgenConfig, capacity: float, load: float, duration_s: float)
 def latency_checks(report: LoadgenReport, settings: LatencySettings) -> list[Check]:
     by_lane = {s.name: s for s in report.lanes}
     checks = []
-    for lane, quantity, index in (("realtime", "ttft", 0), ("standard", "ttft", 0), ("standard", "itl", 1)):
+    for lane, quantity, index in ((CHECKED_LANES[0], "ttft", 0), (CHECKED_LANES[1], "ttft", 0),
+                                  (CHECKED_LANES[1], "itl", 1)):
         stats = by_lane.get(lane)
         target = settings.targets[lane][index]
         values = (stats.ttft_s if quantity == "ttft" else stats.itl_s) if stats is not None else {}

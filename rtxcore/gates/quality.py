@@ -30,6 +30,7 @@ from rtx_conformance.gates.quality import (
     run_quantizer_quality,
 )
 from rtxcore.gates.outcome import Check, did_not_run, skipped
+from rtxcore.gates.thresholds import require
 from rtxcore.models.resolve import resolve_model
 from rtxcore.quant.pipeline import Calibration, QuantizeOptions, quantize_model
 from rtxcore.registry import PluginRegistry, load_plugins
@@ -48,6 +49,13 @@ class QualitySettings:
     # Held-out tokens a plan is scored on: more than the gate's num_tokens, whose 512 are too few to hold a 0.5 budget
     # steadily (fp8's increase on them was +0.38 on one CPU and +0.54 on another, 0.25-0.26 on both over 2,048).
     plan_eval_tokens: int
+
+    def __post_init__(self) -> None:
+        for key in ("plan_ppl_delta", "planned_max_ppl_increase"):
+            require(getattr(self, key) > 0, key, "> 0", getattr(self, key))
+        require(self.plan_calibration_tokens >= 1, "plan_calibration_tokens", ">= 1", self.plan_calibration_tokens)
+        # As rtx quantize --eval-tokens: a perplexity needs a token before the one it predicts.
+        require(self.plan_eval_tokens >= 2, "plan_eval_tokens", ">= 2", self.plan_eval_tokens)
 
 
 def run(settings: QualitySettings, gates_file: Path | None, say) -> list[Check]:

@@ -21,12 +21,17 @@ from typing import Any
 
 import httpx
 
+from rtxcore.bench.loadgen.workload import MAX_LENGTH_TOKENS
 from rtxcore.gates.outcome import Check
 from rtxcore.gates.served import ServedProcess
+from rtxcore.gates.thresholds import require
 from rtxcore.server.serving.durable.records import decode_records
 
 GATE = "reliability"
 _TIMEOUT = 300
+# The most streams, full requests or conversations of the drill: each is a thread and a connection of its own, and
+# the server's batch (--max-num-seqs) is 256 by default.
+MAX_DRILL_CLIENTS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +46,16 @@ class ReliabilitySettings:
     num_conversations: int
     max_ready_ratio: float
     min_hit_rate_recovery: float
+
+    def __post_init__(self) -> None:
+        for key in ("overload", "overload_duration_s", "max_ready_ratio"):
+            require(getattr(self, key) > 0, key, "> 0", getattr(self, key))
+        require(self.min_hit_rate_recovery >= 0, "min_hit_rate_recovery", ">= 0", self.min_hit_rate_recovery)
+        for key, low in (("num_streams", 1), ("num_full", 0), ("num_conversations", 1)):
+            value = getattr(self, key)
+            require(low <= value <= MAX_DRILL_CLIENTS, key, f"from {low} to {MAX_DRILL_CLIENTS}", value)
+        require(1 <= self.max_tokens <= MAX_LENGTH_TOKENS, "max_tokens", f"from 1 to {MAX_LENGTH_TOKENS:,}",
+                self.max_tokens)
 
 
 def _prompt(index: int) -> list[int]:

@@ -23,6 +23,7 @@ import httpx
 
 from rtxcore.gates.outcome import Check
 from rtxcore.gates.served import ServedProcess
+from rtxcore.gates.thresholds import require
 from rtxcore.models.resolve import resolve_model
 
 GATE = "security"
@@ -31,6 +32,9 @@ GATE = "security"
 @dataclass(frozen=True, slots=True)
 class SecuritySettings:
     max_findings: int
+
+    def __post_init__(self) -> None:
+        require(self.max_findings >= 0, "max_findings", ">= 0", self.max_findings)
 
 
 def run(settings: SecuritySettings, workdir: Path, say) -> list[Check]:

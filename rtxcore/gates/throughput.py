@@ -9,10 +9,13 @@ from typing import Any
 
 from rtxcore.bench.engine import build_engine
 from rtxcore.bench.hf_baseline import load_hf_model, run_hf_static
+from rtxcore.bench.loadgen import LengthRange
 from rtxcore.bench.offline import run_engine, warm_up
 from rtxcore.bench.workloads import BenchRequest, Workload, make_requests
 from rtxcore.engine.config import EngineConfig
+from rtxcore.errors import ConfigError
 from rtxcore.gates.outcome import Check
+from rtxcore.gates.thresholds import require
 
 GATE = "throughput"
 
@@ -25,12 +28,27 @@ class ThroughputSettings:
     output_len: list[int]
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        require(self.min_ratio > 0, "min_ratio", "> 0", self.min_ratio)
+        for key in ("prompt_len", "output_len"):
+            value = getattr(self, key)
+            require(len(value) == 2, key, "[low, high]", value)
+            try:
+                LengthRange(*value)
+            except ConfigError as exc:
+                raise ConfigError(f"{key}: {exc}") from None
+        most = self.workload().max_num_requests
+        require(1 <= self.num_requests <= most, "num_requests", f"from 1 to {most:,} (for prompts of up to "
+                f"{self.prompt_len[1]:,} tokens)", self.num_requests)
+
+    def workload(self) -> Workload:
+        (p0, p1), (o0, o1) = self.prompt_len, self.output_len
+        return Workload("gates", self.num_requests, (p0, p1), (o0, o1), "")
+
 
 def run(settings: ThroughputSettings, say) -> list[Check]:
-    (p0, p1), (o0, o1) = settings.prompt_len, settings.output_len
-    workload = Workload("gates", settings.num_requests, (p0, p1), (o0, o1), "")
     engine = build_engine(EngineConfig())
-    requests = make_requests(workload, engine.core.model_config.vocab_size, settings.seed)
+    requests = make_requests(settings.workload(), engine.core.model_config.vocab_size, settings.seed)
     say(f"throughput: the engine on {len(requests)} requests...")
     warm_up(engine, requests)
     ours = run_engine(engine, requests)

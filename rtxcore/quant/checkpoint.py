@@ -55,8 +55,13 @@ def check_output_dir(out: Path) -> None:
         raise ConfigError(f"--out {out} already exists and is not an empty directory")
     if not out.parent.is_dir():
         raise ConfigError(f"--out {out}: its parent {out.parent} is not an existing directory")
-    if not os.access(out.parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"--out {out}: cannot create a directory in {out.parent} (permission denied)")
+    # Tried for real, as the checkpoint will be staged there: permission bits alone do not tell, as root, that
+    # nothing can be made in /proc or on a read-only mount, which only the final write found, after calibration.
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".check", dir=out.parent))
+    except OSError as exc:
+        raise ConfigError(f"--out {out}: cannot create a directory in {out.parent} "
+                          f"({exc.strerror or exc})") from None
 
 
 def quantization_config(layers: dict[str, QuantizedTensor], ignored: list[str], checksum: str,

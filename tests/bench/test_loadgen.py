@@ -35,6 +35,7 @@ from rtxcore.bench.loadgen import (
     sample_request,
 )
 from rtxcore.cli.main import main
+from rtxcore.errors import ConfigError
 from tests.helpers.server import start_server
 
 RTX = str(Path(sys.executable).parent / "rtx")
@@ -71,6 +72,12 @@ def test_plan_is_reproducible_from_the_seed():
     plan = plan_requests(config, 5.0)
     assert plan == plan_requests(config, 5.0)
     assert plan != plan_requests(LoadgenConfig(rate=5.0, duration_s=60.0, seed=8), 5.0)
+
+
+def test_a_plan_past_its_bound_is_refused_not_drawn():
+    # The rate a measured capacity gives is known only then: the plan refuses it rather than fill memory.
+    with pytest.raises(ConfigError, match="100000 requests/s for 30 s is about 3,000,000 requests; at most 1,000,000"):
+        plan_requests(LoadgenConfig(load=2.0, duration_s=30.0), 1e5)
 
 
 # -- what is sent --------------------------------------------------------------------------------------------------
@@ -201,6 +208,17 @@ def test_brownout_level_from_prometheus_text():
     (["--output-tokens", "batch=1:2"], "not in --lane-mix"),
     (["--target", "realtime=0.5"], "expected TTFT_S:ITL_S"),
     (["--url", "127.0.0.1:8000"], "must start with http://"),
+    # Bounded counts, refused before any request: a client task each, a prompt of that many ids, a plan of every
+    # arrival in memory.
+    (["--capacity-clients", "99999999"], "argument --capacity-clients: '99999999' is more than 4,096"),
+    (["--prompt-tokens", "realtime=16:99999999"], "--prompt-tokens realtime: a length range needs 1 <= low <= high, "
+                                                  "high at most 1,048,576, got 16:99999999"),
+    (["--output-tokens", "bulk=1:2000000"], "--output-tokens bulk: a length range"),
+    (["--rate", "1e9"], "--rate 1e+09 requests/s for --duration 30 s is about 30,000,000,000 requests; at most "
+                        "1,000,000"),
+    (["--load", "2", "--capacity", "1e8"], "--load 2 x --capacity 1e+08 requests/s"),
+    (["--url", ""], "argument --url: must start with http://"),
+    (["--model", ""], "argument --model: must not be empty"),
     (["--url", "http://127.0.0.1:9", "--rate", "1"], "cannot reach the server"),
 ])
 def test_bad_options_one_line_exit_2(args, fragment, capsys):

@@ -20,7 +20,7 @@ from rtxcore.capacity.step_time import RECORDER_MIN_SAMPLES, SPREAD_QUANTILES
 from rtxcore.contracts.scheduler import SchedulerConfig
 from rtxcore.engine.config import EngineConfig
 from rtxcore.metrics.engine_metrics import PROFILE_EXPORT_INTERVAL_S
-from tests.helpers.cli import assert_one_line_error, rtx
+from tests.helpers.cli import assert_one_line_error, rtx, run_in_process
 from tests.helpers.server import start_server
 
 PROFILE = StepTimeProfile(0.010, 0.0001)
@@ -147,6 +147,29 @@ def test_rtx_plan_bad_input_is_one_line(args, message):
     proc = rtx("plan", "--model", "dummy:tiny", *args)
     # The window is judged against rates the capacity search finds: its lines come first.
     assert_one_line_error(proc, message, after_progress=message == "arrivals a sequence")
+
+
+@pytest.mark.parametrize("text, message", [
+    # nan and inf pass every ">= 0" check: the plan went on to a wrong diagnosis (no request could be scheduled).
+    ('{"base_s": NaN, "per_token_s": 0.0001}', "base_s must be a finite number >= 0, got nan"),
+    ('{"base_s": 0.01, "per_token_s": Infinity}', "per_token_s must be a finite number >= 0, got inf"),
+    ('{"base_s": -0.01, "per_token_s": 0.0001}', "base_s must be a finite number >= 0, got -0.01"),
+    ('{"base_s": 0.01, "per_token_s": 0.0001, "spread": [1, NaN]}', "spread must be a finite number >= 0, got nan"),
+    ('{"base_s": 0.01, "per_token_s": "fast"}', "per_token_s must be a finite number >= 0, got 'fast'"),
+    ('{"base_s": 0.01, "per_token_s": 0.0001, "ingress": 5}', "ingress must be a list of numbers, got 5"),
+    ('{"base_s": 0.01, "per_token_s": 0.0001, "decode_s": {"one": 0.01}}', "decode_s must map batch sizes"),
+    # Python's own words before: "list indices must be integers or slices, not str", "'base_s'".
+    ("[0.01, 0.0001]", "must be a JSON object {base_s, per_token_s, ...}, got list"),
+    ('{"per_token_s": 0.0001}', "has no base_s"),
+    ('{"base_s": 0.01, "per_token_s": 0.0001, "per_row": 0.002}', "has unknown field 'per_row'"),
+    ("{base_s: 0.01}", "is not JSON"),
+])
+def test_rtx_plan_names_the_profile_file_and_its_bad_field(tmp_path, text, message):
+    path = tmp_path / "profile.json"
+    path.write_text(text)
+    proc = run_in_process("plan", "--model", "dummy:tiny", "--profile-file", str(path), "--num-kv-blocks", "64")
+    assert_one_line_error(proc, message)
+    assert str(path) in proc.stderr
 
 
 def test_rtx_plan_takes_the_step_time_a_live_server_learnt(tmp_path):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.cli import assert_one_line_error, rtx
+from tests.helpers.cli import assert_one_line_error, rtx, run_in_process
 
 
 @pytest.mark.parametrize("args, fragment", [
@@ -52,6 +52,29 @@ from tests.helpers.cli import assert_one_line_error, rtx
 ])
 def test_bad_input_one_line_exit_2(args, fragment):
     assert_one_line_error(rtx(*args), fragment)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    # Counts with an upper bound, named: the request list grew until memory ran out (W7's long prompts reach the
+    # prompt-token bound first), and --serve opens a client per request.
+    (["bench", "--num-requests", "99999999999999"], "--num-requests 99999999999999 is more than 390,625"),
+    (["bench", "--workload", "W7", "--num-requests", "500000"], "more than 12,207, the most for workload W7"),
+    (["bench", "--num-requests", "5000", "--serve"], "--num-requests 5000 with --serve"),
+    # Empty is not "none given": the default model or branch was used instead, or a network error came far away.
+    (["generate", "hi", "--model", ""], "argument --model: must not be empty, got ''"),
+    (["generate", "", "hi"], "argument MODEL: must not be empty"),
+    (["bench", "--model", "dummy:tiny", "--revision", ""], "argument --revision: must not be empty"),
+    (["pull", "owner/name", "--revision", ""], "argument --revision: must not be empty"),
+    (["quantize", "", "--method", "int8", "--out", "/no/such/dir/q"], "argument model: must not be empty"),
+    (["chat", "--url", ""], "argument --url: must start with http:// or https://"),
+    (["chat", "--url", "http://127.0.0.1:99999"], "a port in [1, 65535]; got 'http://127.0.0.1:99999'"),
+    (["plan", "--profile-url", ""], "argument --profile-url: must start with http://"),
+    # Permission bits say root may write in /proc; only the final write found it could not, after calibration.
+    (["quantize", "dummy:tiny", "--method", "int8", "--out", "/proc/rtx-q"],
+     "--out /proc/rtx-q: cannot create a directory in /proc"),
+])
+def test_bad_counts_and_empty_values_are_refused_before_any_work(args, fragment):
+    assert_one_line_error(run_in_process(*args), fragment)
 
 
 @pytest.mark.parametrize("args, fragment", [

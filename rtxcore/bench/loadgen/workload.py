@@ -13,6 +13,16 @@ import httpx
 from rtxcore.errors import ConfigError
 
 LANE_HEADER = "x-rtx-lane"
+# The longest prompt or output a lane may ask for: the longest context windows served today are about a million
+# tokens. Without a bound, a typo (99999999) built a prompt of that many ids, in memory, for every request.
+MAX_LENGTH_TOKENS = 1 << 20
+# Requests one load phase may plan: every arrival is planned before the first is sent (candidates drawn at the peak
+# rate), and every result is kept for the report, token times included. A million is hours of load at a hundred
+# requests a second, and a few GB of memory; a --rate or --duration typo grew the plan until memory ran out.
+MAX_PLANNED_REQUESTS = 1_000_000
+# Connections of the client's pool: open loop, enough that a request is never held back waiting for one. Also the
+# most closed-loop clients measuring capacity: more would wait for a connection, not run side by side.
+MAX_CONNECTIONS = 4096
 
 
 # -- what is sent --------------------------------------------------------------------------------------------------
@@ -26,8 +36,9 @@ class LengthRange:
     high: int
 
     def __post_init__(self) -> None:
-        if not 1 <= self.low <= self.high:
-            raise ConfigError(f"a length range needs 1 <= low <= high, got {self.low}:{self.high}")
+        if not 1 <= self.low <= self.high <= MAX_LENGTH_TOKENS:
+            raise ConfigError(f"a length range needs 1 <= low <= high, high at most {MAX_LENGTH_TOKENS:,}, got "
+                              f"{self.low}:{self.high}")
 
     def sample(self, rng: random.Random) -> int:
         return rng.randint(self.low, self.high)
@@ -190,8 +201,22 @@ def sample_request(rng: random.Random, lanes: tuple[LaneProfile, ...], tenants: 
                           lane.output_tokens.sample(rng))
 
 
+def expected_arrivals(config: LoadgenConfig, base_rate: float) -> float:
+    """Arrivals drawn to plan the load phase at ``base_rate``: candidates come at the pattern's peak rate."""
+    return base_rate * config.pattern.peak_factor * config.duration_s
+
+
 def plan_requests(config: LoadgenConfig, base_rate: float) -> list[PlannedRequest]:
-    """The load phase's requests; the same seed gives the same plan."""
+    """The load phase's requests; the same seed gives the same plan.
+
+    :raises ConfigError: more than :data:`MAX_PLANNED_REQUESTS` would be drawn.
+    """
+    expected = expected_arrivals(config, base_rate)
+    if expected > MAX_PLANNED_REQUESTS:
+        peak = config.pattern.peak_factor
+        raise ConfigError(f"{base_rate:g} requests/s{f' (x{peak:g} in spikes)' if peak > 1 else ''} for "
+                          f"{config.duration_s:g} s is about {expected:,.0f} requests; at most "
+                          f"{MAX_PLANNED_REQUESTS:,}: lower the load or the duration")
     rng = random.Random(config.seed)
     times = arrival_times(config.pattern, base_rate, config.duration_s, rng)
     return [sample_request(rng, config.lanes, config.tenants, t) for t in times]
@@ -237,7 +262,7 @@ class LoadgenConfig:
     # None: the served model.
     model: str | None = None
     # Open loop: enough that a connection is never waited for.
-    max_connections: int = 4096
+    max_connections: int = MAX_CONNECTIONS
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):

@@ -66,10 +66,10 @@ def add_parser(sub) -> None:
     durable.add_argument("--state-dir", default=d.state_dir, metavar="DIR",
                          help="keep a request journal under DIR/journal: accepted requests survive a crash or "
                               "restart and streams are resumable (GET /v1/streams/{id}); off without it")
-    durable.add_argument("--journal-retention", type=finite_float, default=d.journal_retention_s, metavar="SECONDS",
+    durable.add_argument("--journal-retention", type=finite_float, default=None, metavar="SECONDS",
                          help="how long finished requests stay resumable and in the journal "
                               f"(default: {d.journal_retention_s:g})")
-    durable.add_argument("--journal-compact-bytes", type=byte_size, default=d.journal_compact_min_bytes,
+    durable.add_argument("--journal-compact-bytes", type=byte_size, default=None,
                          metavar="SIZE", help="compact the journal once it is this large and mostly requests past "
                                               f"retention; at least {MIN_JOURNAL_COMPACT_BYTES >> 10}KiB "
                                               f"(default: {d.journal_compact_min_bytes >> 20}M)")
@@ -156,6 +156,12 @@ def run(args: argparse.Namespace) -> int:
     elif args.ssl_ca_certs or args.ssl_cert_reqs != "none":
         raise ConfigError("--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile and --ssl-keyfile")
     config_file = load_serve_config(args.config)
+    journal = {"journal_retention_s": args.journal_retention, "journal_compact_min_bytes": args.journal_compact_bytes}
+    if args.state_dir is None:
+        given = next((f for f, v in (("--journal-retention", args.journal_retention),
+                                     ("--journal-compact-bytes", args.journal_compact_bytes)) if v is not None), None)
+        if given:
+            raise ConfigError(f"{given} needs --state-dir: without it there is no journal")
     settings = ServeSettings(
         host=args.host, port=args.port, grpc_port=None if args.no_grpc else args.grpc_port,
         max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout,
@@ -164,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
         served_model_aliases=tuple(args.served_model_name[1:]) if args.served_model_name else (),
         signing_public_key=args.signing_public_key,
         require_signed_models=args.require_signed_models, state_dir=args.state_dir,
-        journal_retention_s=args.journal_retention, journal_compact_min_bytes=args.journal_compact_bytes,
+        **{k: v for k, v in journal.items() if v is not None},
         allowed_origins=tuple(o.strip() for item in args.allowed_origins or () for o in item.split(",") if o.strip()),
         tls=tls, fleet=fleet_settings(args, config_file.lanes))
     tenants = TenantRegistry.from_config(config_file.tenants, api_keys=args.api_key or ())

@@ -18,9 +18,6 @@ TENANT = '[tenants.x]\nkey_sha256 = "' + "0" * 64 + '"\n'
 
 
 @pytest.mark.parametrize(("args", "fragment"), [
-    # At 0 an empty journal is "mostly garbage" and was rewritten every 0.2 s.
-    (("--journal-compact-bytes", "0"), "--journal-compact-bytes must be at least 64KiB (65536), got 0"),
-    (("--journal-compact-bytes", "4KiB"), "--journal-compact-bytes must be at least 64KiB (65536), got 4096"),
     (("--fleet-peers", "a", "--autoscale-lane", "nope"),
      "--autoscale-lane 'nope' is not a lane (lanes: realtime, standard, bulk)"),
     (("--port", "70000"), "argument --port: 70000 is not a port in [0, 65535]"),
@@ -30,6 +27,20 @@ TENANT = '[tenants.x]\nkey_sha256 = "' + "0" * 64 + '"\n'
 ])
 def test_bad_serve_flags_are_named_in_one_line(args, fragment):
     assert_one_line_error(run_in_process(*SERVE, *args), fragment)
+
+
+@pytest.mark.parametrize(("args", "fragment"), [
+    # At 0 an empty journal is "mostly garbage" and was rewritten every 0.2 s.
+    (("--journal-compact-bytes", "0"), "--journal-compact-bytes must be at least 64KiB (65536), got 0"),
+    (("--journal-compact-bytes", "4KiB"), "--journal-compact-bytes must be at least 64KiB (65536), got 4096"),
+])
+def test_bad_journal_flags_are_named_in_one_line(tmp_path, args, fragment):
+    assert_one_line_error(run_in_process(*SERVE, "--state-dir", str(tmp_path / "state"), *args), fragment)
+
+
+@pytest.mark.parametrize("flag", [("--journal-retention", "60"), ("--journal-compact-bytes", "1M")])
+def test_journal_flags_without_a_state_dir_are_refused_not_ignored(flag):
+    assert_one_line_error(run_in_process(*SERVE, *flag), f"{flag[0]} needs --state-dir")
 
 
 @pytest.mark.parametrize("ca", ["text", "key"])

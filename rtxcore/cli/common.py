@@ -284,7 +284,12 @@ def engine_config(args: argparse.Namespace, config_file: ServeConfigFile | None 
     """The engine settings of the command line, over those of ``config_file`` (``rtx serve --config``) where it has
     them."""
     from rtxcore.contracts.scheduler import SchedulerConfig
+    from rtxcore.files import check_directory_path
 
+    if args.kv_disk_dir:
+        # Its last directory is made if missing, not a chain of them: a typo in a mount point would otherwise put
+        # the disk tier (up to --kv-disk-bytes) on whatever disk holds the first directory that exists.
+        check_directory_path(args.kv_disk_dir, "--kv-disk-dir", make_parents=False)
     return EngineConfig(
         model=args.model, revision=args.revision,
         chat_template=Path(args.chat_template).expanduser().read_text() if args.chat_template else None,

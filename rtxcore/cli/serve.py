@@ -139,7 +139,6 @@ def fleet_settings(args: argparse.Namespace, lanes: Collection[str] | None = Non
 def run(args: argparse.Namespace) -> int:
     from rtxcore.cli.progress import Progress
     from rtxcore.errors import ConfigError
-    from rtxcore.files import check_directory_path
     from rtxcore.models.resolve import resolve_model
     from rtxcore.server.launcher import serve
     from rtxcore.server.serve_config import load_serve_config
@@ -178,10 +177,6 @@ def run(args: argparse.Namespace) -> int:
     if any(name == "mtls" for name, _ in auth.authenticators) and (tls is None or tls.cert_reqs != "required"):
         raise ConfigError("the mtls authenticator needs client certificates: --ssl-certfile, --ssl-keyfile, "
                           "--ssl-ca-certs and --ssl-cert-reqs required")
-    if args.kv_disk_dir:
-        # Its last directory is made if missing, not a chain of them: a typo in a mount point would otherwise put
-        # the disk tier (up to --kv-disk-bytes) on whatever disk holds the first directory that exists.
-        check_directory_path(args.kv_disk_dir, "--kv-disk-dir", make_parents=False)
     config = engine_config(args, config_file)
     if config.node_rank > 0:
         return run_worker_node(config)  # this node only runs ranks: node 0 serves

@@ -43,6 +43,10 @@ from tests.helpers.cli import assert_one_line_error, rtx, run_in_process
     # a file where a directory belongs, and files that are not PEM: named before anything loads
     (["generate", "hi", "--model", "dummy:tiny", "--kv-disk-dir", __file__], "is not a directory"),
     (["generate", "hi", "--model", "dummy:tiny", "--kv-disk-dir", f"{__file__}/kv"], "test_cli.py is a file"),
+    # a mount point's typo: only the last directory is made, for every command that takes the flag
+    (["generate", "hi", "--model", "dummy:tiny", "--kv-disk-dir", "/no-such-mount/rtx/kv"],
+     "/no-such-mount/rtx does not exist"),
+    (["bench", "--model", "dummy:tiny", "--kv-disk-dir", "/no-such-mount/rtx/kv"], "/no-such-mount/rtx does not exist"),
     (["serve", "--model", "dummy:tiny", "--state-dir", __file__], "is not a directory"),
     (["serve", "--model", "dummy:tiny", "--served-model-name", " "], "must not be empty"),
     (["generate", "hi", "--model", "dummy:tiny", "--system", "be brief"], "it needs --chat"),

@@ -72,7 +72,12 @@ def build_components(config: EngineConfig, registry: PluginRegistry | None, sour
         if tokenizer is None:
             raise ConfigError(f"--chat-template: {source.name} has no tokenizer to apply a chat template with")
         tokenizer.use_chat_template(config.chat_template)
-    max_model_len = min(config.max_model_len or model_config.max_position, model_config.max_position)
+    if config.max_model_len and config.max_model_len > model_config.max_position:
+        # Not cut down to what the model has without a word (vLLM refuses too): positions past those it was trained
+        # on give text that only looks like an answer.
+        raise ConfigError(f"--max-model-len {config.max_model_len} is more than the {model_config.max_position} "
+                          f"positions of {source.name} (its max_position_embeddings)")
+    max_model_len = config.max_model_len or model_config.max_position
     num_blocks = config.num_kv_blocks or _num_blocks_from_memory(config, backend, max_model_len)
     policy = registry.create("eviction_policy", config.eviction_policy, num_blocks)
     with _sized_by("--num-kv-blocks", f"a KV cache of {num_blocks} blocks"):

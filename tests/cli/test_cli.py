@@ -85,6 +85,7 @@ def test_bad_counts_and_empty_values_are_refused_before_any_work(args, fragment)
     (["--num-kv-blocks", "99999999999999999999"], "--num-kv-blocks"),
     (["--kv-host-bytes", "99999999TiB"], "--kv-host-bytes"),
     (["--kv-disk-dir", "/proc/rtx-kv"], "--kv-disk-dir"),
+    (["--max-model-len", "99999999999"], "--max-model-len 99999999999 is more than the 2048 positions of"),
 ])
 def test_memory_no_machine_has_names_the_flag_once_the_weights_are_in(args, fragment):
     # Sizes in bytes are known once the model is: the error comes after the loading lines, one line, no traceback.

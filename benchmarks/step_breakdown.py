@@ -12,7 +12,9 @@ by one untimed run of its own).
 
 Every `rtx bench` engine option is taken. ``--steady 64x830`` also holds 64 requests of 830-token contexts decoding
 (on a CUDA device): the engine's step time on the host against one replay of its decode graph timed on the device,
-which tells a host-bound step from a device-bound one, and the replay's kernels under the torch profiler.
+which tells a host-bound step from a device-bound one, and the replay's kernels under the torch profiler; and the
+host's time a step in each phase of the overlapped step (scheduling, building, launching, sampling, waiting for the
+device, making outputs): where a host-bound step's time goes. On a CPU the phases alone are timed.
 """
 
 from __future__ import annotations
@@ -105,35 +107,86 @@ def run(engine, requests, static: bool) -> dict:
     return summary
 
 
-def steady_decode(engine, rows: int, context: int, replays: int = 50) -> dict:
-    """``rows`` requests with ``context``-token prompts decoding together: the median engine step on the host, one
-    decode graph replay on the device, and the replay's kernels, largest first."""
+def steady_decode(engine, rows: int, context: int, replays: int = 50, steps: int = 40) -> dict:
+    """``rows`` requests with ``context``-token prompts decoding together: the median engine step on the host, the
+    host's mean time a step in each phase (:func:`host_phases`), and on a CUDA device one decode graph replay and
+    its kernels, largest first."""
     import torch
-    from gpu_checks import decode_graph, replay_kernels, replay_ms  # this folder's GPU helpers
 
     from rtxcore.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
+    cuda = torch.device(engine.core.backend.device).type == "cuda"
+    params = SamplingParams(max_tokens=2 * steps + 40, temperature=0.0, ignore_eos=True)
+    vocab = engine.core.model_config.vocab_size
     for i in range(rows):
-        engine.add_request([1000 + (i * 7 + j) % 5000 for j in range(context)], params)
+        engine.add_request([(1000 + (i * 7 + j) % 5000) % vocab for j in range(context)], params)
     budget = engine.core.config.scheduling.max_num_batched_tokens
     for _ in range(-(-rows * context // budget) + 6):  # the prompts' chunks, then a few decodes
         engine.step()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     host = []
-    for _ in range(40):
+    for _ in range(steps):
         t = time.perf_counter()
         engine.step()
         host.append(time.perf_counter() - t)
+    phases = host_phases(engine, steps)
     while engine.has_unfinished_requests():
         engine.step()
     engine.core.kv_cache.reset_prefix_cache()
-    graph = decode_graph(engine, rows)
-    replay, kernels = replay_ms(graph, replays), replay_kernels(graph, replays)
     host.sort()
-    return {"rows": rows, "context": context, "engine_step_ms_median": 1000 * host[len(host) // 2],
-            "graph_replay_ms": replay,
-            "kernels": [{"name": n, "us": us, "launches": c} for n, us, c in kernels]}
+    report = {"rows": rows, "context": context, "engine_step_ms_median": 1000 * host[len(host) // 2],
+              "host_phases_ms": phases}
+    if cuda:
+        from gpu_checks import decode_graph, replay_kernels, replay_ms  # this folder's GPU helpers
+
+        graph = decode_graph(engine, rows)
+        report["graph_replay_ms"] = replay_ms(graph, replays)
+        report["kernels"] = [{"name": n, "us": us, "launches": c} for n, us, c in replay_kernels(graph, replays)]
+    return report
+
+
+def host_phases(engine, steps: int) -> dict[str, float]:
+    """The host's mean milliseconds a step in each phase of ``steps`` engine steps: the engine core's methods
+    (and the overlapped step's ``build_step`` and its wait for the previous step's tokens) wrapped in timers, then
+    unwrapped. ``wait`` is the host blocked on the device; the rest is its own work."""
+    import rtxcore.engine.overlap as overlap
+    from rtxcore.engine.in_flight import InFlightStep
+
+    core = engine.core
+    totals: dict[str, float] = defaultdict(float)
+
+    def timed(name: str, fn):
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[name] += time.perf_counter() - t
+        return wrapper
+
+    # (owner, attribute, phase): instance attributes shadow the class's methods and are deleted afterwards; the
+    # module function and the class method are put back as they were.
+    instance = [(core, "maintain", "maintain"), (core, "schedule", "schedule"),
+                (core.kv_cache, "prepare_step", "prepare_step"), (core.faults, "execute", "execute (forward launch)"),
+                (core.faults, "sample", "sample (launch)"), (core, "update", "update (outputs)")]
+    for owner, attr, name in instance:
+        setattr(owner, attr, timed(name, getattr(owner, attr)))
+    build, wait = overlap.build_step, InFlightStep.wait
+    overlap.build_step = timed("build_step", build)
+    InFlightStep.wait = timed("wait (for the device)", wait)  # type: ignore[method-assign]
+    try:
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        totals["step"] = time.perf_counter() - t
+    finally:
+        for owner, attr, _ in instance:
+            delattr(owner, attr)
+        overlap.build_step, InFlightStep.wait = build, wait  # type: ignore[method-assign]
+    phases = {name: 1000 * seconds / steps for name, seconds in totals.items()}
+    phases["rest"] = phases["step"] - sum(v for k, v in phases.items() if k != "step")
+    return phases
 
 
 def print_table(name: str, s: dict) -> None:
@@ -154,7 +207,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", dest="json_path", default=None)
     ap.add_argument("--steady", default=None, metavar="ROWSxCONTEXT[,...]",
-                    help="also time a steady decode of ROWS requests of CONTEXT tokens (CUDA only)")
+                    help="also time a steady decode of ROWS requests of CONTEXT tokens (its graph replay: CUDA only)")
     add_engine_options(ap)
     args = ap.parse_args()
     engine = load_engine(engine_config(args))
@@ -172,12 +225,15 @@ def main() -> None:
         rows, context = (int(x) for x in shape.split("x"))
         steady = steady_decode(engine, rows, context)
         report.setdefault("steady", []).append(steady)
+        replay = (f", decode graph replay {steady['graph_replay_ms']:.3f} ms (device)"
+                  if "graph_replay_ms" in steady else "")
         print(f"## steady decode, {rows} rows of {context} tokens: engine step {steady['engine_step_ms_median']:.3f} "
-              f"ms (host, median), decode graph replay {steady['graph_replay_ms']:.3f} ms (device)")
-        total = sum(k["us"] for k in steady["kernels"])
-        print(f"kernels of a replay: {total:.1f} us")
-        for k in steady["kernels"][:20]:
-            print(f"  {k['us']:8.1f} us  x{k['launches']:<3} {k['name'][:100]}")
+              f"ms (host, median){replay}")
+        print("host, mean ms a step: " + ", ".join(f"{k} {v:.3f}" for k, v in steady["host_phases_ms"].items()))
+        if "kernels" in steady:
+            print(f"kernels of a replay: {sum(k['us'] for k in steady['kernels']):.1f} us")
+            for k in steady["kernels"][:20]:
+                print(f"  {k['us']:8.1f} us  x{k['launches']:<3} {k['name'][:100]}")
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(report, f, indent=1)

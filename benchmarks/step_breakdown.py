@@ -131,6 +131,7 @@ def steady_decode(engine, rows: int, context: int, replays: int = 50, steps: int
         engine.step()
         host.append(time.perf_counter() - t)
     phases = host_phases(engine, steps)
+    trace = engine_trace(engine, 10) if cuda else None
     while engine.has_unfinished_requests():
         engine.step()
     engine.core.kv_cache.reset_prefix_cache()
@@ -143,7 +144,32 @@ def steady_decode(engine, rows: int, context: int, replays: int = 50, steps: int
         graph = decode_graph(engine, rows)
         report["graph_replay_ms"] = replay_ms(graph, replays)
         report["kernels"] = [{"name": n, "us": us, "launches": c} for n, us, c in replay_kernels(graph, replays)]
+        report["engine_trace"] = trace
     return report
+
+
+def engine_trace(engine, steps: int) -> dict:
+    """``steps`` engine steps under the torch profiler (host and device): the host's operations and the device's
+    work (the graph's kernels and everything outside it), µs a step each, largest first; what the step does that a
+    bare graph replay does not."""
+    import torch
+
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = time.perf_counter() - t
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    host = sorted(((e.key, e.self_cpu_time_total / steps, e.count / steps) for e in events
+                   if e.self_cpu_time_total > 0), key=lambda r: -r[1])
+    device = sorted(((e.key, e.self_device_time_total / steps, e.count / steps) for e in events
+                     if e.self_device_time_total > 0), key=lambda r: -r[1])
+    return {"step_ms": 1000 * wall / steps,
+            "host": [{"name": n, "us": us, "calls": c} for n, us, c in host[:25]],
+            "device": [{"name": n, "us": us, "calls": c} for n, us, c in device[:25]]}
 
 
 def host_phases(engine, steps: int) -> dict[str, float]:
@@ -230,6 +256,12 @@ def main() -> None:
         print(f"## steady decode, {rows} rows of {context} tokens: engine step {steady['engine_step_ms_median']:.3f} "
               f"ms (host, median){replay}")
         print("host, mean ms a step: " + ", ".join(f"{k} {v:.3f}" for k, v in steady["host_phases_ms"].items()))
+        if steady.get("engine_trace"):
+            trace = steady["engine_trace"]
+            print(f"engine steps under the profiler: {trace['step_ms']:.3f} ms a step")
+            for side in ("host", "device"):
+                for e in trace[side][:15]:
+                    print(f"  {side} {e['us']:8.1f} us  x{e['calls']:<5.1f} {e['name'][:100]}")
         if "kernels" in steady:
             print(f"kernels of a replay: {sum(k['us'] for k in steady['kernels']):.1f} us")
             for k in steady["kernels"][:20]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -89,7 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Inside the try: a preset that cannot be read or has a wrong key is a one-line error like any other.
         args = parse_with_preset(parser, argv)
-        return args.run(args) or 0
+        status = args.run(args) or 0
+        sys.stdout.flush()  # here, not at exit: a closed pipe is then caught below
+        return status
+    except BrokenPipeError:
+        # The reader went away (`rtx plugins list | head`): stop quietly as a tool killed by SIGPIPE would, and send
+        # what is still buffered nowhere, or the interpreter reports the same error again as it exits.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except RtxError as exc:
         sys.stderr.write(f"rtx: error: {exc}\n")
         return EXIT_USAGE

@@ -122,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
                           "--profile")
     if args.profile_out:
         Path(args.profile_out).write_text(json.dumps(profile.to_json(), indent=2) + "\n")
+    _check_targets_reachable(served.scheduling.lanes, [m.name for m in mix], profile)
     planner = Planner(served, profile, mix, args.requests, args.seed, log)
     capacities = {m.name: planner.capacity(m.name) for m in mix}
     capacity = min(capacities.values())
@@ -160,6 +161,22 @@ def run(args: argparse.Namespace) -> int:
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
     return 0
+
+
+def _check_targets_reachable(lanes, names: list[str], profile) -> None:
+    """Refuse a lane whose inter-token target is below one decode step of a lone request: admission control would
+    refuse nearly all of its requests at any rate, and the plan came out as a capacity near 0 and thousands of
+    replicas, which reads as an answer rather than as a target no load can meet.
+
+    :raises ConfigError: naming the lane, its target and the step's time.
+    """
+    step_s = profile.seconds(1, 1)
+    for name in names:
+        target = lanes[name].itl_target_s
+        if target < step_s:
+            raise ConfigError(f"lane {name}'s itl_target_s {target:g} s is below one decode step of this profile "
+                              f"({step_s:.3g} s for a lone request): no rate meets it; raise the target, or plan "
+                              "with a faster machine's profile")
 
 
 def _loads(text: str) -> list[float]:

@@ -7,7 +7,7 @@ import signal
 import threading
 from pathlib import Path
 
-from rtxcore.cli.common import finite_float, non_empty
+from rtxcore.cli.common import MODEL_ARG, finite_float, non_empty
 
 # The seed's quality gate: int8/int4 within 0.5 perplexity.
 DEFAULT_PPL_DELTA = 0.5
@@ -19,7 +19,10 @@ def add_parser(sub) -> None:
         description="Calibrate on text, quantize every decoder linear layer with METHOD (falling back to higher "
                     "precision for layers whose output error exceeds the budget), write safetensors plus a "
                     "quantization config to --out, then score held-out text with the result.")
-    p.add_argument("model", type=non_empty,
+    # MODEL or --model, as every command that loads a model takes it (merged by the parser: common.MODEL_ARG).
+    p.add_argument(MODEL_ARG, nargs="?", type=non_empty, default=None, metavar="MODEL",
+                   help="the model, as --model takes it")
+    p.add_argument("--model", type=non_empty, default="smollm2-135m",
                    help="smollm2-135m (the default model), a .gguf file or a Hugging Face directory")
     p.add_argument("--method", required=True,
                    help="quantizer plugin: int8, int8-sq, int4, int4-gptq, fp8 or an installed one")

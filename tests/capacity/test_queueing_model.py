@@ -149,6 +149,17 @@ def test_rtx_plan_bad_input_is_one_line(args, message):
     assert_one_line_error(proc, message, after_progress=message == "arrivals a sequence")
 
 
+def test_rtx_plan_refuses_an_inter_token_target_below_one_decode_step(tmp_path):
+    # Admission control refused nearly every realtime request at any rate: the plan read capacity 0.00686 and
+    # thousands of replicas, an answer to a question no load can meet.
+    config = tmp_path / "lanes.toml"
+    config.write_text("[lanes.realtime]\nttft_target_s = 1.0\nitl_target_s = 0.05\n")
+    proc = run_in_process("plan", "--model", "dummy:tiny", "--config", str(config), "--step-time", "71.87", "1.829",
+                          "--num-kv-blocks", "64")
+    assert_one_line_error(proc, "lane realtime's itl_target_s 0.05 s is below one decode step of this profile "
+                                "(0.0737 s for a lone request)")
+
+
 @pytest.mark.parametrize("text, message", [
     # nan and inf pass every ">= 0" check: the plan went on to a wrong diagnosis (no request could be scheduled).
     ('{"base_s": NaN, "per_token_s": 0.0001}', "base_s must be a finite number >= 0, got nan"),

@@ -69,7 +69,11 @@ def test_bad_input_one_line_exit_2(args, fragment):
     (["generate", "", "hi"], "argument MODEL: must not be empty"),
     (["bench", "--model", "dummy:tiny", "--revision", ""], "argument --revision: must not be empty"),
     (["pull", "owner/name", "--revision", ""], "argument --revision: must not be empty"),
-    (["quantize", "", "--method", "int8", "--out", "/no/such/dir/q"], "argument model: must not be empty"),
+    (["quantize", "", "--method", "int8", "--out", "/no/such/dir/q"], "argument MODEL: must not be empty"),
+    # the model as --model too, as every command that loads one takes it
+    (["quantize", "--model", "dummy:tiny", "--method", "int8", "--out", "/proc/rtx-q"],
+     "--out /proc/rtx-q: cannot create a directory in /proc"),
+    (["quantize", "a.gguf", "--model", "b.gguf", "--method", "int8", "--out", "/tmp/q"], "two models given"),
     (["chat", "--url", ""], "argument --url: must start with http:// or https://"),
     (["chat", "--url", "http://127.0.0.1:99999"], "a port in [1, 65535]; got 'http://127.0.0.1:99999'"),
     (["plan", "--profile-url", ""], "argument --profile-url: must start with http://"),
@@ -244,3 +248,19 @@ def test_chat_template_flag(tmp_path):
     bad.write_text("{% for m in messages %}")
     for path, error in ((bad, "does not parse"), (tmp_path / "missing.jinja", "cannot read")):
         assert_one_line_error(rtx("generate", "--chat-template", str(path), "hi"), error)
+
+
+@pytest.mark.parametrize("args", [("plugins", "list"), ("plugins", "list", "--json")])
+def test_a_reader_that_goes_away_ends_the_command_quietly(args):
+    # `rtx plugins list | head`: the pipe is closed before the command writes; no traceback, SIGPIPE's status.
+    import signal
+    import subprocess
+
+    from tests.helpers.cli import RTX
+
+    proc = subprocess.Popen([RTX, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 128 + signal.SIGPIPE, stderr
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr

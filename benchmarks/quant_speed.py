@@ -39,7 +39,7 @@ from rtxcore.quant.plan_layout import LaidOutSource, read_plan
 from rtxcore.registry import load_plugins
 from rtxcore.transfer import release_device_memory
 
-# Published, not measured here (shared/WORKLOADS.md): TensorRT-LLM, one H200, Llama-3.1-8B FP8, 128/128 at max load.
+# Published by NVIDIA, not measured here: TensorRT-LLM, one H200, Llama-3.1-8B FP8, 128/128 at max load.
 TRTLLM_FP8_H200_TOK_S = 27911
 
 

@@ -1,4 +1,4 @@
-"""The cache gate: prefix-cache hit rate on a steady multi-turn workload (W4 of WORKLOADS.md, scaled down).
+"""The cache gate: prefix-cache hit rate on a steady multi-turn workload (W4 of docs/workloads.md, scaled down).
 
 Conversations run side by side; each turn's prompt is the conversation so far (earlier prompts and the model's
 replies) plus new tokens, so everything but the new tokens and the last partial block could come from the cache.

@@ -1,4 +1,4 @@
-"""The standard benchmark workloads (shared/WORKLOADS.md): random-token prompts with fixed output lengths, and W6's
+"""The standard benchmark workloads (docs/workloads.md): random-token prompts with fixed output lengths, and W6's
 input-grounded prompts (a real text to copy out with edits) for speculative decoding."""
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from rtxcore.bench.serving import ServedResult
     from rtxcore.engine.speculation.speculator import ProposerStats
 
-# Device-to-device copy bandwidth measured on the H200 (shared/WORKLOADS.md): the floor W3 is compared with.
+# Device-to-device copy bandwidth measured on the H200 (docs/workloads.md): the floor W3 is compared with.
 H200_COPY_BYTES_PER_S = 4.24e12
 # --serve sends every request at once, each from its own streaming client and connection: 16x the largest workload,
 # and within the open files a process usually gets, where thousands more would fail as connection errors.
@@ -48,7 +48,7 @@ MAX_SERVED_CLIENTS = 4096
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="measure offline throughput on a workload (shared/WORKLOADS.md)")
+    p = sub.add_parser("bench", help="measure offline throughput on a workload (docs/workloads.md)")
     p.add_argument("--workload", default="cpu", choices=sorted(WORKLOADS), help="workload name (default: cpu)")
     p.add_argument("--num-requests", type=positive_int, default=None,
                    help=f"override the workload's request count (at most {MAX_NUM_REQUESTS:,}, fewer for workloads "

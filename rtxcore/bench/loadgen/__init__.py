@@ -1,6 +1,6 @@
 """Open-loop load against ``rtx serve``: lanes, tenants, Poisson or spiky arrivals, and what each request got.
 
-Workload W5 of shared/WORKLOADS.md. A run has up to two phases:
+Workload W5 of docs/workloads.md. A run has up to two phases:
 
 1. capacity (unless a rate or a capacity is given): ``capacity_clients`` closed-loop clients send the same lane mix
    for ``capacity_duration_s``; capacity is completed requests per second;

@@ -87,7 +87,7 @@ class Tenant:
             raise ConfigError(f"tenant {self.name}: weight must be > 0, got {self.weight}")
 
 
-# Sized for the CPU default model on 2 cores (shared/WORKLOADS.md, CPU variants): short realtime requests, long bulk.
+# Sized for the CPU default model on 2 cores (docs/workloads.md): short realtime requests, long bulk.
 DEFAULT_LANES: tuple[LaneProfile, ...] = (
     LaneProfile("realtime", 0.1, LengthRange(16, 64), LengthRange(16, 32)),
     LaneProfile("standard", 0.6, LengthRange(32, 128), LengthRange(32, 96)),

@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
 def loadgen_config(args: argparse.Namespace):
     """The :class:`LoadgenConfig` the options describe; :class:`ConfigError` names the option that is wrong."""
     from rtxcore.bench.loadgen import LoadgenConfig
-    from rtxcore.bench.loadgen.workload import MAX_PLANNED_REQUESTS, expected_arrivals
+    from rtxcore.bench.loadgen.workload import check_plan_size
 
     config = LoadgenConfig(
         url=args.url, duration_s=args.duration, rate=args.rate, load=args.load, capacity=args.capacity,
@@ -120,10 +120,7 @@ def loadgen_config(args: argparse.Namespace):
         rate, given = config.capacity * config.load, f"--load {config.load:g} x --capacity {config.capacity:g}"
     else:
         return config
-    if expected_arrivals(config, rate) > MAX_PLANNED_REQUESTS:
-        spikes = f" (x{config.pattern.peak_factor:g} in spikes)" if config.pattern.peak_factor > 1 else ""
-        raise ConfigError(f"{given} requests/s{spikes} for --duration {config.duration_s:g} s is about "
-                          f"{expected_arrivals(config, rate):,.0f} requests; at most {MAX_PLANNED_REQUESTS:,}")
+    check_plan_size(config, rate, given)
     return config
 
 

@@ -156,11 +156,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile and --ssl-keyfile")
     config_file = load_serve_config(args.config)
     journal = {"journal_retention_s": args.journal_retention, "journal_compact_min_bytes": args.journal_compact_bytes}
-    if args.state_dir is None:
-        given = next((f for f, v in (("--journal-retention", args.journal_retention),
-                                     ("--journal-compact-bytes", args.journal_compact_bytes)) if v is not None), None)
-        if given:
-            raise ConfigError(f"{given} needs --state-dir: without it there is no journal")
+    for flag, value in (("--journal-retention", args.journal_retention),
+                        ("--journal-compact-bytes", args.journal_compact_bytes)):
+        if value is not None and args.state_dir is None:
+            raise ConfigError(f"{flag} needs --state-dir: without it there is no journal")
     settings = ServeSettings(
         host=args.host, port=args.port, grpc_port=None if args.no_grpc else args.grpc_port,
         max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout,

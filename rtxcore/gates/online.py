@@ -30,8 +30,8 @@ from rtxcore.gates.restart import ReliabilitySettings
 from rtxcore.gates.served import ServedProcess
 from rtxcore.gates.thresholds import require
 
-# The lanes the checks hold to their targets.
-CHECKED_LANES = ("realtime", "standard")
+# What the gate holds to its targets: (lane, quantity, index of the quantity in the lane's [ttft_s, itl_s] target).
+CHECKS = (("realtime", "ttft", 0), ("standard", "ttft", 0), ("standard", "itl", 1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +57,7 @@ class LatencySettings:
         for lane, target in self.targets.items():
             require(len(target) == 2 and all(t > 0 for t in target), f"targets.{lane}", "[ttft_s, itl_s], both > 0",
                     target)
-        missing = [lane for lane in (*self.lanes, *CHECKED_LANES) if lane not in self.targets]
+        missing = [lane for lane in (*self.lanes, *(lane for lane, _, _ in CHECKS)) if lane not in self.targets]
         if missing:
             raise ConfigError(f"targets has no lane {missing[0]}: give it [ttft_s, itl_s]")
 
@@ -126,8 +126,7 @@ def _phase(base: LoadgenConfig, capacity: float, load: float, duration_s: float)
 def latency_checks(report: LoadgenReport, settings: LatencySettings) -> list[Check]:
     by_lane = {s.name: s for s in report.lanes}
     checks = []
-    for lane, quantity, index in ((CHECKED_LANES[0], "ttft", 0), (CHECKED_LANES[1], "ttft", 0),
-                                  (CHECKED_LANES[1], "itl", 1)):
+    for lane, quantity, index in CHECKS:
         stats = by_lane.get(lane)
         target = settings.targets[lane][index]
         values = (stats.ttft_s if quantity == "ttft" else stats.itl_s) if stats is not None else {}

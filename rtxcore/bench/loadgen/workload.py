@@ -201,9 +201,20 @@ def sample_request(rng: random.Random, lanes: tuple[LaneProfile, ...], tenants: 
                           lane.output_tokens.sample(rng))
 
 
-def expected_arrivals(config: LoadgenConfig, base_rate: float) -> float:
-    """Arrivals drawn to plan the load phase at ``base_rate``: candidates come at the pattern's peak rate."""
-    return base_rate * config.pattern.peak_factor * config.duration_s
+def check_plan_size(config: LoadgenConfig, base_rate: float, given: str | None = None) -> None:
+    """Refuse a load phase at ``base_rate`` that would draw more than :data:`MAX_PLANNED_REQUESTS` arrivals
+    (candidates come at the pattern's peak rate).
+
+    :param given: how the command line gave the rate (``--rate 5``), to name it and --duration; else the rate alone.
+    :raises ConfigError: the rate, the duration and about how many requests they make.
+    """
+    peak = config.pattern.peak_factor
+    expected = base_rate * peak * config.duration_s
+    if expected > MAX_PLANNED_REQUESTS:
+        rate = f"{given or f'{base_rate:g}'} requests/s{f' (x{peak:g} in spikes)' if peak > 1 else ''}"
+        duration = f"{'--duration ' if given else ''}{config.duration_s:g} s"
+        raise ConfigError(f"{rate} for {duration} is about {expected:,.0f} requests; at most "
+                          f"{MAX_PLANNED_REQUESTS:,}: lower the load or the duration")
 
 
 def plan_requests(config: LoadgenConfig, base_rate: float) -> list[PlannedRequest]:
@@ -211,12 +222,7 @@ def plan_requests(config: LoadgenConfig, base_rate: float) -> list[PlannedReques
 
     :raises ConfigError: more than :data:`MAX_PLANNED_REQUESTS` would be drawn.
     """
-    expected = expected_arrivals(config, base_rate)
-    if expected > MAX_PLANNED_REQUESTS:
-        peak = config.pattern.peak_factor
-        raise ConfigError(f"{base_rate:g} requests/s{f' (x{peak:g} in spikes)' if peak > 1 else ''} for "
-                          f"{config.duration_s:g} s is about {expected:,.0f} requests; at most "
-                          f"{MAX_PLANNED_REQUESTS:,}: lower the load or the duration")
+    check_plan_size(config, base_rate)
     rng = random.Random(config.seed)
     times = arrival_times(config.pattern, base_rate, config.duration_s, rng)
     return [sample_request(rng, config.lanes, config.tenants, t) for t in times]

@@ -132,11 +132,13 @@ class InputProcessor:
                 raise CapacityError(f"{param} is {len(ids)} tokens, longer than the model's context of "
                                     f"{self.limits.max_model_len} tokens", param=param)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], **template_vars: Any) -> str:
-        """:param template_vars: the template's extra variables (``tools``)."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, **template_vars: Any) -> str:
+        """:param template_vars: the template's extra variables (``tools``, a request's ``chat_template_kwargs``)."""
         if self.tokenizer is None:
             raise InvalidRequestError(f"model {self.model_name} has no tokenizer and no chat template")
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_vars)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt, continue_final_message,
+                                                  **template_vars)
 
     def room_left(self, num_prompt_tokens: int) -> int:
         """Tokens a prompt of this length leaves to generate within the context and the whole KV cache."""

@@ -102,10 +102,13 @@ def _check_messages(messages: Any) -> None:
 
 
 def render_chat_template(source: str, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool,
-                         special_tokens: Mapping[str, str | None], **extra: Any) -> str:
+                         special_tokens: Mapping[str, str | None], continue_final_message: bool = False,
+                         **extra: Any) -> str:
     """Render ``source`` for ``messages``.
 
     :param special_tokens: ``bos_token``, ``eos_token``, ... as the template sees them.
+    :param continue_final_message: end the text right after the last message's content, leaving its turn open (what
+        the template writes after it, an end-of-turn token, is cut), so that the model continues it.
     :param extra: further template variables (``tools``, ``documents``, ``enable_thinking``, ...); they win over
         ``special_tokens`` as in transformers.
     :raises InvalidRequestError: the template does not compile, rejects the conversation (``raise_exception``), or
@@ -121,7 +124,7 @@ def render_chat_template(source: str, messages: Sequence[Mapping[str, Any]], *, 
         raise InvalidRequestError(f"the model's chat template is invalid (line {exc.lineno}): {exc.message}",
                                   param="messages") from None
     try:
-        return template.render(**context)
+        text = template.render(**context)
     except jinja2.TemplateError as exc:
         raise InvalidRequestError(f"chat template rejected the conversation: {exc}", param="messages") from None
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError, RecursionError) as exc:
@@ -129,3 +132,19 @@ def render_chat_template(source: str, messages: Sequence[Mapping[str, Any]], *, 
         # and a template of a user's own (--chat-template) can fail in arithmetic ({{ 1 / 0 }}) or recursion.
         raise InvalidRequestError(f"chat template failed on these messages: {type(exc).__name__}: {exc}",
                                   param="messages") from None
+    return _open_final_message(text, messages) if continue_final_message else text
+
+
+def _open_final_message(text: str, messages: Sequence[Mapping[str, Any]]) -> str:
+    """``text`` cut after the last message's content. Templates may strip a message's content, so when the content
+    as sent does not occur, it is looked for stripped."""
+    content = messages[-1].get("content") if messages else None
+    if not isinstance(content, str) or not content.strip():
+        raise InvalidRequestError("continue_final_message needs a last message with text to continue",
+                                  param="messages")
+    for wanted in (content, content.strip()):
+        at = text.rfind(wanted)
+        if at >= 0:
+            return text[:at + len(wanted)]
+    raise InvalidRequestError("continue_final_message: the chat template does not write the last message's content "
+                              "as it was sent, so it cannot be continued", param="messages")

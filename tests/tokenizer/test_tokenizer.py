@@ -180,6 +180,28 @@ def test_chat_template_equals_transformers(tok: Tokenizer, hf_tok: Any, messages
     assert tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
 
 
+@pytest.mark.hf
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+def test_continue_final_message_equals_transformers(tok: Tokenizer, hf_tok: Any,
+                                                    messages: list[dict[str, str]]) -> None:
+    for last in ("The answer is", "Trailing space and newline \n"):  # the second is stripped by neither template
+        convo = [*messages, {"role": "assistant", "content": last}]
+        expected = hf_tok.apply_chat_template(convo, tokenize=False, continue_final_message=True)
+        assert tok.apply_chat_template(convo, add_generation_prompt=False, continue_final_message=True) == expected
+
+
+def test_continue_final_message_finds_content_a_template_strips(tok: Tokenizer) -> None:
+    trimming = _with_template(tok, "{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</s>{% endfor %}")
+    convo = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "  Well, \n"}]
+    assert trimming.apply_chat_template(convo, False, continue_final_message=True) == "<user>Hi</s><assistant>Well,"
+    for bad in ("", "   ", None):
+        with pytest.raises(InvalidRequestError, match="needs a last message with text"):
+            trimming.apply_chat_template([*convo[:1], {"role": "assistant", "content": bad}], False, True)
+    hiding = _with_template(tok, "{% for m in messages %}{{ m.content | upper }}{% endfor %}")
+    with pytest.raises(InvalidRequestError, match="does not write the last message's content"):
+        hiding.apply_chat_template(convo, False, continue_final_message=True)
+
+
 def test_chat_template_errors_are_request_errors(tok: Tokenizer) -> None:
     with pytest.raises(InvalidRequestError, match="failed on these messages"):
         tok.apply_chat_template([{"role": "user", "content": None}])  # the template concatenates content

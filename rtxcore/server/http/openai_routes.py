@@ -153,7 +153,9 @@ class OpenAIRoutes:
             if call_format.keeps_special_tokens:  # its tags are special tokens: skipped, the calls would vanish
                 params["skip_special_tokens"] = False
         # Reading the tokenizer is thread-safe; the template can be slow, so it runs off the event loop.
-        text = await asyncio.to_thread(inputs.apply_chat_template, messages, **template_vars)
+        rendering = req.template
+        text = await asyncio.to_thread(inputs.apply_chat_template, messages, rendering.add_generation_prompt,
+                                       rendering.continue_final_message, **rendering.template_vars, **template_vars)
         prompts = await tokenize(inputs, [text], "messages")
         params["max_tokens"] = req.max_tokens if req.max_tokens is not None else _room_left(inputs, len(prompts[0]))
         sampling = make_sampling_params(params)

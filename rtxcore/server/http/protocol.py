@@ -13,6 +13,7 @@ from rtxcore.errors import InvalidRequestError
 from rtxcore.lanes import check_lane_name
 from rtxcore.sampling_params import SamplingParams, is_int
 from rtxcore.server.http.chat_messages import parse_message
+from rtxcore.server.http.chat_template_fields import ChatTemplateFields, parse_chat_template_fields
 from rtxcore.server.http.fields import bool_field, flag_field, int_field, model_field
 from rtxcore.server.http.structured_fields import structured_output, structured_output_field
 from rtxcore.server.serving.limits import MAX_BATCH
@@ -84,6 +85,8 @@ class ChatRequest:
     tools: ToolRequest | None = None
     # Choices sampled for the conversation.
     n: int = 1
+    # How the chat template renders the messages.
+    template: ChatTemplateFields = ChatTemplateFields()
 
 
 @dataclass(slots=True)
@@ -152,7 +155,8 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
         raise InvalidRequestError("tool_choice that requires a call cannot be combined with a structured output "
                                   f"({structured_output_field(body)})", param="tool_choice")
     return ChatRequest(model_field(body), [parse_message(m, i) for i, m in enumerate(messages)], params, max_tokens,
-                       stream, _include_usage(body, stream), parse_routing(body), _openai_speculation(body), tools, n)
+                       stream, _include_usage(body, stream), parse_routing(body), _openai_speculation(body), tools, n,
+                       parse_chat_template_fields(body))
 
 
 def parse_embedding(body: dict[str, Any]) -> EmbeddingRequest:

@@ -18,16 +18,16 @@ from rtxcore import __version__
 from rtxcore.engine.input_processor import InputProcessor
 from rtxcore.errors import InvalidRequestError
 from rtxcore.sampling_params import is_int
+from rtxcore.server.http.chat_template_fields import ChatTemplateFields, parse_chat_template_fields
 from rtxcore.server.http.common import read_json
 from rtxcore.server.http.fields import bool_field, model_field
 from rtxcore.server.http.protocol import parse_chat
 from rtxcore.server.serving.runtime import ServingRuntime
 from rtxcore.tokenizer import Tokenizer
 
-# vLLM's chat fields that change the rendered prompt but this server does not take: refused rather than ignored,
+# vLLM's chat fields that change the rendered prompt but this route does not take: refused rather than ignored,
 # so a count is never silently wrong.
-_UNSUPPORTED_CHAT_FIELDS = ("continue_final_message", "chat_template", "chat_template_kwargs", "tools",
-                            "mm_processor_kwargs")
+_UNSUPPORTED_CHAT_FIELDS = ("tools", "mm_processor_kwargs")
 
 
 @dataclass(slots=True, frozen=True)
@@ -39,8 +39,8 @@ class TokenizeRequest:
     prompt: str | None
     # Chat messages (content flattened to text, as chat completions take them); None when a prompt is given.
     messages: list[dict[str, Any]] | None
-    # Messages only: end the rendered chat with the assistant's turn opening, as chat completions do.
-    add_generation_prompt: bool
+    # Messages only: how the template renders them, read as chat completions read it.
+    template: ChatTemplateFields
     # BOS/EOS as the tokenizer's flags say; defaults to how completions and chat completions encode.
     add_special_tokens: bool
     # Also answer each token as the vocabulary spells it (``token_strs``).
@@ -67,7 +67,7 @@ def parse_tokenize(body: dict[str, Any]) -> TokenizeRequest:
         raise InvalidRequestError("prompt must be a string", param="prompt")
     if messages is not None:
         messages = parse_chat({"messages": messages}).messages  # checked and flattened as chat completions do
-    return TokenizeRequest(model_field(body), prompt, messages, _flag(body, "add_generation_prompt", True),
+    return TokenizeRequest(model_field(body), prompt, messages, parse_chat_template_fields(body),
                            _flag(body, "add_special_tokens", True), _flag(body, "return_token_strs", False))
 
 
@@ -126,10 +126,10 @@ def _encode(inputs: InputProcessor, tokenizer: Tokenizer, req: TokenizeRequest) 
     if req.messages is None:
         assert req.prompt is not None  # parse_tokenize gives one or the other
         text = req.prompt
-    elif req.add_generation_prompt:
-        text = inputs.apply_chat_template(req.messages)  # chat completions' own rendering
-    else:
-        text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=False)
+    else:  # chat completions' own rendering
+        rendering = req.template
+        text = inputs.apply_chat_template(req.messages, rendering.add_generation_prompt,
+                                          rendering.continue_final_message, **rendering.template_vars)
     return tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
 
 

@@ -83,6 +83,30 @@ def test_tokenize_renders_messages_as_chat_completions_do(http):
 
 
 @pytest.mark.model
+def test_continue_final_message_leaves_the_last_turn_open(http):
+    started = "The capital of France is"
+    convo = [*CHAT, {"role": "assistant", "content": started}]
+    tok = http.post("/tokenize", json={"messages": convo, "continue_final_message": True}).json()
+    text = http.post("/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"]
+    assert text.endswith("<|im_start|>assistant\n" + started)  # no end of turn after it, no new turn
+    closed = http.post("/tokenize", json={"messages": convo, "add_generation_prompt": False}).json()["tokens"]
+    assert closed[:tok["count"]] == tok["tokens"] and len(closed) > tok["count"]
+    # A chat completion renders the same prompt and goes on from it: the same tokens as a completion of that prompt.
+    chat = http.post("/v1/chat/completions", json={"messages": convo, "continue_final_message": True,
+                                                   "add_generation_prompt": False, "max_tokens": 6,
+                                                   "temperature": 0}).json()
+    plain = http.post("/v1/completions", json={"prompt": tok["tokens"], "max_tokens": 6, "temperature": 0}).json()
+    assert chat["usage"]["prompt_tokens"] == tok["count"]
+    assert chat["choices"][0]["message"]["content"] == plain["choices"][0]["text"]
+    for body, param in (({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
+                        ({"continue_final_message": True, "messages": [*CHAT, {"role": "assistant", "content": " "}]},
+                         "messages"),
+                        ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+                        ({"chat_template": "{{ messages }}"}, "chat_template")):
+        assert_error(http.post("/v1/chat/completions", json={"messages": convo, "max_tokens": 1, **body}), 400, param)
+
+
+@pytest.mark.model
 def test_detokenize_gives_back_the_text(http):
     ids = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
     assert http.post("/detokenize", json={"tokens": ids, "model": "rtx-a"}).json() == {"prompt": PROMPT}
@@ -100,7 +124,13 @@ def test_detokenize_gives_back_the_text(http):
     ("/tokenize", {"messages": [{"content": "no role"}]}, 400, "messages"),
     ("/tokenize", {"prompt": "a", "add_special_tokens": "yes"}, 400, "add_special_tokens"),
     ("/tokenize", {"messages": CHAT, "add_generation_prompt": 1}, 400, "add_generation_prompt"),
-    ("/tokenize", {"messages": CHAT, "continue_final_message": True}, 400, "continue_final_message"),
+    ("/tokenize", {"messages": CHAT, "continue_final_message": True, "add_generation_prompt": True}, 400,
+     "continue_final_message"),
+    ("/tokenize", {"messages": CHAT, "continue_final_message": "yes"}, 400, "continue_final_message"),
+    ("/tokenize", {"messages": CHAT, "chat_template_kwargs": ["enable_thinking"]}, 400, "chat_template_kwargs"),
+    ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"messages": []}}, 400, "chat_template_kwargs"),
+    ("/tokenize", {"messages": CHAT, "chat_template": "{{ messages }}"}, 400, "chat_template"),
+    ("/tokenize", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
     ("/tokenize", {"prompt": "a", "model": 7}, 400, "model"),
     ("/tokenize", {"prompt": "a", "model": "nope"}, 404, "model"),
     ("/detokenize", {}, 400, "tokens"),

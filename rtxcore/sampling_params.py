@@ -29,6 +29,9 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    # Tokens generated before the end-of-sequence token or a stop token may be sampled and before a stop string
+    # ends the output (vLLM's min_tokens); at most max_tokens. 0: no minimum.
+    min_tokens: int = 0
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     # Number of most likely alternatives returned with each sampled token's log-probability; None returns none.
@@ -61,6 +64,9 @@ class SamplingParams:
             args["banned_tokens"] = self.banned_token_ids
         if self.structured_output is not None:
             args["structured_output"] = self.structured_output
+        if self.min_tokens:
+            args["min_tokens"] = {"min_tokens": self.min_tokens, "stop_token_ids": self.stop_token_ids,
+                                  "ignore_eos": self.ignore_eos}
         args.update(self.logits_processors)
         return args
 
@@ -95,6 +101,9 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings", "stop")
         _check(all(is_int(t) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be non-negative integers", "stop_token_ids")
+        _check(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+               f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
+               "min_tokens")
         _check(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                f"logprobs must be an integer in [0, 20], got {self.logprobs!r}", "logprobs")
         _check(self.early_exit_threshold is None or (is_finite_number(self.early_exit_threshold)
@@ -131,7 +140,7 @@ class SamplingParams:
                "logits_processors must be an object of processor name -> arguments", "logits_processors")
         for name, field_name in PROCESSOR_FIELDS.items():
             # A built-in named in the map too would be given twice, the map's silently winning.
-            _check(not (name in self.logits_processors and getattr(self, field_name) not in (None, {}, [])),
+            _check(not (name in self.logits_processors and getattr(self, field_name) not in (None, {}, [], 0)),
                    f"{name} is given twice: as {field_name} and in logits_processors", "logits_processors")
         # Allowed and banned tokens from their fields or the map: every allowed one banned leaves nothing to sample.
         allowed = self.logits_processors.get("allowed_tokens", self.allowed_token_ids)
@@ -148,7 +157,8 @@ class SamplingParams:
 
 # The built-in logits processors and the request field each takes its arguments from (processor_args).
 PROCESSOR_FIELDS = {"logit_bias": "logit_bias", "allowed_tokens": "allowed_token_ids",
-                    "banned_tokens": "banned_token_ids", "structured_output": "structured_output"}
+                    "banned_tokens": "banned_token_ids", "structured_output": "structured_output",
+                    "min_tokens": "min_tokens"}
 # The smallest temperature taken as given; below it, greedy (see SamplingParams.temperature).
 MIN_TEMPERATURE = 1e-5
 # repetition_penalty's range. A seen token's positive logit is divided by the penalty: far below this bound it

@@ -33,6 +33,8 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed of the sampling, for repeatable output")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
+    p.add_argument("--min-tokens", type=int, default=0,
+                   help="tokens generated before the end-of-sequence token or a stop string may end the output")
     p.set_defaults(run=run)
 
 
@@ -41,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
-        ignore_eos=args.ignore_eos)
+        ignore_eos=args.ignore_eos, min_tokens=args.min_tokens)
     if not args.prompt:
         from rtxcore.errors import InvalidRequestError
 

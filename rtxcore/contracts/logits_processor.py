@@ -66,6 +66,9 @@ class RowContext:
     state: Any
     # Proposed tokens (speculative decoding) to treat as generated before this row; empty for an ordinary row.
     proposed: Sequence[int] = ()
+    # Tokens the request generated before this row: those the state has seen, those sampled but not yet read by the
+    # host (an overlapped step), and ``proposed``.
+    num_generated: int = 0
 
 
 class LogitsProcessor(ABC):

@@ -151,10 +151,11 @@ class LogitsProcessing:
             state = req.logits
             if state is not None and state.states:
                 self._catch_up(req, state)
+                generated = state.seen + req.num_pending_tokens
                 for j in range(num_rows):
                     proposed = req.spec_token_ids[:j] if j else ()
                     for name, processor_state in state.states.items():
-                        rows[name].append(RowContext(row + j, processor_state, proposed))
+                        rows[name].append(RowContext(row + j, processor_state, proposed, generated + j))
             row += num_rows
         for name, processor_rows in rows.items():
             try:

@@ -28,7 +28,8 @@ class OutputProcessor:
             p = req.params
             detok = IncrementalDetokenizer(
                 self.tokenizer, req.prompt_token_ids, stop=p.stop,
-                include_stop_str_in_output=p.include_stop_str_in_output, skip_special_tokens=p.skip_special_tokens)
+                include_stop_str_in_output=p.include_stop_str_in_output, skip_special_tokens=p.skip_special_tokens,
+                min_tokens=p.min_tokens)
             # One token at a time, as they were generated: the text held back (an incomplete character, the start
             # of a possible stop string) is then exactly what was held back when they were streamed.
             for token in req.output_token_ids:
@@ -68,9 +69,11 @@ class OutputProcessor:
                 text = ""
                 status: RequestStatus | None = None
                 stop_reason: str | int | None = None
-                if token in p.stop_token_ids:
+                # Within the first min_tokens the sampler never draws these; one emitted without sampling (early
+                # exit) does not end the request either.
+                if token in p.stop_token_ids and num_output_tokens > p.min_tokens:
                     status, stop_reason = RequestStatus.FINISHED_STOPPED, token
-                elif not p.ignore_eos and token in eos_token_ids:
+                elif not p.ignore_eos and token in eos_token_ids and num_output_tokens > p.min_tokens:
                     status = RequestStatus.FINISHED_STOPPED
                 else:
                     if detok is not None:

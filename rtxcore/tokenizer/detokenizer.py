@@ -42,10 +42,13 @@ class IncrementalDetokenizer:
     :param stop: strings that end the output when they appear in it. The first one to *complete* wins.
     :param include_stop_str_in_output: keep the stop string at the end of the output instead of cutting it.
     :param skip_special_tokens: leave special tokens (eos, ``<|im_end|>``) out of the text.
+    :param min_tokens: stop strings are looked for only from the update that brings the output past this many
+        tokens (vLLM's rule: a stop string may then end in that update's text, wherever it began).
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], *, stop: Sequence[str] = (),
-                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True) -> None:
+                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
+                 min_tokens: int = 0) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         # An empty stop string would match before any text at all; it means "no stop string".
@@ -55,6 +58,8 @@ class IncrementalDetokenizer:
         # Text that could be the start of a stop string only matters when the stop string will be cut off.
         self._max_hold = 0 if include_stop_str_in_output else max(longest - 1, 0)
         self._recent_len = max(longest - 1, 0)
+        self._min_tokens = min_tokens
+        self._num_output_tokens = 0
 
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         # A prompt given as token ids may end inside a character; the output must not complete it, or its first
@@ -96,6 +101,7 @@ class IncrementalDetokenizer:
         """Add generated tokens; return the text they finalize (possibly '')."""
         if self._finished or not new_token_ids:
             return ""
+        self._num_output_tokens += len(new_token_ids)
         if self._stream is None:
             self._tokens.extend(new_token_ids)
             return self._emit(self._decode_step(force=False))
@@ -212,17 +218,21 @@ class IncrementalDetokenizer:
     def _emit(self, new_text: str) -> str:
         """Cut the held-back plus new text at a stop string, or hold back a tail that may begin one."""
         text = self._held + new_text
-        window = self._recent + text
-        match = self._first_stop(window)
-        if match is not None:
-            start, stop = match
-            # A match always ends in ``text``: had it ended in ``_recent``, it would have been found a step earlier.
-            out = window[len(self._recent):start + len(stop) if self._include_stop else start]
-            self.stop_reason = stop
-            self._finished = True
-            self._held = ""
-            self._text_parts.append(out)
-            return out
+        # Before min_tokens stop strings are not looked for, but the tail that may begin one is still held back, so
+        # that one completed by the first token past the minimum cuts text not yet emitted.
+        if self._num_output_tokens > self._min_tokens:
+            window = self._recent + text
+            # Only a stop string ending in the new text: one ending earlier was found a step earlier, or came before
+            # the minimum.
+            match = self._first_stop(window, len(self._recent) + len(self._held))
+            if match is not None:
+                start, stop = match
+                out = window[len(self._recent):start + len(stop) if self._include_stop else start]
+                self.stop_reason = stop
+                self._finished = True
+                self._held = ""
+                self._text_parts.append(out)
+                return out
         hold = self._stop_prefix_len(text)
         out, self._held = text[:len(text) - hold], text[len(text) - hold:]
         if out:
@@ -230,12 +240,13 @@ class IncrementalDetokenizer:
             self._recent = (self._recent + out)[-self._recent_len:] if self._recent_len else ""
         return out
 
-    def _first_stop(self, text: str) -> tuple[int, str] | None:
+    def _first_stop(self, text: str, end_after: int) -> tuple[int, str] | None:
+        """The first stop string in ``text`` that ends after its first ``end_after`` characters."""
         # Earliest end, so that one big update stops where token-by-token updates would have; on a tie the
         # longest (earliest start) stop string wins.
         best: tuple[int, int, str] | None = None
         for s in self._stop:
-            i = text.find(s)
+            i = text.find(s, max(end_after - len(s) + 1, 0))
             if i >= 0 and (best is None or (i + len(s), i) < best[:2]):
                 best = (i + len(s), i, s)
         return None if best is None else (best[1], best[2])

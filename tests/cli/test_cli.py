@@ -14,6 +14,7 @@ from tests.helpers.cli import assert_one_line_error, rtx, run_in_process
     (["generate", ""], "prompt is empty"),
     (["generate", "hi", "--max-tokens", "0"], "max_tokens must be at least 1"),
     (["generate", "hi", "--max-tokens", "-5"], "max_tokens must be at least 1"),
+    (["generate", "hi", "--max-tokens", "4", "--min-tokens", "5"], "min_tokens must be an integer in [0, max_tokens"),
     (["generate", "hi", "--temperature", "-1"], "temperature must be >= 0"),
     (["generate", "hi", "--top-p", "0"], "top_p must be in (0, 1]"),
     (["generate", "hi", "--top-p", "1.5"], "top_p must be in (0, 1]"),

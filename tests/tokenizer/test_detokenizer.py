@@ -146,6 +146,25 @@ def test_first_stop_to_complete_wins(tok: Tokenizer) -> None:
         assert "".join(_stream(detok, ids, chunks)) == "ab" and detok.stop_reason == "cd"
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_strings_count_from_min_tokens(tok: Tokenizer, include: bool) -> None:
+    """Token by token, a stop string ends the output only if it ends in the text of a token past the first
+    min_tokens (vLLM's rule), wherever it began."""
+    ids = tok.encode("one, two, three, four, five", add_special_tokens=False)
+    full = tok.decode(ids)
+    for min_tokens in range(len(ids) + 2):
+        detok = IncrementalDetokenizer(tok, [], stop=[", "], include_stop_str_in_output=include,
+                                       min_tokens=min_tokens)
+        streamed = "".join(_stream(detok, ids))
+        # The first ", " that ends past the text of the first min_tokens tokens.
+        before = len(tok.decode(ids[:min_tokens]))
+        at = full.find(", ", max(before - 1, 0))
+        if at < 0:
+            assert streamed == full and not detok.finished_by_stop, min_tokens
+        else:
+            assert streamed == detok.text == full[:at + 2 if include else at], min_tokens
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_stop_string_property(tok: Tokenizer, data: st.DataObject) -> None:

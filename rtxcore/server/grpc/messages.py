@@ -17,7 +17,8 @@ from rtxcore._generated import rtx_pb2  # noqa: E402
 
 # Optional GenerateRequest fields copied to SamplingParams when set (proto3 `optional` tracks presence).
 OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
-                            "frequency_penalty", "repetition_penalty", "logprobs", "early_exit_threshold")
+                            "frequency_penalty", "repetition_penalty", "logprobs", "early_exit_threshold",
+                            "min_tokens")
 
 
 def response_from_event(req_id: str, seq: int, event: dict) -> rtx_pb2.GenerateResponse:

@@ -262,7 +262,7 @@ def _openai_sampling(body: dict[str, Any]) -> dict[str, Any]:
     params: dict[str, Any] = {}
     for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "min_p",
                  "repetition_penalty", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
-                 "stop_token_ids", "early_exit_threshold"):
+                 "stop_token_ids", "early_exit_threshold", "min_tokens"):
         if body.get(name) is not None:
             params[name] = body[name]
     top_k = body.get("top_k")

@@ -176,6 +176,10 @@ def test_token_lists_hold_the_sampled_tokens(stub):
     banned = [t for r in stub.Generate(request([5, 6, 7], max_tokens=8, temperature=0.0, banned_token_ids=biased[:1],
                                                logit_bias={77: 100.0, 78: 50.0})) for t in r.token_ids]
     assert banned == [78] * 8
+    # min_tokens holds the stop token back for the first three tokens, then it is the greedy choice.
+    held = [t for r in stub.Generate(request([5, 6, 7], max_tokens=8, temperature=0.0, stop_token_ids=[77],
+                                             logit_bias={77: 100.0}, min_tokens=3)) for t in r.token_ids]
+    assert len(held) == 4 and held[3] == 77 and 77 not in held[:3]
 
 
 # -- errors -------------------------------------------------------------------------------------------------------
@@ -183,6 +187,7 @@ def test_token_lists_hold_the_sampled_tokens(stub):
 @pytest.mark.parametrize("fields, param", [
     ({"top_p": 1.5}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 2, "min_tokens": 3}, "min_tokens"),
     ({"temperature": -1.0}, "temperature"),
     ({"seed": -3}, "seed"),
     ({"max_tokens": 5000}, "max_tokens"),  # longer than the model's context

@@ -1,0 +1,69 @@
+"""``min_tokens`` (vLLM's): until a request has generated that many tokens, the tokens that would end it (its
+end-of-sequence tokens, unless it ignores them, and its stop tokens) cannot be sampled.
+
+Stateless: a row's count comes with it (``RowContext.num_generated``, which includes tokens an overlapped step has
+not read yet), so requests with a minimum keep their steps overlapped. Stop strings are the detokenizer's part of
+the rule (``IncrementalDetokenizer``'s ``min_tokens``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from rtxcore.contracts.logits_processor import LogitsProcessor, RowContext
+from rtxcore.hookspecs import Register, hookimpl
+from rtxcore.sampling_params import is_int
+from rtxcore.transfer import to_device
+
+
+class _Minimum(NamedTuple):
+    min_tokens: int
+    # The tokens held back until then.
+    ending_ids: tuple[int, ...]
+
+
+class MinTokens(LogitsProcessor):
+    @classmethod
+    def describe(cls) -> dict[str, Any]:
+        return {"example_args": [3, {"min_tokens": 2, "stop_token_ids": [1], "ignore_eos": False}]}
+
+    def prepare(self, args: Any) -> _Minimum:
+        # A request's min_tokens field arrives as the object form; the logits_processors map may give a bare count.
+        if is_int(args):
+            args = {"min_tokens": args}
+        if not isinstance(args, dict) or set(args) - {"min_tokens", "stop_token_ids", "ignore_eos"}:
+            raise ValueError("expected a count, or an object of min_tokens, stop_token_ids and ignore_eos")
+        count = args.get("min_tokens")
+        stop_ids = args.get("stop_token_ids", [])
+        ignore_eos = args.get("ignore_eos", False)
+        if not is_int(count) or count < 0:
+            raise ValueError(f"min_tokens must be a non-negative integer, got {count!r}")
+        if not isinstance(stop_ids, list) or not all(is_int(t) for t in stop_ids) or not isinstance(ignore_eos, bool):
+            raise ValueError("stop_token_ids must be a list of token ids and ignore_eos true or false")
+        vocab = self.context.vocab_size
+        # A stop token outside the vocabulary can never be sampled: nothing to hold back.
+        ending = [t for t in stop_ids if 0 <= t < vocab] + ([] if ignore_eos else self.context.eos_token_ids)
+        return _Minimum(count, tuple(dict.fromkeys(ending)))
+
+    def new_state(self, prepared: Any, output_token_ids: Sequence[int]) -> Any:
+        return prepared
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[RowContext]) -> None:
+        row_ids: list[int] = []
+        token_ids: list[int] = []
+        for r in rows:
+            minimum: _Minimum = r.state
+            if r.num_generated < minimum.min_tokens:
+                row_ids += [r.row] * len(minimum.ending_ids)
+                token_ids += minimum.ending_ids
+        if row_ids:  # once every request is past its minimum, a step costs this loop and no device work
+            both = to_device(row_ids + token_ids, torch.long, logits.device)
+            logits[both[:len(row_ids)], both[len(row_ids):]] = float("-inf")
+
+
+@hookimpl
+def register_logits_processors(register: Register) -> None:
+    register("min_tokens", MinTokens)

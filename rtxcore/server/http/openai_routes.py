@@ -35,6 +35,7 @@ from rtxcore.server.http.protocol import (
     parse_chat,
     parse_completion,
     parse_embedding,
+    truncate_prompts,
 )
 from rtxcore.server.http.responses import serve_generation
 from rtxcore.server.http.responses_request import parse_responses
@@ -73,7 +74,7 @@ class OpenAIRoutes:
         req = parse_completion(body)
         self.runtime.check_model(req.model)
         where = request_route(self.runtime, request, req.routing)
-        prompts = await tokenize(inputs, req.prompts)
+        prompts = truncate_prompts(await tokenize(inputs, req.prompts), req.truncation, inputs.limits.max_model_len)
         logprobs = req.params.get("logprobs") is not None
         # best_of ranks choices by their log-probability: the engine reports it even when the body did not ask.
         params = make_sampling_params(req.params if logprobs or req.best_of == req.n else {**req.params, "logprobs": 0})
@@ -83,7 +84,9 @@ class OpenAIRoutes:
                                          where, speculation=speculation, n=req.best_of,
                                          received_at=received_at(request))
         try:
-            echo = await self._echo(req.prompts, prompts, params.logprobs if logprobs else None) if req.echo else None
+            # A truncated prompt echoes what the model saw.
+            sent = req.prompts if req.truncation is None else prompts
+            echo = await self._echo(sent, prompts, params.logprobs if logprobs else None) if req.echo else None
         except BaseException:
             gen.close()
             raise
@@ -156,7 +159,8 @@ class OpenAIRoutes:
         rendering = req.template
         text = await asyncio.to_thread(inputs.apply_chat_template, messages, rendering.add_generation_prompt,
                                        rendering.continue_final_message, **rendering.template_vars, **template_vars)
-        prompts = await tokenize(inputs, [text], "messages")
+        prompts = truncate_prompts(await tokenize(inputs, [text], "messages"), req.truncation,
+                                   inputs.limits.max_model_len)
         params["max_tokens"] = req.max_tokens if req.max_tokens is not None else _room_left(inputs, len(prompts[0]))
         sampling = make_sampling_params(params)
         speculation = await _speculation(inputs, req.speculation)
@@ -184,7 +188,8 @@ class OpenAIRoutes:
         engine = self.runtime.engine()
         req = parse_embedding(await read_json(request))
         self.runtime.check_model(req.model)
-        token_lists = await tokenize(engine.inputs, req.inputs, "input")
+        token_lists = truncate_prompts(await tokenize(engine.inputs, req.inputs, "input"), req.truncation,
+                                       engine.inputs.limits.max_model_len)
         vectors = await until_disconnected(request, embed(self.runtime, tenant_of(request), token_lists))
         data = [{"object": "embedding", "index": i, "embedding": _encode_vector(v, req.encoding_format)}
                 for i, v in enumerate(vectors)]

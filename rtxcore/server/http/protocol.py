@@ -22,6 +22,10 @@ from rtxcore.server.serving.tool_calls import ToolRequest, parse_tools, required
 # A prompt as the API takes it: text, or token ids.
 Prompt = str | list[int]
 
+# truncate_prompt_tokens: keep a prompt's last N tokens; CONTEXT keeps as many as the model's context holds.
+Truncation = int | None
+CONTEXT = -1
+
 # Chat's default max_tokens is what is left of the context, but no more than this.
 DEFAULT_CHAT_MAX_TOKENS = 4096
 _SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
@@ -68,6 +72,8 @@ class CompletionRequest:
     best_of: int = 1
     # Whether each choice's text (and logprobs) starts with its prompt's.
     echo: bool = False
+    # Keep only the last this many tokens of each prompt (vLLM's truncate_prompt_tokens); None keeps them all.
+    truncation: Truncation = None
 
 
 @dataclass(slots=True)
@@ -87,6 +93,8 @@ class ChatRequest:
     n: int = 1
     # How the chat template renders the messages.
     template: ChatTemplateFields = ChatTemplateFields()
+    # As CompletionRequest's, for the rendered chat.
+    truncation: Truncation = None
 
 
 @dataclass(slots=True)
@@ -95,6 +103,8 @@ class EmbeddingRequest:
     inputs: list[Prompt]
     # "float" or "base64" (little-endian float32), as OpenAI's API offers.
     encoding_format: str
+    # As CompletionRequest's, for each input.
+    truncation: Truncation = None
 
 
 @dataclass(slots=True)
@@ -130,7 +140,7 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
         raise InvalidRequestError("best_of greater than n cannot stream: the best choices are known only at the end",
                                   param="best_of")
     return CompletionRequest(model_field(body), prompts, params, stream, _include_usage(body, stream),
-                             parse_routing(body), _openai_speculation(body), n, best_of, echo)
+                             parse_routing(body), _openai_speculation(body), n, best_of, echo, parse_truncation(body))
 
 
 def parse_chat(body: dict[str, Any]) -> ChatRequest:
@@ -156,7 +166,7 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
                                   f"({structured_output_field(body)})", param="tool_choice")
     return ChatRequest(model_field(body), [parse_message(m, i) for i, m in enumerate(messages)], params, max_tokens,
                        stream, _include_usage(body, stream), parse_routing(body), _openai_speculation(body), tools, n,
-                       parse_chat_template_fields(body))
+                       parse_chat_template_fields(body), parse_truncation(body))
 
 
 def parse_embedding(body: dict[str, Any]) -> EmbeddingRequest:
@@ -169,7 +179,7 @@ def parse_embedding(body: dict[str, Any]) -> EmbeddingRequest:
     encoding = body.get("encoding_format") or "float"
     if encoding not in ("float", "base64"):
         raise InvalidRequestError("encoding_format must be 'float' or 'base64'", param="encoding_format")
-    return EmbeddingRequest(model_field(body), parse_prompts(body["input"], "input"), encoding)
+    return EmbeddingRequest(model_field(body), parse_prompts(body["input"], "input"), encoding, parse_truncation(body))
 
 
 def parse_prompts(value: Any, param: str) -> list[Prompt]:
@@ -230,6 +240,22 @@ def parse_embed(body: dict[str, Any]) -> list[Prompt]:
     if "inputs" not in body:
         raise InvalidRequestError("inputs is required", param="inputs")
     return parse_prompts(body["inputs"], "inputs")
+
+
+def parse_truncation(body: dict[str, Any]) -> Truncation:
+    """vLLM's ``truncate_prompt_tokens``: a positive count, or -1 for the model's context."""
+    value = body.get("truncate_prompt_tokens")
+    if value is None or value == CONTEXT and is_int(value):
+        return value
+    return int_field(value, "truncate_prompt_tokens", 1)
+
+
+def truncate_prompts(prompts: list[list[int]], truncation: Truncation, max_model_len: int) -> list[list[int]]:
+    """Each prompt's last ``truncation`` tokens (CONTEXT: the context's worth)."""
+    if truncation is None:
+        return prompts
+    keep = max_model_len if truncation == CONTEXT else truncation
+    return [ids[-keep:] if len(ids) > keep else ids for ids in prompts]
 
 
 def parse_routing(body: dict[str, Any]) -> RoutingFields:

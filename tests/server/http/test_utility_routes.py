@@ -107,6 +107,34 @@ def test_continue_final_message_leaves_the_last_turn_open(http):
 
 
 @pytest.mark.model
+def test_truncate_prompt_tokens_keeps_the_end_of_each_prompt(http):
+    long = "One two three four five six seven eight nine ten. " + PROMPT
+    ids = http.post("/tokenize", json={"prompt": long}).json()["tokens"]
+    greedy = {"max_tokens": 4, "temperature": 0}
+    cut = http.post("/v1/completions", json={"prompt": long, "truncate_prompt_tokens": 6, "echo": True,
+                                             **greedy}).json()
+    tail = http.post("/v1/completions", json={"prompt": ids[-6:], **greedy}).json()
+    assert cut["usage"]["prompt_tokens"] == 6
+    echoed = http.post("/detokenize", json={"tokens": ids[-6:]}).json()["prompt"]
+    assert cut["choices"][0]["text"] == echoed + tail["choices"][0]["text"]  # the echo is what the model saw
+    whole = http.post("/v1/completions", json={"prompt": long, "truncate_prompt_tokens": -1, **greedy}).json()
+    assert whole["usage"]["prompt_tokens"] == len(ids)  # -1: as much as the context holds, here all of it
+
+    chat = http.post("/v1/chat/completions", json={"messages": CHAT, "truncate_prompt_tokens": 5, **greedy}).json()
+    assert chat["usage"]["prompt_tokens"] == 5
+
+    vectors = http.post("/v1/embeddings", json={"input": [ids, ids[-2:]], "truncate_prompt_tokens": 2}).json()
+    assert vectors["usage"]["prompt_tokens"] == 4
+    assert vectors["data"][0]["embedding"] == pytest.approx(vectors["data"][1]["embedding"], abs=1e-5)
+    assert http.post("/v1/embeddings", json={"input": long, "truncate_prompt_tokens": 2}).json()["usage"] == {
+        "prompt_tokens": 2, "total_tokens": 2}
+    for bad in (0, -2, "3", True, 1.5):
+        for path, body in (("/v1/completions", {"prompt": long}), ("/v1/chat/completions", {"messages": CHAT}),
+                           ("/v1/embeddings", {"input": long})):
+            assert_error(http.post(path, json={**body, "truncate_prompt_tokens": bad}), 400, "truncate_prompt_tokens")
+
+
+@pytest.mark.model
 def test_detokenize_gives_back_the_text(http):
     ids = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
     assert http.post("/detokenize", json={"tokens": ids, "model": "rtx-a"}).json() == {"prompt": PROMPT}

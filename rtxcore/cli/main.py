@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         presets,
         pull,
         quantize,
+        run_batch,
         sbom,
         serve,
         sign,
@@ -77,8 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _ArgumentParser(prog="rtx", description="rtx-serve: LLM inference runtime and serving stack")
     parser.add_argument("--version", action="version", version=f"rtx {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_ArgumentParser)
-    for module in (generate, chat, serve, pull, plugins, bench, loadgen, plan, gates, chaos, quantize, sign, sbom,
-                   presets):
+    for module in (generate, chat, serve, run_batch, pull, plugins, bench, loadgen, plan, gates, chaos, quantize, sign,
+                   sbom, presets):
         module.add_parser(sub)
     presets.add_preset_option_to_engine_commands(sub)
     return parser

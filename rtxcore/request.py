@@ -35,7 +35,7 @@ class RequestStatus(enum.Enum):
         return member
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, repr=False)
 class Request:
     req_id: str
     prompt_token_ids: list[int]
@@ -80,6 +80,12 @@ class Request:
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+
+    def __repr__(self) -> str:
+        # No token ids, no parameters: a request's repr ends up in logs and error messages (a plugin's KeyError on
+        # it), where a user's prompt does not belong.
+        return (f"Request(req_id={self.req_id!r}, status={self.status.name}, "
+                f"prompt_tokens={len(self.prompt_token_ids)}, output_tokens={self.num_output_tokens})")
 
     @property
     def num_prompt_tokens(self) -> int:

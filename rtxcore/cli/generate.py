@@ -58,13 +58,18 @@ def run(args: argparse.Namespace) -> int:
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         prompt = engine.inputs.apply_chat_template(messages + [{"role": "user", "content": prompt}])
+    failure = None
     for out in engine.stream(prompt, params):
         sys.stdout.write(out.new_text)
         sys.stdout.flush()
         if out.finished:
             sys.stdout.write("\n")
             sys.stderr.write(f"[{out.num_output_tokens} tokens, finish reason: {out.finish_reason}]\n")
+            failure = out.error
     method = config.speculative.method
     if method is not None:
         sys.stderr.write(f"[{describe_stats(method, engine.core.speculator.stats[method])}]\n")
+    if failure is not None:  # a plugin failed on the request: the output above is cut short
+        sys.stderr.write(f"rtx: error: {failure.describe()}\n")
+        return 1
     return 0

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from rtxcore.engine.core import EngineCore
 from rtxcore.engine.input_processor import InputProcessor, Prompt
 from rtxcore.engine.outputs import RequestFailure, RequestOutput, TokenLogprob
-from rtxcore.errors import EngineFailed, ErrorCode, InvalidRequestError, RequestError
+from rtxcore.errors import EngineFailed, ErrorCode, InvalidRequestError, RequestError, RtxError
 from rtxcore.lanes import DEFAULT_LANE
 from rtxcore.request import Request
 from rtxcore.sampling_params import SamplingParams
@@ -207,7 +207,9 @@ class AsyncEngine:
             self.error = exc
             log.exception("engine loop failed")
             for req_id, sink in list(self._sinks.items()):
-                self._deliver(req_id, sink, EngineFailed(f"engine failed: {exc!r}"))
+                # An RtxError says what failed in words of its own; anything else is named by its type.
+                why = str(exc) if isinstance(exc, RtxError) else repr(exc)
+                self._deliver(req_id, sink, EngineFailed(f"engine failed: {why}"))
             self._sinks.clear()
             raise
 

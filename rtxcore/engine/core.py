@@ -25,7 +25,7 @@ from rtxcore.engine.faults import StepFaults
 from rtxcore.engine.input_processor import InputLimits, InputProcessor
 from rtxcore.engine.outputs import RequestFailure, RequestOutput, TokenLogprob
 from rtxcore.engine.prompt_scoring import prompt_logprobs
-from rtxcore.errors import InvalidRequestError
+from rtxcore.errors import EngineFailed, InvalidRequestError
 from rtxcore.models.source import ModelSource
 from rtxcore.registry import PluginRegistry
 from rtxcore.request import Request, RequestStatus
@@ -128,16 +128,31 @@ class EngineCore:
     # -- the loop -------------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One engine step; returns every output it produced, failed requests' last ones included."""
+        """One engine step; returns every output it produced, failed requests' last ones included: one output per
+        request."""
         outputs = self._step()
         if self._failed:
-            outputs += self._failed
+            outputs = _with_failures(outputs, self._failed)
             self._failed = []
         return outputs
 
     def schedule(self) -> SchedulerOutput:
-        """The scheduler's next step, its time to the last one recorded."""
-        sched = self.scheduler.schedule()
+        """The scheduler's next step, its time to the last one recorded.
+
+        :raises EngineFailed: the scheduler plugin raised, or its step breaks the token budget. The scheduler holds
+            every request's place, so no request can go on without it: the engine stops, naming the plugin.
+        """
+        name = self.config.scheduler
+        try:
+            sched = self.scheduler.schedule()
+        except Exception as exc:
+            raise EngineFailed(f"scheduler plugin {name!r} failed: {type(exc).__name__}: {exc}") from exc
+        if not isinstance(sched, SchedulerOutput):
+            raise EngineFailed(f"scheduler plugin {name!r} returned {type(sched).__name__}, not a SchedulerOutput")
+        budget = self.config.scheduling.max_num_batched_tokens
+        if sched.total_num_scheduled_tokens > budget:
+            raise EngineFailed(f"scheduler plugin {name!r} scheduled {sched.total_num_scheduled_tokens} tokens, past "
+                               f"the step's budget of {budget} (max_num_batched_tokens)")
         self.step_times.observe(time.perf_counter(), sched.total_num_scheduled_tokens, len(sched.scheduled))
         return sched
 
@@ -255,6 +270,24 @@ class EngineCore:
         """Each prompt token's log-probability given those before it (None for the first), with ``num_top``
         alternatives; computed without touching the KV cache (rtxcore.engine.prompt_scoring)."""
         return prompt_logprobs(self.backend, token_lists, num_top, self.config.block_size)
+
+
+def _with_failures(outputs: list[RequestOutput], failed: list[RequestOutput]) -> list[RequestOutput]:
+    """The step's outputs with the failed requests' last ones. A request that failed after the step gave it a token
+    (a proposer failing on the next proposal) has both: its token goes into its last output, which ends it, so that
+    no one sees an unfinished output of a request that is gone."""
+    last = {out.req_id: out for out in failed}
+    merged = []
+    for out in outputs:
+        final = last.get(out.req_id)
+        if final is None:
+            merged.append(out)
+            continue
+        final.new_token_ids = out.new_token_ids + final.new_token_ids
+        final.new_text = out.new_text + final.new_text
+        if out.logprobs is not None:
+            final.logprobs = out.logprobs + (final.logprobs or [])
+    return merged + failed
 
 
 def resumed_seed(seed: int, num_output_tokens: int) -> int:

@@ -8,15 +8,19 @@ import pytest
 import torch
 
 from rtx_plugins.samplers.default import DefaultSampler
+from rtx_plugins.schedulers.fcfs import FCFSScheduler
 from rtxcore.contracts.logits_processor import LogitsProcessor, RequestArgumentError
+from rtxcore.contracts.proposer import Proposer
 from rtxcore.engine.async_engine import AsyncEngine
 from rtxcore.engine.config import EngineConfig
 from rtxcore.engine.llm import LLM
+from rtxcore.engine.speculation.config import SpeculativeConfig
 from rtxcore.errors import EngineFailed, InvalidRequestError, RequestError
 from rtxcore.hookspecs import hookimpl
 from rtxcore.metrics.engine_metrics import EngineMetrics
 from rtxcore.registry import load_plugins
 from rtxcore.sampling_params import SamplingParams
+from tests.helpers.cli import run_in_process
 from tests.helpers.engines import make_engine
 
 # The faulty plugins below pick their victim by this top_k (which a greedy request ignores).
@@ -65,10 +69,51 @@ class GivingUpProcessor(LogitsProcessor):
             raise RequestArgumentError("these arguments cannot go on")
 
 
+class ExplodingProposer(Proposer):
+    """Proposes nothing; raises for marked requests once they have a token (after the step that sampled it)."""
+
+    def propose(self, reqs, num_tokens):
+        if any(r.params.top_k == MARK and r.num_output_tokens for r in reqs):
+            raise RuntimeError("exploding proposer went off")
+        return [[] for _ in reqs]
+
+
+class RaisingScheduler(FCFSScheduler):
+    """Raises on a request once it runs, with the request in the exception (as a dict lookup does)."""
+
+    def schedule(self):
+        out = super().schedule()
+        if self.running:
+            raise KeyError(self.running[0])
+        return out
+
+
+class OverBudgetScheduler(FCFSScheduler):
+    def schedule(self):
+        out = super().schedule()
+        out.num_scheduled_tokens = [n + self.config.max_num_batched_tokens for n in out.num_scheduled_tokens]
+        return out
+
+
+class NoneScheduler(FCFSScheduler):
+    def schedule(self):
+        return None
+
+
 class FaultyPlugins:
     @hookimpl
     def register_samplers(self, register):
         register("flaky", FlakySampler)
+
+    @hookimpl
+    def register_schedulers(self, register):
+        register("raising", RaisingScheduler)
+        register("over-budget", OverBudgetScheduler)
+        register("none", NoneScheduler)
+
+    @hookimpl
+    def register_proposers(self, register):
+        register("exploding", ExplodingProposer)
 
     @hookimpl
     def register_logits_processors(self, register):
@@ -210,6 +255,69 @@ def test_a_served_request_a_plugin_fails_on_ends_with_an_error_naming_it(faulty_
     assert engine.error is None
     assert 'rtx_request_failures_total{cause="sampler",model="tiny",plugin="flaky"} 1.0' in text
     assert 'rtx_requests_finished_total{finish_reason="error",model="tiny"} 1.0' in text
+
+
+def test_a_proposer_failing_after_a_step_sampled_leaves_one_output_per_request(faulty_registry):
+    # The proposer runs after the step's tokens are applied: the request's token of that step and its failure come
+    # out as one final output (the metrics took a second, unfinished one of a request already gone for an error).
+    engine = make_engine(registry=faulty_registry, speculative=SpeculativeConfig(method="exploding"))
+    engine.add_request([1, 2, 3], GREEDY)
+    bad = engine.add_request([4, 5, 6], MARKED)
+    steps = []
+    while engine.has_unfinished_requests():
+        steps.append(engine.step())
+    assert all(len({o.req_id for o in outs}) == len(outs) for outs in steps)
+    [final] = [o for outs in steps for o in outs if o.req_id == bad]
+    assert final.finished and final.error.plugin == "exploding" and final.new_token_ids
+    assert final.timings is not None and final.timings.first_token_time is not None
+
+    good, failed, served, text = _serve_beside_a_good_request(
+        faulty_registry, MARKED, speculative=SpeculativeConfig(method="exploding"))
+    assert good[-1].finish_reason == "length" and served.error is None
+    assert isinstance(failed, RequestError) and "proposer plugin 'exploding'" in failed.message
+    assert 'rtx_requests_finished_total{finish_reason="error",model="tiny"} 1.0' in text
+
+
+@pytest.mark.model
+def test_rtx_generate_exits_1_naming_the_plugin_that_failed_its_request(faulty_registry, monkeypatch):
+    import rtxcore.cli.generate
+
+    def load_engine(config):
+        config.speculative = SpeculativeConfig(method="exploding")
+        return LLM(config, registry=faulty_registry)
+    monkeypatch.setattr(rtxcore.cli.generate, "load_engine", load_engine)
+    proc = run_in_process("generate", "The sky is", "--max-tokens", "6", "--top-k", str(MARK))
+    assert proc.returncode == 1 and proc.stdout.strip()  # the token before the failure was written
+    assert proc.stderr.splitlines()[-1] == ("rtx: error: proposer plugin 'exploding' failed on this request: "
+                                            "RuntimeError: exploding proposer went off")
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the engine thread's end
+@pytest.mark.parametrize(("scheduler", "message"), [
+    ("raising", "scheduler plugin 'raising' failed: KeyError: Request(req_id="),
+    ("over-budget", "scheduler plugin 'over-budget' scheduled 2051 tokens, past the step's budget of 2048"),
+    ("none", "scheduler plugin 'none' returned NoneType, not a SchedulerOutput"),
+])
+def test_a_scheduler_failing_stops_the_engine_naming_it_without_the_prompt(faulty_registry, scheduler, message):
+    # The scheduler holds every request's place: the engine cannot go on without it. The error names the plugin and
+    # leaves the prompt's tokens out (a request's repr does), since it reaches HTTP answers and /health.
+    prompt = [401, 402, 403]
+    engine = make_engine(registry=faulty_registry, scheduler=scheduler)
+    with pytest.raises(EngineFailed) as info:
+        engine.generate([prompt], GREEDY)
+    assert message in str(info.value) and "401, 402" not in str(info.value)
+
+    served = AsyncEngine(make_engine(registry=faulty_registry, scheduler=scheduler).core)
+    served.start()
+
+    async def run():
+        return [out async for out in served.generate(prompt, GREEDY)]
+    try:
+        with pytest.raises(EngineFailed) as info:
+            asyncio.run(run())
+    finally:
+        served.stop()
+    assert str(info.value).startswith(f"engine failed: {message}") and "401, 402" not in str(info.value)
 
 
 def test_arguments_a_processor_gives_up_on_are_the_clients_error_naming_the_field(faulty_registry):

@@ -8,19 +8,23 @@ applied between steps: an abort frees the request's KV blocks before the next st
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import functools
 import itertools
 import logging
+import operator
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from rtxcore.engine.core import EngineCore
+from rtxcore.engine.core import EngineCore, token_groups
 from rtxcore.engine.input_processor import InputProcessor, Prompt
 from rtxcore.engine.outputs import RequestFailure, RequestOutput, TokenLogprob
+from rtxcore.engine.prompt_scoring import scoring_groups
 from rtxcore.errors import EngineFailed, ErrorCode, InvalidRequestError, RequestError, RtxError
 from rtxcore.lanes import DEFAULT_LANE
 from rtxcore.request import Request
@@ -51,6 +55,9 @@ class _Job:
     # Work that needs the engine between steps (embeddings, inspection); its result or exception goes to ``done``.
     fn: Callable[[EngineCore], object]
     done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    # A forward pass of its own (embedding or scoring a group of prompts): while requests run, one such job runs
+    # between two steps, so that a batch of long inputs delays each step by one pass, not by all of them.
+    heavy: bool = False
 
 
 @dataclass(slots=True)
@@ -81,6 +88,8 @@ class AsyncEngine:
         self.inputs: InputProcessor = core.input_processor()
         self.observers = observers or []
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        # Heavy jobs taken from the inbox, waiting for their turn between steps.
+        self._heavy: collections.deque[_Job] = collections.deque()
         self._sinks: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
         self._ids = itertools.count()
         self._wake = threading.Event()
@@ -156,18 +165,30 @@ class AsyncEngine:
                 self._wake.set()
 
     async def embed(self, inputs: Sequence[Prompt], param: str = "input") -> list[list[float]]:
-        """:param param: the request field the inputs came in, named in errors."""
+        """Each input's embedding, one group of inputs (a step's token budget) between two engine steps; cancelling
+        the call drops the groups not yet run.
+
+        :param param: the request field the inputs came in, named in errors."""
         token_lists = [self.inputs.encode(x, param) for x in inputs]
         self.inputs.check_embedding_inputs(token_lists, param)
-        return await self.run_on_engine(lambda core: core.embed(token_lists))
+        vectors: list[list[float]] = []
+        for group in token_groups(token_lists, self.core.config.scheduling.max_num_batched_tokens):
+            vectors += await self.run_on_engine(operator.methodcaller("embed", group), heavy=True)
+        return vectors
 
     async def prompt_logprobs(self, token_lists: Sequence[list[int]], num_top: int) -> list[list[TokenLogprob | None]]:
-        """EngineCore.prompt_logprobs on the engine thread, between two steps."""
-        return await self.run_on_engine(lambda core: core.prompt_logprobs(token_lists, num_top))
+        """EngineCore.prompt_logprobs on the engine thread, a group of prompts between two steps (as :meth:`embed`)."""
+        scored: list[list[TokenLogprob | None]] = []
+        for group in scoring_groups(token_lists):
+            scored += await self.run_on_engine(operator.methodcaller("prompt_logprobs", group, num_top), heavy=True)
+        return scored
 
-    async def run_on_engine(self, fn: Callable[[EngineCore], object]):
-        """Run ``fn(core)`` on the engine thread between two steps and return its result."""
-        job = _Job(fn)
+    async def run_on_engine(self, fn: Callable[[EngineCore], Any], heavy: bool = False) -> Any:
+        """Run ``fn(core)`` on the engine thread between two steps and return its result.
+
+        :param heavy: ``fn`` is a forward pass of its own: while requests run, one such job runs between two steps.
+        """
+        job = _Job(fn, heavy=heavy)
         self._inbox.put(job)
         self._wake.set()
         return await asyncio.wrap_future(job.done)
@@ -178,7 +199,10 @@ class AsyncEngine:
         try:
             while not self._stopping.is_set():
                 self._drain_inbox()
+                self._run_heavy_job()
                 if not self.core.has_unfinished_requests():
+                    if self._heavy:
+                        continue  # the next one at once: no step waits for it
                     self.core.note_idle()
                     self._wake.wait(0.05)
                     self._wake.clear()
@@ -211,6 +235,10 @@ class AsyncEngine:
                 why = str(exc) if isinstance(exc, RtxError) else repr(exc)
                 self._deliver(req_id, sink, EngineFailed(f"engine failed: {why}"))
             self._sinks.clear()
+            for job in self._heavy:
+                if job.done.set_running_or_notify_cancel():
+                    job.done.set_exception(EngineFailed(f"engine failed: {why}"))
+            self._heavy.clear()
             raise
 
     def _deliver(self, req_id: str, sink: Callable, item: RequestOutput | BaseException) -> None:
@@ -241,6 +269,26 @@ class AsyncEngine:
             except Exception:
                 log.exception("step observer %s failed", hook)
 
+    def _run_heavy_job(self) -> None:
+        """The oldest heavy job whose caller still waits for it, if any."""
+        while self._heavy:
+            job = self._heavy.popleft()
+            if not job.done.cancelled():
+                # The last step's time ends here: the pass is not part of the step that follows it.
+                self.core.note_idle()
+                self._run_job(job)
+                return
+
+    def _run_job(self, job: _Job) -> None:
+        # A future its caller stopped waiting for is cancelled: set_result on it would raise here, on the engine
+        # thread, and stop the engine for every request. set_running_or_notify_cancel() settles the race.
+        if not job.done.set_running_or_notify_cancel():
+            return
+        try:
+            job.done.set_result(job.fn(self.core))
+        except BaseException as exc:
+            job.done.set_exception(exc)
+
     def _drain_inbox(self) -> None:
         while True:
             try:
@@ -250,12 +298,10 @@ class AsyncEngine:
             # A future its caller stopped waiting for is cancelled: set_result on it would raise here, on the engine
             # thread, and stop the engine for every request. set_running_or_notify_cancel() settles the race.
             if isinstance(item, _Job):
-                if not item.done.set_running_or_notify_cancel():
-                    continue
-                try:
-                    item.done.set_result(item.fn(self.core))
-                except BaseException as exc:
-                    item.done.set_exception(exc)
+                if item.heavy:
+                    self._heavy.append(item)
+                else:
+                    self._run_job(item)
                 continue
             if isinstance(item, _Abort):
                 self._abort_stream(item.sub.req.req_id, item.sub.sink)

@@ -258,7 +258,7 @@ class EngineCore:
         """Normalized mean-pooled final hidden states of each input (checked by the input processor), computed
         without touching the KV cache."""
         vectors: list[list[float]] = []
-        for group in _token_groups(token_lists, self.config.scheduling.max_num_batched_tokens):
+        for group in token_groups(token_lists, self.config.scheduling.max_num_batched_tokens):
             hidden = self.backend.embed(build_embedding_batch(group, self.config.block_size))
             starts = itertools.accumulate((len(ids) for ids in group), initial=0)
             for start, ids in zip(starts, group):
@@ -299,7 +299,8 @@ def resumed_seed(seed: int, num_output_tokens: int) -> int:
     return (seed * 1_000_003 + num_output_tokens) % 2**63
 
 
-def _token_groups(token_lists: Sequence[list[int]], budget: int) -> list[list[list[int]]]:
+def token_groups(token_lists: Sequence[list[int]], budget: int) -> list[list[list[int]]]:
+    """``token_lists`` in order, in groups of at most ``budget`` tokens (an input longer than that alone)."""
     groups: list[list[list[int]]] = []
     size = 0
     for ids in token_lists:

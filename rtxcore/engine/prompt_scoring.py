@@ -26,7 +26,7 @@ def prompt_logprobs(backend: ExecutionBackend, token_lists: Sequence[list[int]],
     A prompt is scored whole (attention needs all of it), so one longer than :data:`SCORE_TOKENS_PER_CALL` is a call
     of its own; shorter ones share calls."""
     scored: list[list[TokenLogprob | None]] = []
-    for group in _groups(token_lists):
+    for group in scoring_groups(token_lists):
         logits = backend.score(build_embedding_batch(group, block_size))
         start = 0
         for ids in group:
@@ -46,7 +46,8 @@ def _logprobs_of(logits: torch.Tensor, next_ids: list[int], num_top: int) -> lis
     return [TokenLogprob(token_id, lp, top) for token_id, lp, top in zip(next_ids, reportable_logprobs(chosen), tops)]
 
 
-def _groups(token_lists: Sequence[list[int]]) -> list[list[list[int]]]:
+def scoring_groups(token_lists: Sequence[list[int]]) -> list[list[list[int]]]:
+    """``token_lists`` in order, in the groups one backend call scores."""
     groups: list[list[list[int]]] = []
     size = SCORE_TOKENS_PER_CALL
     for ids in token_lists:

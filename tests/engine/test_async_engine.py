@@ -78,6 +78,43 @@ def test_embeddings_are_normalized_and_deterministic(async_engine):
     assert abs(sum(x * x for x in a) - 1.0) < 1e-5
 
 
+def test_long_embeddings_and_prompt_scoring_take_turns_with_steps(registry):
+    # Twelve inputs of a whole step's budget each: one pass between two steps while a stream runs, not twelve in a
+    # row; and a caller that stops waiting leaves the passes not yet run undone.
+    core = make_engine(registry=registry, max_num_batched_tokens=64).core
+    engine = AsyncEngine(core)
+    calls: list[tuple[str, int]] = []
+    real_embed, real_score = core.embed, core.prompt_logprobs
+    core.embed = lambda lists: calls.append(("embed", engine.num_steps)) or real_embed(lists)
+    core.prompt_logprobs = lambda lists, top: calls.append(("score", engine.num_steps)) or real_score(lists, top)
+    engine.start()
+    inputs = [[5 + i] * 64 for i in range(12)]
+    stream = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        generation = asyncio.ensure_future(collect(engine, [1, 2, 3], stream))
+        while engine.num_steps < 2:
+            await asyncio.sleep(0.001)
+        vectors = await engine.embed(inputs)
+        scored = await engine.prompt_logprobs([[7] * 600, [8] * 600, [9] * 600], 1)
+        cancelled = asyncio.ensure_future(engine.embed(inputs))
+        while len(calls) < 16:
+            await asyncio.sleep(0.001)
+        cancelled.cancel()
+        await asyncio.sleep(0.2)
+        return vectors, scored, await generation
+    try:
+        vectors, scored, tokens = asyncio.run(main())
+    finally:
+        engine.stop()
+    assert len(vectors) == 12 and vectors == [v for v in core.embed(inputs)]
+    assert [len(s) for s in scored] == [600] * 3 and len(tokens) == 60
+    steps = [n for kind, n in calls[:15]]
+    assert [kind for kind, _ in calls[:15]] == ["embed"] * 12 + ["score"] * 3  # one call per group
+    assert all(b > a for a, b in zip(steps, steps[1:])), steps  # a step between every two passes
+    assert len(calls) < 15 + 12  # the cancelled call's remaining passes never ran
+
+
 def test_cancelled_waits_leave_the_engine_running(async_engine):
     """A job or submission whose caller stopped waiting (a client deadline, a disconnect) while the engine thread
     was busy: the engine once called set_result on the cancelled future and died, failing every stream."""

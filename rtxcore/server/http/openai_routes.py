@@ -86,7 +86,9 @@ class OpenAIRoutes:
         try:
             # A truncated prompt echoes what the model saw.
             sent = req.prompts if req.truncation is None else prompts
-            echo = await self._echo(sent, prompts, params.logprobs if logprobs else None) if req.echo else None
+            # Scoring a long prompt takes passes of its own: a client gone meanwhile stops the ones not yet run.
+            echo = (await until_disconnected(request, self._echo(sent, prompts, params.logprobs if logprobs else None))
+                    if req.echo else None)
         except BaseException:
             gen.close()
             raise

@@ -133,7 +133,7 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
         params["logprobs"] = int_field(logprobs, "logprobs")
     max_tokens = body.get("max_tokens")
     params["max_tokens"] = 16 if max_tokens is None else max_tokens
-    stream = bool_field(body.get("stream", False), "stream")
+    stream = flag_field(body, "stream")  # null is false, as in OpenAI's API
     prompts = parse_prompts(body["prompt"], "prompt")
     n, best_of = _num_choices(body, len(prompts))
     if best_of > n and stream:
@@ -160,7 +160,7 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
     for name in ("max_tokens", "max_completion_tokens"):  # the newer name wins, as in OpenAI's API; both checked
         if body.get(name) is not None:
             max_tokens = int_field(body[name], name, 1)
-    stream = bool_field(body.get("stream", False), "stream")
+    stream = flag_field(body, "stream")  # null is false, as in OpenAI's API
     if tools is not None and tools.active and required_grammar(tools) is not None and "structured_output" in params:
         raise InvalidRequestError("tool_choice that requires a call cannot be combined with a structured output "
                                   f"({structured_output_field(body)})", param="tool_choice")

@@ -232,7 +232,10 @@ class CompletionFormat(ChunkFormat):
             tokens.append(token)
             if isinstance(lp, TokenLogprob):
                 token_logprobs.append(lp.logprob)
-                top_logprobs.append({token_text(self.tokenizer, t): p for t, p in lp.top})
+                top = {token_text(self.tokenizer, t): p for t, p in lp.top}
+                # The sampled token is always among them, as in OpenAI's and vLLM's: up to logprobs + 1 entries.
+                top.setdefault(token, lp.logprob)
+                top_logprobs.append(top)
             else:
                 token_logprobs.append(None)
                 top_logprobs.append(None)

@@ -158,9 +158,14 @@ def test_logprobs(client):
     resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2)
     lp = resp.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == resp.usage.completion_tokens
-    assert all(len(top) <= 2 and max(top.values()) >= chosen - 1e-4
-               for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))
+    # The two most likely, and the sampled token among them (OpenAI's and vLLM's: up to logprobs + 1 entries).
+    assert all(len(top) in (2, 3) and max(top.values()) >= chosen - 1e-4 and top[token] == pytest.approx(chosen)
+               for top, chosen, token in zip(lp.top_logprobs, lp.token_logprobs, lp.tokens))
     assert "".join(lp.tokens) == resp.choices[0].text
+    only = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=0,
+                                     extra_body={"stream": None})  # null: not streamed, as OpenAI takes it
+    lp0 = only.choices[0].logprobs
+    assert [list(top) for top in lp0.top_logprobs] == [[t] for t in lp0.tokens] and only.choices[0].text
     chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0, logprobs=True,
                                           top_logprobs=3)
     content = chat.choices[0].logprobs.content

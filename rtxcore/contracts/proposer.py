@@ -42,7 +42,8 @@ class ProposerContext:
     # Builds and loads another model with the target's backend, device and dtype (a draft model), by the names
     # ``--model`` takes; None where the engine cannot (then a draft proposer reports it).
     load_model: Callable[[str], ExecutionBackend] | None = None
-    # The proposer's own settings (``--speculative-option key=value``, the config file's ``[speculative.options]``).
+    # The proposer's own settings (``--speculative-option key=value``, the config file's ``[speculative.options]``):
+    # only those its describe() lists under "options" (any other is refused before it is built).
     options: dict[str, Any] = field(default_factory=dict)
 
 

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -95,6 +95,8 @@ def build_components(config: EngineConfig, registry: PluginRegistry | None, sour
     sampler = registry.create("sampler", config.sampler)
     eos = tokenizer.eos_token_ids if tokenizer is not None else model_config.eos_token_ids
     output_processor = OutputProcessor(tokenizer, list(eos), max_model_len)
+    if spec.method is not None:
+        _check_proposer_options(registry, spec.method, spec.options)
     context = ProposerContext(backend, config.block_size, num_blocks, max_model_len, registry, kv_cache.block_table,
                               load_model=lambda name: _load_draft(config, registry, name), options=dict(spec.options))
     proposers: dict[str, Proposer] = {ASSISTED: registry.create("proposer", ASSISTED, context)}
@@ -111,6 +113,16 @@ def build_components(config: EngineConfig, registry: PluginRegistry | None, sour
                             forced_tokens=logits.forced_tokens if grammar_proposals else None)
     return EngineComponents(registry, source, backend, tokenizer, max_model_len, kv_tiers, kv_cache, scheduler,
                             sampler, output_processor, speculator, logits)
+
+
+def _check_proposer_options(registry: PluginRegistry, name: str, options: dict[str, Any]) -> None:
+    """:raises ConfigError: an option the proposer does not list under its describe()'s ``"options"``: refused, as a
+        logits processor's is, rather than silently ignored by a proposer that does not check its own."""
+    cls: type[Proposer] = registry.get("proposer", name).cls
+    accepted = list(cls.describe().get("options", []))
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ConfigError(f"unknown {name} option {unknown[0]!r} (options: {', '.join(accepted) or 'none'})")
 
 
 @contextlib.contextmanager

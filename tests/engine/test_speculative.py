@@ -13,7 +13,7 @@ import torch
 
 from rtxcore.contracts.proposer import Proposer
 from rtxcore.engine.speculation.config import SpeculativeConfig
-from rtxcore.errors import InvalidRequestError
+from rtxcore.errors import ConfigError, InvalidRequestError
 from rtxcore.hookspecs import hookimpl
 from rtxcore.registry import load_plugins
 from rtxcore.sampling_params import SamplingParams
@@ -146,6 +146,15 @@ def test_garbage_proposals_cost_no_correctness():
                                                                         min_acceptance=0.0), **EXACT)
     assert _run(llm, prompts, params) == expected
     assert llm.core.speculator.stats["garbage"].num_verifications > 0
+
+
+def test_an_option_a_proposer_does_not_list_is_refused():
+    # GarbageProposer lists no options and reads none: a mistyped option would otherwise go unnoticed.
+    registry = load_plugins(extra=[("garbage", GarbagePlugin())])
+    with pytest.raises(ConfigError, match=r"unknown garbage option 'bogus' \(options: none\)"):
+        make_engine(registry=registry, speculative=SpeculativeConfig(method="garbage", options={"bogus": 1}))
+    with pytest.raises(ConfigError, match=r"unknown ngram option 'lookup' \(options: prompt_lookup_min, "):
+        make_engine(speculative=SpeculativeConfig(method="ngram", options={"lookup": 3}))
 
 
 @pytest.mark.parametrize("setting", [

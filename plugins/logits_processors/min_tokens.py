@@ -1,6 +1,9 @@
 """``min_tokens`` (vLLM's): until a request has generated that many tokens, the tokens that would end it (its
 end-of-sequence tokens, unless it ignores them, and its stop tokens) cannot be sampled.
 
+A row whose other processors left nothing but ending tokens (``allowed_token_ids`` of only those) keeps them, where
+holding them back would leave nothing to sample; they end the output once it is past the minimum.
+
 Stateless: a row's count comes with it (``RowContext.num_generated``, which includes tokens an overlapped step has
 not read yet), so requests with a minimum keep their steps overlapped. Stop strings are the detokenizer's part of
 the rule (``IncrementalDetokenizer``'s ``min_tokens``).
@@ -52,16 +55,26 @@ class MinTokens(LogitsProcessor):
         return prepared
 
     def apply(self, logits: torch.Tensor, rows: Sequence[RowContext]) -> None:
-        row_ids: list[int] = []
+        held: list[int] = []  # rows below their minimum
+        row_ids: list[int] = []  # (index into held, token id) of each token held back
         token_ids: list[int] = []
         for r in rows:
             minimum: _Minimum = r.state
-            if r.num_generated < minimum.min_tokens:
-                row_ids += [r.row] * len(minimum.ending_ids)
+            if r.num_generated < minimum.min_tokens and minimum.ending_ids:
+                row_ids += [len(held)] * len(minimum.ending_ids)
                 token_ids += minimum.ending_ids
-        if row_ids:  # once every request is past its minimum, a step costs this loop and no device work
-            both = to_device(row_ids + token_ids, torch.long, logits.device)
-            logits[both[:len(row_ids)], both[len(row_ids):]] = float("-inf")
+                held.append(r.row)
+        if not held:  # once every request is past its minimum, a step costs this loop and no device work
+            return
+        index = to_device(held + row_ids + token_ids, torch.long, logits.device)
+        rows_t, pair_rows, pair_tokens = index[:len(held)], index[len(held):-len(token_ids)], index[-len(token_ids):]
+        ending = torch.zeros((len(held), logits.shape[1]), dtype=torch.bool, device=logits.device)
+        ending[pair_rows, pair_tokens] = True
+        # A row whose other processors left only ending tokens keeps them, rather than nothing to sample (the sampler
+        # would draw token 0 from a row of -inf). Decided on the device: no sync.
+        others_left = ((logits[rows_t] > float("-inf")) & ~ending).any(dim=-1)
+        where = rows_t[pair_rows], pair_tokens
+        logits[where] = torch.where(others_left[pair_rows], float("-inf"), logits[where])
 
 
 @hookimpl

@@ -81,6 +81,23 @@ def test_end_of_sequence_and_stop_strings_wait_for_min_tokens(default_engine):
     assert late.text == free.text[:free.text.index("\n", len(before))] and late.finish_reason == "stop"
 
 
+def test_a_row_left_only_ending_tokens_keeps_them(tiny_engine):
+    # Another processor allows nothing but the stop token: holding it back would leave nothing to sample (the
+    # sampler would draw token 0 from a row of -inf). It is sampled, and ends the output once past the minimum.
+    params = SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[STOP], allowed_token_ids=[STOP],
+                            min_tokens=3)
+    [result] = tiny_engine.generate([[5, 9, 13]], params)
+    assert result.token_ids == [STOP] * 4 and result.finish_reason == "stop"
+
+
+@pytest.mark.model
+def test_a_complete_grammar_ends_the_output_before_the_minimum(default_engine):
+    # The grammar's end (it allows nothing after "yes") ends the output, whatever the minimum.
+    params = SamplingParams(max_tokens=12, temperature=0.0, min_tokens=8, structured_output={"choice": ["yes"]})
+    [result] = default_engine.generate(["Answer yes or no: is the sky blue?"], params)
+    assert result.text == "yes" and result.finish_reason == "stop"
+
+
 @pytest.mark.parametrize(("params", "field"), [
     ({"min_tokens": -1}, "min_tokens"),
     ({"min_tokens": 3, "max_tokens": 2}, "min_tokens"),

@@ -96,8 +96,12 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(-2 <= value <= 2, f"{name} must be in [-2, 2], got {_short(value)}", name)
-        _check(self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**63),
-               f"seed must be a non-negative integer below 2**63, got {self.seed!r}", "seed")
+        _check(self.seed is None or (is_int(self.seed) and -2**63 <= self.seed < 2**63),
+               f"seed must be a 64-bit integer, in [-2**63, 2**63), got {self.seed!r}", "seed")
+        if self.seed is not None and self.seed < 0:
+            # OpenAI's and vLLM's seeds are any int64; the engine's generators and their derived seeds (a resumed
+            # request's, choice j's) count in [0, 2**63). Taken modulo, a negative seed stays reproducible.
+            self.seed %= 2**63
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings", "stop")
         _check(all(is_int(t) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be non-negative integers", "stop_token_ids")

@@ -120,7 +120,8 @@ def test_bad_prompts_raise_without_side_effects(tiny_engine, prompt, params, mat
     # was given twice with the map's silently winning
     ({"allowed_token_ids": [5], "logits_processors": {"banned_tokens": [5]}}, "logits_processors"),
     ({"logit_bias": {"1": 1}, "logits_processors": {"logit_bias": {"2": 1}}}, "logits_processors"),
-    ({"seed": -1}, "seed"),
+    ({"seed": -2**63 - 1}, "seed"),
+    ({"seed": 2**63}, "seed"),
     # bool is an int in Python: these passed once and then broke the sampler on the engine's thread
     ({"top_k": True}, "top_k"),
     ({"seed": True}, "seed"),
@@ -134,6 +135,14 @@ def test_bad_sampling_params_name_the_field(kwargs, match):
     with pytest.raises(InvalidRequestError, match=match) as info:
         SamplingParams(**kwargs)
     assert info.value.param == match
+
+
+def test_a_negative_seed_is_taken_modulo_and_reproducible(tiny_engine):
+    # OpenAI's and vLLM's seeds are any int64.
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=-5, ignore_eos=True)
+    assert params.seed == 2**63 - 5
+    first, second = (tiny_engine.generate([[4, 5, 6]], params)[0].token_ids for _ in range(2))
+    assert first == second
 
 
 def test_bad_requests_do_not_disturb_running_ones(registry):

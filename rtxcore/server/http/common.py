@@ -59,7 +59,11 @@ def request_route(runtime: ServingRuntime, request: Request, fields: RoutingFiel
 async def read_json(request: Request) -> dict[str, Any]:
     """The body as a JSON object. 400 when it is not UTF-8 JSON (``code: invalid_json``, as OpenAI answers), not an
     object, or holds a string with a lone UTF-16 surrogate (``"\\ud800"`` is valid JSON but no text: no tokenizer
-    takes it)."""
+    takes it); 415 when it is compressed (a gzip body read as JSON was "not valid JSON", which misled)."""
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise APIError(415, f"Content-Encoding {encoding!r} is not supported: send the body uncompressed",
+                       code="unsupported_media_type")
     body = await request.body()
     try:
         # Decoded strictly first: json.loads(bytes) would guess UTF-16 and let encoded surrogates through.

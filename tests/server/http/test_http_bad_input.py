@@ -4,6 +4,8 @@ of the HTTP server as clients see it is in test_http_server.py."""
 
 from __future__ import annotations
 
+import gzip
+
 import openai
 import pytest
 
@@ -119,6 +121,12 @@ def test_bad_requests_outside_the_body(http, client):
     assert "nested too deeply" in assert_error(http.post("/tokenize", content=deeper), 400)["message"]
     responses_nan = b'{"input": "hi", "max_output_tokens": 2, "text": {"format": {"type": "json_object", "x": NaN}}}'
     assert assert_error(http.post("/v1/responses", content=responses_nan), 400)["code"] == "invalid_json"
+    # A compressed body is named as such, not "not valid JSON"; identity is no compression.
+    packed = gzip.compress(b'{"prompt": "hi", "max_tokens": 1}')
+    gzipped = assert_error(http.post("/v1/completions", content=packed, headers={"content-encoding": "gzip"}), 415)
+    assert gzipped["code"] == "unsupported_media_type" and "'gzip'" in gzipped["message"]
+    assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "seed": -5},
+                     headers={"content-encoding": "identity"}).status_code == 200  # and any int64 seed
     assert_error(http.get("/v2/nothing"), 404)
     error = assert_error(http.get("/v1/completions"), 405)
     assert error["code"] == "method_not_allowed"

@@ -24,7 +24,7 @@ import torch
 
 from rtxcore.contracts.sampler import SamplerOutput, SamplingBatch
 from rtxcore.engine.batch_builder import StepPlan
-from rtxcore.engine.outputs import RequestFailure
+from rtxcore.engine.outputs import NO_TOKEN, RequestFailure
 from rtxcore.errors import EngineFailed
 from rtxcore.request import Request
 
@@ -152,9 +152,15 @@ class StepFaults:
         core = self.core
         core.logits.apply(logits, reqs, num_rows)
         try:
-            return core.sampler.sample(logits, batch)
+            sampled = core.sampler.sample(logits, batch)
         except Exception as exc:
             raise PluginFault("sampler", core.config.sampler, exc) from exc
+        if core.logits.active:
+            # A processor may leave a row nothing to sample; the sampler then draws from -inf or NaN. Marked on the
+            # device (no sync): the host fails the request when it reads NO_TOKEN (OutputProcessor.apply).
+            nothing_left = ~(logits > float("-inf")).any(dim=-1)
+            sampled.token_ids = sampled.token_ids.masked_fill(nothing_left, NO_TOKEN)
+        return sampled
 
     # -- per-request work after a step ------------------------------------------------------------------------------
 

@@ -21,15 +21,16 @@ class InFlightStep:
     ready: torch.cuda.Event | None
 
     @classmethod
-    def launch(cls, reqs: list[Request], sampled: SamplerOutput) -> InFlightStep:
-        """Queue the copies of ``sampled`` to pinned host memory behind the step's work, without waiting.
+    def launch(cls, reqs: list[Request], sampled: SamplerOutput, inputs: torch.Tensor) -> InFlightStep:
+        """Queue the copies of ``sampled`` to pinned host memory behind the step's work, without waiting;
+        ``inputs``: the token ids the next step takes (``sampled.token_ids``, or a copy without marks).
 
         Reading a device tensor later (``.tolist()``) would queue its copy behind whatever the device was given
         in between, the next step's forward pass included; copied now, the host waits for this step alone.
         """
         device = sampled.token_ids.device
         if device.type == "cpu":
-            return cls(reqs, sampled.token_ids, sampled, None)
+            return cls(reqs, inputs, sampled, None)
         copies = {}
         for f in fields(SamplerOutput):
             t = getattr(sampled, f.name)
@@ -37,7 +38,7 @@ class InFlightStep:
                 copies[f.name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return cls(reqs, sampled.token_ids, replace(sampled, **copies), ready)
+        return cls(reqs, inputs, replace(sampled, **copies), ready)
 
     def wait(self) -> SamplerOutput:
         if self.ready is not None:

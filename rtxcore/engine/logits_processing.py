@@ -136,6 +136,11 @@ class LogitsProcessing:
         logits.states = {}
         self._num_active -= 1
 
+    @property
+    def active(self) -> bool:
+        """Whether a request in the engine uses a processor."""
+        return self._num_active > 0
+
     def apply(self, logits: torch.Tensor, reqs: Sequence[Request], rows_of: Sequence[int] | None) -> None:
         """Change the step's logits in place before sampling.
 

@@ -7,7 +7,14 @@ import time
 import torch
 
 from rtxcore.contracts.sampler import SamplerOutput
-from rtxcore.engine.outputs import LOGPROB_FLOOR, RequestFailure, RequestOutput, RequestTimings, TokenLogprob
+from rtxcore.engine.outputs import (
+    LOGPROB_FLOOR,
+    NO_TOKEN,
+    RequestFailure,
+    RequestOutput,
+    RequestTimings,
+    TokenLogprob,
+)
 from rtxcore.request import Request, RequestStatus
 from rtxcore.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -58,6 +65,9 @@ class OutputProcessor:
         outputs = []
         # Runs for every request every step: plain attribute reads, and only the work a request asked for.
         for row, (req, token) in enumerate(zip(reqs, token_ids)):
+            if token == NO_TOKEN:
+                self.failures.append((req, _nothing_to_sample(req)))
+                continue
             try:
                 all_token_ids = req.all_token_ids
                 all_token_ids.append(token)
@@ -141,6 +151,14 @@ class OutputProcessor:
             num_accepted_prediction_tokens=req.num_accepted_draft_tokens,
             num_rejected_prediction_tokens=req.num_rejected_draft_tokens,
         )
+
+
+def _nothing_to_sample(req: Request) -> RequestFailure:
+    names = ", ".join(req.logits.states) if req.logits is not None and req.logits.states else ""
+    if names:
+        return RequestFailure("logits_processor", names, "the logits processors left no token to sample (every "
+                              "logit of the row was -inf or NaN)")
+    return RequestFailure("backend", "model", "the model's logits for this request were all NaN")
 
 
 def reportable_logprobs(values: torch.Tensor) -> list:

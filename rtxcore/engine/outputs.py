@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 # The lowest log-probability handed back: a token a logits processor forbids has -inf, which JSON cannot carry
 # (a strict client's parser fails on it), so it is reported as this, as vLLM's OpenAI server does.
 LOGPROB_FLOOR = -9999.0
+# The token the engine reads for a row its logits processors left nothing to sample (every logit -inf or NaN): the
+# request fails there, naming its processors, instead of emitting whatever the sampler drew from such a row.
+NO_TOKEN = -1
 
 
 @dataclass(slots=True)

@@ -94,7 +94,10 @@ class OverlappedSteps:
                 outputs, prev = outputs + self._process(prev), None
             reqs, _, sampled = core.faults.sample(logits, plan, plan.sampling_reqs, None, plan.sampling)
             if sampled is not None:
-                self._in_flight = self._launch(reqs, sampled)
+                # A row marked NO_TOKEN (nothing to sample) still feeds the next step a real id; its request fails
+                # when the host reads the mark, and that step's token is dropped.
+                inputs = sampled.token_ids.clamp(min=0) if core.logits.active else sampled.token_ids
+                self._in_flight = self._launch(reqs, sampled, inputs)
         if prev is not None:
             outputs += self._process(prev)
         return outputs
@@ -119,7 +122,7 @@ class OverlappedSteps:
         ids[index[:k]] = prev_token_ids[index[k:]]
         return ids
 
-    def _launch(self, reqs: list[Request], sampled: SamplerOutput) -> InFlightStep:
+    def _launch(self, reqs: list[Request], sampled: SamplerOutput, inputs: torch.Tensor) -> InFlightStep:
         """Leave the sampled tokens on the device and queue their copy to the host; the requests count them as
         pending until the copy is read."""
         core = self.core
@@ -137,7 +140,7 @@ class OverlappedSteps:
             if num_tokens - len(req.prompt_token_ids) >= req.params.max_tokens or num_tokens >= max_model_len:
                 core.scheduler.finish_request(req)
                 self._released.add(req.req_id)
-        return InFlightStep.launch(reqs, sampled)
+        return InFlightStep.launch(reqs, sampled, inputs)
 
     def _process(self, step: InFlightStep) -> list[RequestOutput]:
         host = step.wait()

@@ -78,6 +78,18 @@ class ExplodingProposer(Proposer):
         return [[] for _ in reqs]
 
 
+class BlankingProcessor(ExplodingProcessor):
+    """Fills its rows with its argument (-inf or NaN) once the request has two tokens: nothing left to sample."""
+
+    def prepare(self, args):
+        return float(args)
+
+    def apply(self, logits, rows):
+        for r in rows:
+            if r.num_generated >= 2:
+                logits[r.row] = r.state
+
+
 class RaisingScheduler(FCFSScheduler):
     """Raises on a request once it runs, with the request in the exception (as a dict lookup does)."""
 
@@ -119,6 +131,7 @@ class FaultyPlugins:
     def register_logits_processors(self, register):
         register("exploding", ExplodingProcessor)
         register("giving_up", GivingUpProcessor)
+        register("blanking", BlankingProcessor)
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +178,23 @@ def test_a_logits_processor_raising_fails_only_its_request(faulty_registry):
     assert (results[1].error.cause, results[1].error.plugin) == ("logits_processor", "exploding")
     reference = engine.generate([[1, 2, 3], [7, 8, 9]], [calm, GREEDY])
     assert [results[0].token_ids, results[2].token_ids] == [r.token_ids for r in reference]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("fill", [float("-inf"), float("nan")])
+def test_a_processor_leaving_nothing_to_sample_fails_its_request_not_emitting_garbage(faulty_registry,
+                                                                                    async_scheduling, fill):
+    engine = make_engine(registry=faulty_registry, async_scheduling=async_scheduling)
+    blank = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logits_processors={"blanking": fill})
+    results = engine.generate([[1, 2, 3], [4, 5, 6], [7, 8, 9]], [GREEDY, blank, GREEDY])
+    failed = results[1]
+    assert failed.finish_reason == "error" and len(failed.token_ids) == 2  # the tokens before the blank rows
+    assert (failed.error.cause, failed.error.plugin) == ("logits_processor", "blanking")
+    assert "left no token to sample" in failed.error.message
+    reference = engine.generate([[1, 2, 3], [7, 8, 9]], GREEDY)
+    assert [results[0].token_ids, results[2].token_ids] == [r.token_ids for r in reference]
+    assert not engine.has_unfinished_requests()
+    engine.core.kv_cache.check_invariants()
 
 
 def test_a_detokenizer_raising_on_one_request_fails_it_alone(default_engine):

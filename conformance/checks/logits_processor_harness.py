@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from rtx_conformance.rules import ContractViolation, require
+from rtx_conformance.rules import ContractViolation, describe_exception, require
 from rtxcore.contracts.logits_processor import LogitsProcessor, LogitsProcessorContext, RowContext
 from rtxcore.engine.config import EngineConfig
 from rtxcore.engine.llm import LLM
@@ -147,12 +147,14 @@ def random_logits(num_rows: int, vocab_size: int, seed: int) -> torch.Tensor:
 
 
 def call_checked(rule: str, what: str, fn: Any, *args: Any) -> Any:
+    """``fn(*args)``; what it raises breaks ``rule``, the line saying where it was raised (the innermost frame: the
+    processor's own code)."""
     try:
         return fn(*args)
     except ContractViolation:
         raise
     except Exception as exc:
-        raise ContractViolation(rule, f"{what} raised {type(exc).__name__}: {exc}") from exc
+        raise ContractViolation(rule, f"{what} raised {describe_exception(exc)}") from exc
 
 
 def short(value: Any) -> str:

@@ -18,7 +18,7 @@ from rtxcore.contracts.logits_processor import LogitsProcessor, RowContext
 from rtxcore.hookspecs import hookimpl
 from rtxcore.registry import load_plugins
 
-BUILTINS = ("logit_bias", "allowed_tokens", "banned_tokens", "structured_output")
+BUILTINS = ("logit_bias", "allowed_tokens", "banned_tokens", "min_tokens", "structured_output")
 CHECKS = {"example_args", "builds", "prepare", "apply", "apply_pure", "proposed_rows", "forced_tokens", "advance",
           "resume", "independent_states", "finish", "engine"}
 
@@ -178,7 +178,9 @@ def test_correct_processor_passes(processor_run, name):
     ("forces-the-other", "[logits_processor.forced_tokens]", "is one apply() does not allow there"),
     ("forgets-outputs", "[logits_processor.resume]", "new_state with output tokens"),
     ("shared-state", "[logits_processor.independent_states]", "never advanced, now scores differently"),
-    ("strict-finish", "[logits_processor.finish]", "never applied raised KeyError"),
+    # What a processor raises is said with where it was raised.
+    ("strict-finish", "[logits_processor.finish]", "never applied raised KeyError: 'applied' (at "
+                                                   "conformance/test_logits_processor_conformance.py:"),
 ])
 def test_wrong_processor_is_caught_naming_the_rule(processor_run, name, rule, detail):
     failures = [r.message for r in _results(processor_run, name) if r.outcome == "failed"]

@@ -46,8 +46,8 @@ from rtxcore.server.serving.formats import ResponseSpec
 from rtxcore.server.serving.generation import Generation, Speculation, encode_prediction, tokenize
 from rtxcore.server.serving.lifecycle import Started
 from rtxcore.server.serving.runtime import ServingRuntime
-from rtxcore.server.serving.tool_calls import required_grammar, tool_messages
-from rtxcore.server.serving.tool_formats import format_for
+from rtxcore.server.serving.tool_calls import ToolRequest, required_grammar, tool_messages
+from rtxcore.server.serving.tool_formats import ToolCallFormat, format_for
 
 
 class OpenAIRoutes:
@@ -141,22 +141,17 @@ class OpenAIRoutes:
         where = request_route(self.runtime, request, req.routing)
         messages, template_vars = req.messages, dict[str, Any]()
         params = dict(req.params)
-        tools = req.tools if req.tools is not None and req.tools.active else None
+        tools = req.tools if req.tools is not None and req.tools.tools else None
         call_format = None
         if tools is not None:
             template = inputs.tokenizer.chat_template if inputs.tokenizer is not None else None
-            call_format = format_for(template)
-            messages, template_vars = tool_messages(req.messages, tools, template, call_format)
-            grammar = required_grammar(tools, call_format)
-            if grammar is not None:  # a call is required: the grammar makes it one that parses
-                params["structured_output"] = {"grammar": grammar}
-            else:
-                # "auto": the parameter schemas are compiled as a required call's grammar would be (and kept for
-                # one), so a bad schema is refused whatever tool_choice says, as OpenAI does.
-                required = required_grammar(replace(tools, choice="required"), call_format)
-                await asyncio.to_thread(inputs.logits.check, "structured_output", {"grammar": required}, "tools")
-            if call_format.keeps_special_tokens:  # its tags are special tokens: skipped, the calls would vanish
-                params["skip_special_tokens"] = False
+            fmt = format_for(template)
+            # With tool_choice "none" too, as OpenAI and vLLM do: the model still sees the tools (and the calls of
+            # earlier turns) but is told not to call one, and its answer is not parsed for calls.
+            messages, template_vars = tool_messages(req.messages, tools, template, fmt)
+            if tools.active:
+                call_format = fmt
+                await self._hold_to_calls(inputs, tools, fmt, params)
         # Reading the tokenizer is thread-safe; the template can be slow, so it runs off the event loop.
         rendering = req.template
         text = await asyncio.to_thread(inputs.apply_chat_template, messages, rendering.add_generation_prompt,
@@ -183,6 +178,21 @@ class OpenAIRoutes:
         spec = ResponseSpec("chat", req.stream, header, req.include_usage, sampling.logprobs is not None,
                             tools=tool_format, n=req.n, param_names=names)
         return Started(gen, spec, prompts, sampling, n=req.n)
+
+    @staticmethod
+    async def _hold_to_calls(inputs: InputProcessor, tools: ToolRequest, fmt: ToolCallFormat,
+                             params: dict[str, Any]) -> None:
+        """Set what the calls of ``fmt`` need of sampling: a grammar where a call is required."""
+        grammar = required_grammar(tools, fmt)
+        if grammar is not None:  # a call is required: the grammar makes it one that parses
+            params["structured_output"] = {"grammar": grammar}
+        else:
+            # "auto": the parameter schemas are compiled as a required call's grammar would be (and kept for one),
+            # so a bad schema is refused whatever tool_choice says, as OpenAI does.
+            required = required_grammar(replace(tools, choice="required"), fmt)
+            await asyncio.to_thread(inputs.logits.check, "structured_output", {"grammar": required}, "tools")
+        if fmt.keeps_special_tokens:  # its tags are special tokens: skipped, the calls would vanish
+            params["skip_special_tokens"] = False
 
     # -- embeddings -----------------------------------------------------------------------------------------------
 

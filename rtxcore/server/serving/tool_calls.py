@@ -137,6 +137,9 @@ def _call_of(call: Any) -> dict[str, Any]:
 
 def _tool_instructions(request: ToolRequest, fmt: ToolCallFormat) -> str:
     signatures = "\n".join(json.dumps({"type": "function", "function": t}) for t in request.tools)
+    if request.choice == "none":
+        return (f"You have access to these functions:\n<tools>\n{signatures}\n</tools>\nDo not call any of them "
+                "now: answer in text.")
     must = {"auto": "You may call one or more of these functions when they help answer.",
             "required": "You must call at least one of these functions."}.get(
         request.choice, f"You must call the function {request.choice}.")

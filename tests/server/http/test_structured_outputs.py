@@ -259,6 +259,11 @@ def test_tool_results_go_back_to_the_model_and_auto_may_answer(client):
     answer = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=40, temperature=0,
                                             tools=[WEATHER], tool_choice="none")
     assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+    # "none" still shows the model the tools, as OpenAI and vLLM do; it only may not call them.
+    plain, shown = (client.chat.completions.create(model="smollm2-135m", messages=_messages("Weather in Lima?"),
+                                                   max_tokens=1, **extra).usage.prompt_tokens
+                    for extra in ({}, {"tools": [WEATHER], "tool_choice": "none"}))
+    assert shown > plain + 20
     auto = client.chat.completions.create(model="smollm2-135m", messages=_messages("Weather in Lima?"),
                                           max_tokens=80, temperature=0, tools=[WEATHER])
     message = auto.choices[0].message

@@ -1,8 +1,9 @@
 """``min_tokens`` (vLLM's): until a request has generated that many tokens, the tokens that would end it (its
 end-of-sequence tokens, unless it ignores them, and its stop tokens) cannot be sampled.
 
-A row whose other processors left nothing but ending tokens (``allowed_token_ids`` of only those) keeps them, where
-holding them back would leave nothing to sample; they end the output once it is past the minimum.
+A row whose other processors left nothing but ending tokens (``allowed_token_ids`` of only those, a complete grammar)
+keeps them, where holding them back would leave nothing to sample: the output ends there, short of the minimum. To
+see what the others left, it applies after them (``applies_last``).
 
 Stateless: a row's count comes with it (``RowContext.num_generated``, which includes tokens an overlapped step has
 not read yet), so requests with a minimum keep their steps overlapped. Stop strings are the detokenizer's part of
@@ -29,6 +30,7 @@ class _Minimum(NamedTuple):
 
 
 class MinTokens(LogitsProcessor):
+    applies_last = True
     @classmethod
     def describe(cls) -> dict[str, Any]:
         return {"example_args": [3, {"min_tokens": 2, "stop_token_ids": [1], "ignore_eos": False}]}

@@ -78,6 +78,9 @@ class LogitsProcessor(ABC):
     # True when a state must see each sampled token before the request's next row is processed (a grammar): such a
     # request's steps are not overlapped with reading their tokens.
     stateful: ClassVar[bool] = False
+    # True for a processor that reads what the others left of a row (min_tokens keeps a row its ending tokens when
+    # nothing else is left): it applies after every processor without it.
+    applies_last: ClassVar[bool] = False
 
     def __init__(self, context: LogitsProcessorContext):
         self.context = context

@@ -98,6 +98,8 @@ class AsyncEngine:
         self.last_step_time = 0.0
         self._last_tick = 0.0
         self.error: BaseException | None = None
+        # Set when the loop ends (stopped or failed): what jobs queued from then on end with.
+        self._ended: EngineFailed | None = None
         self.num_steps = 0
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
@@ -146,6 +148,8 @@ class AsyncEngine:
         sub = _Submission(req, sink)
         self._inbox.put(sub)
         self._wake.set()
+        if self._ended is not None:  # as in run_on_engine
+            self._fail_queued_jobs(self._ended)
         finished = False
         try:
             # Re-raises the engine's validation error. Cancelled here, the submission is either dropped before the
@@ -191,11 +195,16 @@ class AsyncEngine:
         job = _Job(fn, heavy=heavy)
         self._inbox.put(job)
         self._wake.set()
+        if self._ended is not None:
+            # The loop has ended: it set this before emptying the inbox, so a job put before this test is ended
+            # there and one put after it here.
+            self._fail_queued_jobs(self._ended)
         return await asyncio.wrap_future(job.done)
 
     # -- the engine thread ----------------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        failed = EngineFailed("the engine has stopped")
         try:
             while not self._stopping.is_set():
                 self._drain_inbox()
@@ -230,16 +239,33 @@ class AsyncEngine:
         except BaseException as exc:  # the loop must never die silently: fail every waiting stream
             self.error = exc
             log.exception("engine loop failed")
+            # An RtxError says what failed in words of its own; anything else is named by its type.
+            failed = EngineFailed(f"engine failed: {str(exc) if isinstance(exc, RtxError) else repr(exc)}")
             for req_id, sink in list(self._sinks.items()):
-                # An RtxError says what failed in words of its own; anything else is named by its type.
-                why = str(exc) if isinstance(exc, RtxError) else repr(exc)
-                self._deliver(req_id, sink, EngineFailed(f"engine failed: {why}"))
+                self._deliver(req_id, sink, failed)
             self._sinks.clear()
+            raise
+        finally:
+            # Stopped or failed: nothing will run the jobs still queued, and their callers wait for them.
+            self._ended = failed
             for job in self._heavy:
                 if job.done.set_running_or_notify_cancel():
-                    job.done.set_exception(EngineFailed(f"engine failed: {why}"))
+                    job.done.set_exception(failed)
             self._heavy.clear()
-            raise
+            self._fail_queued_jobs(failed)
+
+    def _fail_queued_jobs(self, error: EngineFailed) -> None:
+        """End the jobs and submissions in the inbox with ``error`` (after the loop ended; from either thread: each
+        is taken once)."""
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, _Job) and item.done.set_running_or_notify_cancel():
+                item.done.set_exception(error)
+            elif isinstance(item, _Submission) and item.accepted.set_running_or_notify_cancel():
+                item.accepted.set_exception(error)
 
     def _deliver(self, req_id: str, sink: Callable, item: RequestOutput | BaseException) -> None:
         try:

@@ -4,7 +4,7 @@ context and cache sizes), so any thread may call it: servers encode on worker th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -133,12 +133,13 @@ class InputProcessor:
                                     f"{self.limits.max_model_len} tokens", param=param)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False, **template_vars: Any) -> str:
+                            continue_final_message: bool = False,
+                            template_vars: Mapping[str, Any] | None = None) -> str:
         """:param template_vars: the template's extra variables (``tools``, a request's ``chat_template_kwargs``)."""
         if self.tokenizer is None:
             raise InvalidRequestError(f"model {self.model_name} has no tokenizer and no chat template")
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt, continue_final_message,
-                                                  **template_vars)
+                                                  template_vars)
 
     def room_left(self, num_prompt_tokens: int) -> int:
         """Tokens a prompt of this length leaves to generate within the context and the whole KV cache."""

@@ -162,7 +162,8 @@ class LogitsProcessing:
                     for name, processor_state in state.states.items():
                         rows[name].append(RowContext(row + j, processor_state, proposed, generated + j))
             row += num_rows
-        for name, processor_rows in rows.items():
+        # In the order requests name them, those that read what the others left after them (a stable sort).
+        for name, processor_rows in sorted(rows.items(), key=lambda item: self.processors[item[0]].applies_last):
             try:
                 self.processors[name].apply(logits, processor_rows)
             except Exception as exc:

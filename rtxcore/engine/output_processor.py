@@ -79,11 +79,11 @@ class OutputProcessor:
                 text = ""
                 status: RequestStatus | None = None
                 stop_reason: str | int | None = None
-                # Within the first min_tokens the sampler never draws these; one emitted without sampling (early
-                # exit) does not end the request either.
-                if token in p.stop_token_ids and num_output_tokens > p.min_tokens:
+                # Within the first min_tokens these are drawn only where nothing else was left to draw (another
+                # processor allows only them, a grammar is complete): then they end the request all the same.
+                if token in p.stop_token_ids:
                     status, stop_reason = RequestStatus.FINISHED_STOPPED, token
-                elif not p.ignore_eos and token in eos_token_ids and num_output_tokens > p.min_tokens:
+                elif not p.ignore_eos and token in eos_token_ids:
                     status = RequestStatus.FINISHED_STOPPED
                 else:
                     if detok is not None:

@@ -103,19 +103,20 @@ def _check_messages(messages: Any) -> None:
 
 def render_chat_template(source: str, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool,
                          special_tokens: Mapping[str, str | None], continue_final_message: bool = False,
-                         **extra: Any) -> str:
+                         template_vars: Mapping[str, Any] | None = None) -> str:
     """Render ``source`` for ``messages``.
 
     :param special_tokens: ``bos_token``, ``eos_token``, ... as the template sees them.
     :param continue_final_message: end the text right after the last message's content, leaving its turn open (what
         the template writes after it, an end-of-turn token, is cut), so that the model continues it.
-    :param extra: further template variables (``tools``, ``documents``, ``enable_thinking``, ...); they win over
-        ``special_tokens`` as in transformers.
+    :param template_vars: further template variables (``tools``, ``documents``, ``enable_thinking``, ...), by any
+        name (a request's chat_template_kwargs: one mapping, not keyword arguments, so that no name can clash with
+        a parameter's); they win over ``special_tokens`` as in transformers.
     :raises InvalidRequestError: the template does not compile, rejects the conversation (``raise_exception``), or
         fails while rendering it.
     """
     _check_messages(messages)
-    context: dict[str, Any] = {"tools": None, "documents": None, **special_tokens, **extra}
+    context: dict[str, Any] = {"tools": None, "documents": None, **special_tokens, **(template_vars or {})}
     context["messages"] = [dict(m) for m in messages]
     context["add_generation_prompt"] = add_generation_prompt
     try:
@@ -124,7 +125,7 @@ def render_chat_template(source: str, messages: Sequence[Mapping[str, Any]], *, 
         raise InvalidRequestError(f"the model's chat template is invalid (line {exc.lineno}): {exc.message}",
                                   param="messages") from None
     try:
-        text = template.render(**context)
+        text = template.render(context)  # one mapping: a variable named "self" is a variable like any other
     except jinja2.TemplateError as exc:
         raise InvalidRequestError(f"chat template rejected the conversation: {exc}", param="messages") from None
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError, RecursionError) as exc:
@@ -137,7 +138,9 @@ def render_chat_template(source: str, messages: Sequence[Mapping[str, Any]], *, 
 
 def _open_final_message(text: str, messages: Sequence[Mapping[str, Any]]) -> str:
     """``text`` cut after the last message's content. Templates may strip a message's content, so when the content
-    as sent does not occur, it is looked for stripped."""
+    as sent does not occur, it is looked for stripped. Its last occurrence is taken, as transformers takes it: a
+    content that the template's own closing text also holds (``"end"`` and ``<|im_end|>``) is found there
+    instead, a limit shared with transformers' rendering."""
     content = messages[-1].get("content") if messages else None
     if not isinstance(content, str) or not content.strip():
         raise InvalidRequestError("continue_final_message needs a last message with text to continue",

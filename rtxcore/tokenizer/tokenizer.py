@@ -211,7 +211,8 @@ class Tokenizer:
         self._chat_template = source
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False, **template_vars: Any) -> str:
+                            continue_final_message: bool = False,
+                            template_vars: Mapping[str, Any] | None = None) -> str:
         """Render ``messages`` as prompt text, as transformers' ``apply_chat_template(tokenize=False)`` would.
 
         :param continue_final_message: leave the last message open for the model to continue (see
@@ -222,7 +223,7 @@ class Tokenizer:
         return render_chat_template(self._chat_template or DEFAULT_CHAT_TEMPLATE, messages,
                                     add_generation_prompt=add_generation_prompt,
                                     special_tokens=self._special.as_template_vars(),
-                                    continue_final_message=continue_final_message, **template_vars)
+                                    continue_final_message=continue_final_message, template_vars=template_vars)
 
     def __repr__(self) -> str:
         return (f"Tokenizer(vocab_size={self.vocab_size}, bos={self._special.bos!r}, eos={self._special.eos!r}, "

@@ -9,7 +9,7 @@ import pytest
 
 from rtxcore.capacity.step_time import StepTimeModel
 from rtxcore.engine.async_engine import AsyncEngine, StepObserver
-from rtxcore.errors import InvalidRequestError
+from rtxcore.errors import EngineFailed, InvalidRequestError
 from rtxcore.sampling_params import SamplingParams
 from tests.helpers.engines import make_engine
 
@@ -113,6 +113,40 @@ def test_long_embeddings_and_prompt_scoring_take_turns_with_steps(registry):
     assert [kind for kind, _ in calls[:15]] == ["embed"] * 12 + ["score"] * 3  # one call per group
     assert all(b > a for a, b in zip(steps, steps[1:])), steps  # a step between every two passes
     assert len(calls) < 15 + 12  # the cancelled call's remaining passes never ran
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the engine thread's end
+def test_work_queued_when_the_engine_fails_or_stops_ends_with_an_error(registry):
+    core = make_engine(registry=registry).core
+
+    def broken_step():
+        raise RuntimeError("step broke")
+    core.step = broken_step
+    engine = AsyncEngine(core)
+    engine.start()
+
+    async def main():
+        work = [asyncio.ensure_future(collect(engine, [1, 2, 3]))]
+        work += [asyncio.ensure_future(engine.embed([[4, 5, 6]] * 2)) for _ in range(3)]
+        ended = await asyncio.wait_for(asyncio.gather(*work, return_exceptions=True), 30)
+        with pytest.raises(EngineFailed, match="step broke"):  # queued after the end: not left waiting
+            await asyncio.wait_for(engine.embed([[4, 5, 6]]), 30)
+        return ended
+    ended = asyncio.run(main())
+    assert isinstance(ended[0], EngineFailed) and "step broke" in str(ended[0])
+    assert any(isinstance(e, EngineFailed) for e in ended[1:])  # passes queued behind the failed step
+    assert all(isinstance(e, (EngineFailed, list)) for e in ended[1:])
+
+    stopped = AsyncEngine(make_engine(registry=registry).core)
+    stopped.start()
+    stopped.stop()
+
+    async def after_stop():
+        with pytest.raises(EngineFailed, match="stopped"):
+            await asyncio.wait_for(stopped.embed([[4, 5, 6]]), 30)
+        with pytest.raises(EngineFailed, match="stopped"):
+            await asyncio.wait_for(collect(stopped, [1, 2, 3]), 30)
+    asyncio.run(after_stop())
 
 
 def test_cancelled_waits_leave_the_engine_running(async_engine):

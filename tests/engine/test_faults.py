@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 import torch
@@ -194,6 +195,27 @@ def test_a_processor_leaving_nothing_to_sample_fails_its_request_not_emitting_ga
     reference = engine.generate([[1, 2, 3], [7, 8, 9]], GREEDY)
     assert [results[0].token_ids, results[2].token_ids] == [r.token_ids for r in reference]
     assert not engine.has_unfinished_requests()
+    engine.core.kv_cache.check_invariants()
+
+
+@pytest.mark.parametrize("steps_before", [1, 2])
+def test_a_request_failing_inside_a_verification_step_leaves_the_others_runs_alone(faulty_registry, steps_before):
+    # A's rows go blank in the step that verifies B's proposals: A fails there, B keeps every accepted token (its
+    # outputs were once paired with the wrong requests by position).
+    [reference] = make_engine(registry=faulty_registry).generate([[4, 5, 6]], GREEDY)
+    engine = make_engine(registry=faulty_registry, speculative=SpeculativeConfig(method=None))
+    blank = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logits_processors={"blanking": -math.inf})
+    a = engine.add_request([1, 2, 3], blank)
+    outputs = []
+    for _ in range(steps_before):
+        outputs += engine.step()
+    b = engine.add_request([4, 5, 6], GREEDY, draft_token_ids=reference.token_ids)
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    finals = {o.req_id: o for o in outputs if o.finished}
+    assert finals[a].finish_reason == "error" and "left no token" in finals[a].error.message
+    assert [t for o in outputs if o.req_id == b for t in o.new_token_ids] == reference.token_ids
+    assert finals[b].finish_reason == "length"
     engine.core.kv_cache.check_invariants()
 
 

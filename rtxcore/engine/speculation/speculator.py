@@ -250,9 +250,14 @@ def _apply_runs(reqs: list[Request], runs: list[list[int]], token_ids: list[int]
         rows = [runs[i][position] for i in live]
         outs = output_processor.apply([reqs[i] for i in live], [token_ids[row] for row in rows],
                                       [logprobs[row] for row in rows] if logprobs is not None else None)
+        # A request the token failed (the detokenizer raised, or nothing was left to sample) has no output here:
+        # matched by id, not by position, and it stops.
+        going_on = set()
         for out in outs:
             merged.setdefault(out.req_id, []).append(out)
-        live = [i for i, out in zip(live, outs) if not out.finished and position + 1 < len(runs[i])]
+            if not out.finished:
+                going_on.add(out.req_id)
+        live = [i for i in live if reqs[i].req_id in going_on and position + 1 < len(runs[i])]
         position += 1
     return [_merge(parts) for parts in merged.values()]
 

@@ -155,7 +155,7 @@ class OpenAIRoutes:
         # Reading the tokenizer is thread-safe; the template can be slow, so it runs off the event loop.
         rendering = req.template
         text = await asyncio.to_thread(inputs.apply_chat_template, messages, rendering.add_generation_prompt,
-                                       rendering.continue_final_message, **rendering.template_vars, **template_vars)
+                                       rendering.continue_final_message, {**rendering.template_vars, **template_vars})
         prompts = truncate_prompts(await tokenize(inputs, [text], "messages"), req.truncation,
                                    inputs.limits.max_model_len)
         params["max_tokens"] = req.max_tokens if req.max_tokens is not None else _room_left(inputs, len(prompts[0]))

@@ -129,7 +129,7 @@ def _encode(inputs: InputProcessor, tokenizer: Tokenizer, req: TokenizeRequest) 
     else:  # chat completions' own rendering
         rendering = req.template
         text = inputs.apply_chat_template(req.messages, rendering.add_generation_prompt,
-                                          rendering.continue_final_message, **rendering.template_vars)
+                                          rendering.continue_final_message, rendering.template_vars)
     return tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
 
 

@@ -83,19 +83,21 @@ def test_end_of_sequence_and_stop_strings_wait_for_min_tokens(default_engine):
 
 def test_a_row_left_only_ending_tokens_keeps_them(tiny_engine):
     # Another processor allows nothing but the stop token: holding it back would leave nothing to sample (the
-    # sampler would draw token 0 from a row of -inf). It is sampled, and ends the output once past the minimum.
+    # sampler would draw token 0 from a row of -inf). It is sampled and ends the output, short of the minimum,
+    # whichever processor a batch names first (min_tokens applies last).
     params = SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[STOP], allowed_token_ids=[STOP],
                             min_tokens=3)
-    [result] = tiny_engine.generate([[5, 9, 13]], params)
-    assert result.token_ids == [STOP] * 4 and result.finish_reason == "stop"
+    first = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, min_tokens=2)
+    results = tiny_engine.generate([[4, 4], [5, 9, 13]], [first, params])
+    assert results[1].token_ids == [STOP] and results[1].finish_reason == "stop"
 
 
 @pytest.mark.model
 def test_a_complete_grammar_ends_the_output_before_the_minimum(default_engine):
-    # The grammar's end (it allows nothing after "yes") ends the output, whatever the minimum.
+    # The grammar allows nothing but the end after "yes": the output ends there, whatever the minimum.
     params = SamplingParams(max_tokens=12, temperature=0.0, min_tokens=8, structured_output={"choice": ["yes"]})
     [result] = default_engine.generate(["Answer yes or no: is the sky blue?"], params)
-    assert result.text == "yes" and result.finish_reason == "stop"
+    assert result.text == "yes" and result.finish_reason == "stop" and len(result.token_ids) <= 2
 
 
 @pytest.mark.parametrize(("params", "field"), [

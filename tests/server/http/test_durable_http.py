@@ -272,7 +272,10 @@ def test_a_full_response_is_completed_after_a_crash_and_fetched_by_its_idempoten
     # The same response, but for the last digits of logprobs computed over re-prefilled (not decoded) KV.
     got, expected = again.json(), full.json()
     got_lps, expected_lps = (b["choices"][0]["logprobs"].pop("token_logprobs") for b in (got, expected))
+    got_tops, expected_tops = (b["choices"][0]["logprobs"].pop("top_logprobs") for b in (got, expected))
     assert got == expected and got_lps == pytest.approx(expected_lps, abs=1e-4)
+    assert [list(t) for t in got_tops] == [list(t) for t in expected_tops]  # the sampled token's among them
+    assert all(t == pytest.approx(e, abs=1e-4) for t, e in zip(got_tops, expected_tops))
 
 
 def test_finished_requests_stay_resumable_after_a_restart(finished_run, tmp_path):

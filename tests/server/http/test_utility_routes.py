@@ -98,6 +98,12 @@ def test_continue_final_message_leaves_the_last_turn_open(http):
     plain = http.post("/v1/completions", json={"prompt": tok["tokens"], "max_tokens": 6, "temperature": 0}).json()
     assert chat["usage"]["prompt_tokens"] == tok["count"]
     assert chat["choices"][0]["message"]["content"] == plain["choices"][0]["text"]
+    # Template variables of any name, those of Python parameters along the way included (they once clashed: 500).
+    odd = {"self": 1, "source": "x", "special_tokens": 2, "template_vars": 3}
+    assert (http.post("/tokenize", json={"messages": convo, "chat_template_kwargs": odd}).json()["count"]
+            == http.post("/tokenize", json={"messages": convo}).json()["count"])
+    assert http.post("/v1/chat/completions", json={"messages": CHAT, "chat_template_kwargs": odd,
+                                                   "max_tokens": 1}).status_code == 200
     for body, param in (({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
                         ({"continue_final_message": True, "messages": [*CHAT, {"role": "assistant", "content": " "}]},
                          "messages"),

@@ -12,7 +12,7 @@ from rtxcore.engine.llm import LLM
 from rtxcore.server.serve_config import load_serve_config
 from tests.helpers.cli import assert_config_file_error, assert_one_line_error, config_file, run_in_process
 
-INSTALLED = "(installed: allowed_tokens, banned_tokens, logit_bias, structured_output)"
+INSTALLED = "(installed: allowed_tokens, banned_tokens, logit_bias, min_tokens, structured_output)"
 
 
 def options(*argv: str, file: str | None = None) -> dict:

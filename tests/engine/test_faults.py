@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from rtx_plugins.samplers.default import DefaultSampler
-from rtx_plugins.schedulers.fcfs import FCFSScheduler
 from rtxcore.contracts.logits_processor import LogitsProcessor, RequestArgumentError
 from rtxcore.contracts.proposer import Proposer
 from rtxcore.engine.async_engine import AsyncEngine
@@ -91,38 +90,10 @@ class BlankingProcessor(ExplodingProcessor):
                 logits[r.row] = r.state
 
 
-class RaisingScheduler(FCFSScheduler):
-    """Raises on a request once it runs, with the request in the exception (as a dict lookup does)."""
-
-    def schedule(self):
-        out = super().schedule()
-        if self.running:
-            raise KeyError(self.running[0])
-        return out
-
-
-class OverBudgetScheduler(FCFSScheduler):
-    def schedule(self):
-        out = super().schedule()
-        out.num_scheduled_tokens = [n + self.config.max_num_batched_tokens for n in out.num_scheduled_tokens]
-        return out
-
-
-class NoneScheduler(FCFSScheduler):
-    def schedule(self):
-        return None
-
-
 class FaultyPlugins:
     @hookimpl
     def register_samplers(self, register):
         register("flaky", FlakySampler)
-
-    @hookimpl
-    def register_schedulers(self, register):
-        register("raising", RaisingScheduler)
-        register("over-budget", OverBudgetScheduler)
-        register("none", NoneScheduler)
 
     @hookimpl
     def register_proposers(self, register):
@@ -342,34 +313,6 @@ def test_rtx_generate_exits_1_naming_the_plugin_that_failed_its_request(faulty_r
     assert proc.returncode == 1 and proc.stdout.strip()  # the token before the failure was written
     assert proc.stderr.splitlines()[-1] == ("rtx: error: proposer plugin 'exploding' failed on this request: "
                                             "RuntimeError: exploding proposer went off")
-
-
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the engine thread's end
-@pytest.mark.parametrize(("scheduler", "message"), [
-    ("raising", "scheduler plugin 'raising' failed: KeyError: Request(req_id="),
-    ("over-budget", "scheduler plugin 'over-budget' scheduled 2051 tokens, past the step's budget of 2048"),
-    ("none", "scheduler plugin 'none' returned NoneType, not a SchedulerOutput"),
-])
-def test_a_scheduler_failing_stops_the_engine_naming_it_without_the_prompt(faulty_registry, scheduler, message):
-    # The scheduler holds every request's place: the engine cannot go on without it. The error names the plugin and
-    # leaves the prompt's tokens out (a request's repr does), since it reaches HTTP answers and /health.
-    prompt = [401, 402, 403]
-    engine = make_engine(registry=faulty_registry, scheduler=scheduler)
-    with pytest.raises(EngineFailed) as info:
-        engine.generate([prompt], GREEDY)
-    assert message in str(info.value) and "401, 402" not in str(info.value)
-
-    served = AsyncEngine(make_engine(registry=faulty_registry, scheduler=scheduler).core)
-    served.start()
-
-    async def run():
-        return [out async for out in served.generate(prompt, GREEDY)]
-    try:
-        with pytest.raises(EngineFailed) as info:
-            asyncio.run(run())
-    finally:
-        served.stop()
-    assert str(info.value).startswith(f"engine failed: {message}") and "401, 402" not in str(info.value)
 
 
 def test_arguments_a_processor_gives_up_on_are_the_clients_error_naming_the_field(faulty_registry):

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from rtx_conformance.check_timeout import DEFAULT_TIMEOUT_S, CheckTimedOut, time_limit
 from rtx_conformance.gates.config import GATE_NAMES, Gates, load_gates
 from rtx_conformance.rules import ContractViolation, describe_exception, kind_rule
 from rtxcore.errors import PluginError
@@ -95,15 +96,17 @@ class ConformanceSession:
     # Names asked for that nothing registered (reported beside the load failures they may be among).
     missing: list[str] = field(default_factory=list)
     results: list[CheckResult] = field(default_factory=list)
+    # Each check's setup and its call may each take this long (None: no limit); see check_timeout.
+    timeout_s: float | None = None
     # Collected test id -> what it tests: (kind, name, test function name, rules covered, component class).
     _items: dict[str, tuple[str, str, str, tuple[str, ...], type | None]] = field(default_factory=dict)
 
     @classmethod
     def for_selection(cls, registry: PluginRegistry, selection: Selection, run_gates: bool,
-                      gates: Gates) -> ConformanceSession:
+                      gates: Gates, timeout_s: float | None = None) -> ConformanceSession:
         records = selection.records(registry)
         return cls(registry, records, run_gates, gates, selection.load_failures(registry, records),
-                   selection.missing(registry))
+                   selection.missing(registry), timeout_s=timeout_s)
 
     def records_of(self, kinds: Iterable[str]) -> list[ComponentRecord]:
         kinds = set(kinds)
@@ -154,19 +157,21 @@ class ConformanceSession:
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_setup(self, item: pytest.Item):
         try:
-            return (yield)
+            with time_limit(self.timeout_s, f"{_check_name(item)}'s setup"):
+                return (yield)
         except ContractViolation:
             raise
-        except Exception as exc:
+        except (Exception, CheckTimedOut) as exc:
             raise self._violation(item, exc) from exc
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item: pytest.Item):
         try:
-            return (yield)
+            with time_limit(self.timeout_s, _check_name(item)):
+                return (yield)
         except ContractViolation:
             raise
-        except Exception as exc:
+        except (Exception, CheckTimedOut) as exc:
             raise self._violation(item, exc) from exc
 
     @pytest.hookimpl(tryfirst=True)
@@ -186,7 +191,7 @@ class ConformanceSession:
                 request.node.user_properties.append((key, value))
         return record
 
-    def _violation(self, item: pytest.Item, exc: Exception) -> Exception:
+    def _violation(self, item: pytest.Item, exc: BaseException) -> BaseException:
         """What escaped a check, as the rule it breaks: a ContractViolation inside a group (hypothesis reports
         several failures as one) as itself, anything else as the kind's api rule, saying where it was raised. A
         gate's exceptions and those of tests of no component stay as they are."""
@@ -230,6 +235,10 @@ def _subject(item: pytest.Item) -> ComponentRecord | PluginFailure | None:
     return subject if isinstance(subject, (ComponentRecord, PluginFailure)) else None
 
 
+def _check_name(item: pytest.Item) -> str:
+    return getattr(item, "originalname", item.name).removeprefix("test_")
+
+
 def _leaves(exc: BaseException) -> list[BaseException]:
     """The exceptions inside (nested) exception groups, depth first; ``[exc]`` for any other."""
     if isinstance(exc, BaseExceptionGroup):
@@ -263,6 +272,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--rtx-gates", action="store_true", help="also run the latency, cache and quality gates")
     group.addoption("--rtx-gates-file", default=None,
                     help="gate thresholds (default: the gates.toml rtx-serve ships, spec/gates.toml in a checkout)")
+    group.addoption("--rtx-timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                    help=f"seconds each check may take before it fails (0: no limit; default {DEFAULT_TIMEOUT_S:g})")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -272,5 +283,6 @@ def pytest_configure(config: pytest.Config) -> None:
     selection = Selection(tuple(config.getoption("rtx_plugin")), tuple(config.getoption("rtx_kind")))
     gates_file = config.getoption("rtx_gates_file")
     session = ConformanceSession.for_selection(registry, selection, config.getoption("rtx_gates"),
-                                               load_gates(Path(gates_file) if gates_file else None))
+                                               load_gates(Path(gates_file) if gates_file else None),
+                                               config.getoption("rtx_timeout") or None)
     config.pluginmanager.register(session, "rtx-conformance-session")

@@ -1,8 +1,9 @@
 """Results per component, counted by rule: the table ``rtx plugins test`` prints and the JSON report.
 
 A test of the suite checks one or more rules (its ``rtx_rules`` marker, plus the kind's ``api`` rule). A rule has
-*failed* when a failure names it, *passed* when a test covering it passed, and is *skipped* otherwise, with the
-reason: the skip reason of the tests covering it, or the rule at which they stopped first.
+*failed* when a failure names it, *passed* when a test covering it passed, is *not reached* when the tests covering
+it stopped at another rule's failure first (it was never checked), and is *skipped* otherwise, with the skip reason
+of the tests covering it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from typing import Any
 from rtx_conformance.gates.config import GATE_NAMES
 from rtx_conformance.plugin import CheckResult, ConformanceSession
 from rtx_conformance.rules import RULES, rules_of
+
+# A rule's outcomes, in the order the table counts them.
+OUTCOMES = ("passed", "failed", "not reached", "skipped")
 
 
 @dataclass(slots=True)
@@ -34,8 +38,8 @@ class GateCell:
 @dataclass(slots=True)
 class RuleResult:
     rule: str
-    outcome: str  # "passed", "failed" or "skipped"
-    # A failure's message (it starts with "[rule]"), or why the rule was skipped.
+    outcome: str  # "passed", "failed", "skipped" or "not reached"
+    # A failure's message (it starts with "[rule]"), or why the rule was skipped or not reached.
     message: str = ""
 
 
@@ -61,6 +65,10 @@ class ComponentSummary:
         return [f"{r.rule}: {r.message}" for r in self.rules if r.outcome == "skipped"]
 
     @property
+    def unreached(self) -> list[str]:
+        return [f"{r.rule}: {r.message}" for r in self.rules if r.outcome == "not reached"]
+
+    @property
     def contract(self) -> str:
         if self.failures:
             return "fail"
@@ -68,10 +76,11 @@ class ComponentSummary:
 
     @property
     def contract_text(self) -> str:
-        """``pass (11/13 rules, 2 skipped)``: rules passed of the kind's rules, then those failed and skipped."""
+        """``pass (11/13 rules, 2 skipped)``: rules passed of the kind's rules, then those failed, not reached and
+        skipped."""
         if self.kind == "plugin":
             return "fail (not loaded)"
-        others = [f"{n} {outcome}" for outcome in ("failed", "skipped") if (n := self.count(outcome))]
+        others = [f"{n} {outcome}" for outcome in OUTCOMES[1:] if (n := self.count(outcome))]
         return f"{self.contract} ({self.count('passed')}/{len(self.rules)} rules{''.join(', ' + o for o in others)})"
 
     @property
@@ -111,7 +120,7 @@ def _rule_result(rule: str, checks: list[CheckResult]) -> RuleResult:
         return RuleResult(rule, "skipped", skipped.message)
     stopped = next((c for c in covering if c.outcome == "failed"), None)
     if stopped is not None:
-        return RuleResult(rule, "skipped", f"not reached: {stopped.check} stopped at {stopped.rule or 'an error'}")
+        return RuleResult(rule, "not reached", f"check {stopped.check} stopped at {stopped.rule or 'an error'} first")
     return RuleResult(rule, "skipped", "no check of this rule ran")
 
 
@@ -139,6 +148,8 @@ def render_table(summaries: list[ComponentSummary], missing: Sequence[str] = ())
         lines += [f"FAILED {where} gate {gate}: {cell.reason}" for gate, cell in s.gates.items()
                   if cell.status == "fail"]
     for s in summaries:
+        lines += [f"NOT REACHED {s.kind} {s.name}: {rule}" for rule in s.unreached]
+    for s in summaries:
         lines += [f"SKIPPED {s.kind} {s.name}: {skip}" for skip in s.skips]
     failed = {s.name for s in summaries if s.kind == "plugin"}
     lines += [f"NOT FOUND {name}: " + ("its plugin failed to load (above)" if name in failed else
@@ -155,9 +166,9 @@ def to_json(session: ConformanceSession, summaries: list[ComponentSummary], pass
         "components": [
             {"name": s.name, "kind": s.kind, "package": s.package, "version": s.version, "loaded": s.kind != "plugin",
              "contract": s.contract, "passed": s.passed,
-             "num_rules": {outcome: s.count(outcome) for outcome in ("passed", "failed", "skipped")},
+             "num_rules": {outcome.replace(" ", "_"): s.count(outcome) for outcome in OUTCOMES},
              "rules": [{**asdict(r), "description": RULES[r.rule]} for r in s.rules],
-             "failures": s.failures, "skips": s.skips,
+             "failures": s.failures, "not_reached": s.unreached, "skips": s.skips,
              "gates": {g: asdict(cell) for g, cell in s.gates.items()}}
             for s in summaries
         ],

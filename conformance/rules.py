@@ -13,6 +13,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from rtx_conformance import check_timeout
+
 RULES: dict[str, str] = {
     # any plugin (an entry point), before it has components
     "plugin.loads": "the entry point's module imports and its hooks register their components without raising",
@@ -178,7 +180,8 @@ def build(kind: str, cls: type, *args: Any) -> Any:
 def describe_exception(exc: BaseException, cls: type | None = None) -> str:
     """``"KeyError: 5 (at rtx_fifo/eviction_policy.py:31 in evict)"``: the exception and the innermost line of the
     plugin's own package it went through (of ``cls``'s top-level package; the innermost line at all without one)."""
-    frames = traceback.extract_tb(exc.__traceback__)
+    # A check's time limit raises from its signal handler: the line that matters is the one it interrupted.
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename != check_timeout.__file__]
     root = _package_dir(cls) if cls is not None else None
     mine = [f for f in frames if root is not None and Path(f.filename).resolve().is_relative_to(root)]
     frame = (mine or frames or [None])[-1]

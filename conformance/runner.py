@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from rtx_conformance.check_timeout import DEFAULT_TIMEOUT_S
 from rtx_conformance.gates.config import load_gates
 from rtx_conformance.plugin import ConformanceSession, Selection
 from rtx_conformance.rules import ContractViolation
@@ -35,14 +36,16 @@ class SuiteRun:
 
 
 def run_suite(registry: PluginRegistry, selection: Selection, *, gates: bool = False,
-              gates_file: Path | None = None, junit_path: Path | None = None) -> SuiteRun:
+              gates_file: Path | None = None, junit_path: Path | None = None,
+              timeout_s: float | None = DEFAULT_TIMEOUT_S) -> SuiteRun:
     """Every selected component's contract (and its gates), and a failed check for every plugin that failed to load
-    which the selection answers for (:meth:`Selection.load_failures`).
+    which the selection answers for (:meth:`Selection.load_failures`). Each check's setup and call may each take
+    ``timeout_s`` (None: no limit) before it fails.
 
     :raises PluginError: a selected name or kind matches nothing and no plugin failed to load (a usage error,
         reported before running).
     """
-    session = ConformanceSession.for_selection(registry, selection, gates, load_gates(gates_file))
+    session = ConformanceSession.for_selection(registry, selection, gates, load_gates(gates_file), timeout_s)
     if not session.records and not session.load_failures:
         raise PluginError("no plugin matches the selection")
     args = [str(SUITE_DIR), "-q", "-p", "no:cacheprovider", "-c", os.devnull, "--rootdir", str(SUITE_DIR),

@@ -7,7 +7,9 @@ import importlib
 import sys
 from pathlib import Path
 
-from rtxcore.cli.common import output_file
+# check_timeout imports neither pytest nor hypothesis, which may be missing (see run_test).
+from rtx_conformance.check_timeout import DEFAULT_TIMEOUT_S
+from rtxcore.cli.common import finite_float, output_file
 from rtxcore.errors import ConfigError
 from rtxcore.registry import KINDS, load_plugins
 
@@ -28,8 +30,18 @@ def add_test_parser(psub) -> None:
                    help="where the report goes (default: rtx-conformance.json / .xml in the current directory)")
     t.add_argument("--gates-file", type=Path, default=None,
                    help="gate thresholds (default: the gates.toml rtx-serve ships, spec/gates.toml in a checkout)")
+    t.add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS",
+                   help="each check fails when it runs longer than this, a plugin that hangs included (0: no "
+                        f"limit; default {DEFAULT_TIMEOUT_S:g})")
     t.add_argument("--verbose", action="store_true", help="also print pytest's own output")
     t.set_defaults(run=run_test)
+
+
+def _seconds(text: str) -> float:
+    value = finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative")
+    return value
 
 
 def run_test(args: argparse.Namespace) -> int:
@@ -46,8 +58,10 @@ def run_test(args: argparse.Namespace) -> int:
     registry = load_plugins()
     report_file = (Path(args.report_file) if args.report_file else
                    Path(REPORT_FILES[args.report]) if args.report else None)
+    timeout_s = DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout or None
     run = run_suite(registry, Selection(tuple(args.names), tuple(args.kind)), gates=args.gates,
-                    gates_file=args.gates_file, junit_path=report_file if args.report == "junit" else None)
+                    gates_file=args.gates_file, junit_path=report_file if args.report == "junit" else None,
+                    timeout_s=timeout_s)
     if args.verbose or run.exit_code not in (0, 1):
         sys.stderr.write(run.log)
     summaries = summarize(run.session)

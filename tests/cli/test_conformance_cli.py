@@ -35,6 +35,7 @@ def test_every_installed_plugin_passes_with_json_report(tmp_path):
     assert BUILTINS | EXAMPLE <= components.keys()
     for key in BUILTINS | EXAMPLE:
         assert components[key]["contract"] == "pass" and not components[key]["failures"], components[key]
+        assert components[key]["num_rules"]["not_reached"] == 0 and not components[key]["not_reached"]
     # Every check of every component ran and passed, except TensorRT's: not installable here, so skipped with why.
     skipped = [c for c in data["checks"] if c["outcome"] != "passed"]
     assert skipped and all(c["outcome"] == "skipped" and c["name"] == "tensorrt" and "cannot import tensorrt"

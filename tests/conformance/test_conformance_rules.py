@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rtx_conformance.plugin import Selection
-from rtx_conformance.report import render_table, summarize, to_json
+from rtx_conformance.report import OUTCOMES, render_table, summarize, to_json
 from rtx_conformance.rules import RULES, rules_of
 from rtx_conformance.runner import run_suite
 from rtx_plugins.eviction.lru import LRUPolicy
@@ -126,12 +126,16 @@ def test_the_report_counts_rules_not_tests(broken_run):
     run, _ = broken_run
     argmax = _summary(run, "argmax")
     assert len(argmax.rules) == len(rules_of("sampler"))
-    assert argmax.count("failed") >= 3 and argmax.count("passed") + argmax.count("failed") + argmax.count(
-        "skipped") == len(rules_of("sampler"))
+    assert argmax.count("failed") >= 3 and sum(argmax.count(o) for o in OUTCOMES) == len(rules_of("sampler"))
     unbuildable = _summary(run, "unbuildable")
-    # Nothing else could be checked: every other rule is skipped, saying at which rule its checks stopped.
-    assert unbuildable.count("failed") == 1 and unbuildable.count("passed") == 0
-    assert all("stopped at eviction.builds" in s for s in unbuildable.skips), unbuildable.skips
+    # Nothing else could be checked: every other rule is not reached (not "skipped", which says a rule does not
+    # apply), saying at which rule its checks stopped.
+    assert unbuildable.count("failed") == 1 and unbuildable.count("passed") == unbuildable.count("skipped") == 0
+    assert len(unbuildable.unreached) == len(rules_of("eviction_policy")) - 1
+    assert all("stopped at eviction.builds first" in s for s in unbuildable.unreached), unbuildable.unreached
+    assert unbuildable.contract_text == f"fail (0/{len(rules_of('eviction_policy'))} rules, 1 failed, " \
+                                        f"{len(unbuildable.unreached)} not reached)"
+    assert "NOT REACHED eviction_policy unbuildable: eviction.api: check" in render_table([unbuildable])
     # A policy whose method raised was built: its builds rule holds, not "not reached".
     raising = {r.rule: r.outcome for r in _summary(run, "raising").rules}
     assert raising["eviction.builds"] == "passed" and raising["eviction.api"] == "failed"

@@ -10,8 +10,14 @@ A stream is retried only before its first message, unless the server journals re
 event id, and a stream cut by a retryable error, as when the server restarts, goes on with ``Resume`` after the last
 message received (or from the start, if none came yet) for up to ``RetryPolicy.max_resume_wait_s``: nothing is
 delivered twice or skipped, and a request the server has named is not sent again. ``resume`` follows a journaled
-request from any event, for a client that lost its iterator. ``timeout`` bounds each call, so a stream that resumes
-may take longer.
+request from any event, for a client that lost its iterator.
+
+``timeout`` is each call's gRPC deadline: for a stream, from its start to its last message (a stream that resumes
+is several calls, each with its own). ``None`` sets none.
+
+What HTTP carries in headers goes in call metadata: the client's ``api_key`` (``authorization: Bearer``), a
+``lane`` (``x-rtx-lane``), and any other pairs passed as ``metadata`` (``traceparent``, ``x-rtx-cache-salt``...), on
+the client for every call and per call.
 """
 
 from __future__ import annotations
@@ -36,22 +42,50 @@ DEFAULT_TIMEOUT_S = 600.0
 HEALTH_TIMEOUT_S = 10.0
 # The server's initial metadata naming a journaled request (rtxcore.server.grpc.servicer.RTX_REQUEST_ID_METADATA).
 RTX_REQUEST_ID_METADATA = "x-rtx-request-id"
+# The request's SLA lane (rtxcore.server.grpc.servicer.LANE_METADATA).
+LANE_METADATA = "x-rtx-lane"
 # gRPC waits up to two minutes between reconnection attempts by default; a stream waiting to resume would notice a
 # restarted server that late.
 CHANNEL_OPTIONS = [("grpc.max_reconnect_backoff_ms", 2000)]
 Prompt = str | Sequence[int]
+Metadata = Sequence[tuple[str, str]]
+
+
+def call_metadata(base: Metadata, lane: str | None, extra: Metadata | None) -> tuple[tuple[str, str], ...]:
+    """The metadata of one call: the client's, then the call's lane and pairs (a key given twice is sent twice;
+    the server reads the last)."""
+    pairs = [*base, *([(LANE_METADATA, lane)] if lane is not None else []), *(extra or ())]
+    for key, value in pairs:
+        if not isinstance(key, str) or not isinstance(value, str) or key != key.lower():
+            raise ValueError(f"gRPC metadata must be (lowercase key, str value) pairs, got {(key, value)!r}")
+    return tuple(pairs)
+
+
+def client_metadata(api_key: str | None, lane: str | None, metadata: Metadata | None) -> tuple[tuple[str, str], ...]:
+    auth = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+    return call_metadata(auth, lane, metadata)
+
+
+def open_channel(target: str, credentials: grpc.ChannelCredentials | None) -> grpc.Channel:
+    if credentials is None:
+        return grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+    return grpc.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
 
 
 class GrpcClient:
-    """Sync client. ``timeout`` is each call's deadline in seconds, streams included (None: no deadline); a call
-    may pass its own."""
+    """Sync client. ``timeout`` is each call's deadline in seconds, a stream's whole length included (None: no
+    deadline); a call may pass its own. ``api_key``, ``lane`` and ``metadata`` go with every call (see the module
+    docstring); ``credentials`` (``grpc.ssl_channel_credentials(...)``) connect over TLS."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = DEFAULT_TIMEOUT_S,
-                 retry: RetryPolicy | None = None, channel: grpc.Channel | None = None):
+    def __init__(self, target: str = DEFAULT_TARGET, *, api_key: str | None = None, lane: str | None = None,
+                 metadata: Metadata | None = None, timeout: float | None = DEFAULT_TIMEOUT_S,
+                 retry: RetryPolicy | None = None, credentials: grpc.ChannelCredentials | None = None,
+                 channel: grpc.Channel | None = None):
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
+        self.metadata = client_metadata(api_key, lane, metadata)
         self._owns_channel = channel is None
-        self.channel = channel or grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self.channel = channel or open_channel(target, credentials)
         self._stub = rtx_pb2_grpc.RtxStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
@@ -65,25 +99,30 @@ class GrpcClient:
         if self._owns_channel:
             self.channel.close()
 
-    def generate(self, prompt: Prompt, *, timeout: float | None = None, resume: bool = True, **fields: Any
+    def generate(self, prompt: Prompt, *, timeout: float | None = None, resume: bool = True,
+                 lane: str | None = None, metadata: Metadata | None = None, **fields: Any
                  ) -> Iterator[rtx_pb2.GenerateResponse]:
         """Stream a request; ``fields`` are ``GenerateRequest`` fields (``max_tokens``, ``temperature``, ``model``,
-        ``stop``...). ``resume``: go on with ``Resume`` when a journaled stream is cut (see the module docstring)."""
+        ``stop``...), ``lane`` and ``metadata`` this call's own. ``resume``: go on with ``Resume`` when a journaled
+        stream is cut (see the module docstring)."""
         request = generate_request(prompt, **fields)
-        return self._stream(request, StreamProgress(self.retry, resume), timeout)
+        return self._stream(request, StreamProgress(self.retry, resume), timeout,
+                            call_metadata(self.metadata, lane, metadata))
 
-    def resume(self, request_id: str, after_event_id: int = 0, *, timeout: float | None = None
-               ) -> Iterator[rtx_pb2.GenerateResponse]:
+    def resume(self, request_id: str, after_event_id: int = 0, *, timeout: float | None = None,
+               metadata: Metadata | None = None) -> Iterator[rtx_pb2.GenerateResponse]:
         """The messages of journaled request ``request_id`` after event ``after_event_id`` (0: all of them), replayed
         then live, until it finishes; also across a restart of the server."""
-        return self._stream(None, StreamProgress(self.retry, True, request_id, after_event_id), timeout)
+        return self._stream(None, StreamProgress(self.retry, True, request_id, after_event_id), timeout,
+                            call_metadata(self.metadata, None, metadata))
 
-    def _stream(self, request: rtx_pb2.GenerateRequest | None, progress: StreamProgress, timeout: float | None
-                ) -> Iterator[rtx_pb2.GenerateResponse]:
+    def _stream(self, request: rtx_pb2.GenerateRequest | None, progress: StreamProgress, timeout: float | None,
+                metadata: Metadata) -> Iterator[rtx_pb2.GenerateResponse]:
         while True:
             resume = progress.resume_request()
-            call = (self._stub.Resume(resume, timeout=timeout or self.timeout) if resume is not None else
-                    self._stub.Generate(request, timeout=timeout or self.timeout))
+            call = (self._stub.Resume(resume, timeout=timeout or self.timeout, metadata=metadata)
+                    if resume is not None else
+                    self._stub.Generate(request, timeout=timeout or self.timeout, metadata=metadata))
             try:
                 for response in call:
                     progress.received(response)
@@ -98,13 +137,14 @@ class GrpcClient:
                 call.cancel()  # no-op once the call has ended; aborts the request when the caller left early
             time.sleep(delay)
 
-    def embed(self, inputs: Sequence[Prompt], *, model: str = "", timeout: float | None = None
-              ) -> rtx_pb2.EmbedResponse:
+    def embed(self, inputs: Sequence[Prompt], *, model: str = "", timeout: float | None = None,
+              metadata: Metadata | None = None) -> rtx_pb2.EmbedResponse:
         request = embed_request(inputs, model)
+        pairs = call_metadata(self.metadata, None, metadata)
         attempt = 1
         while True:
             try:
-                return self._stub.Embed(request, timeout=timeout or self.timeout)
+                return self._stub.Embed(request, timeout=timeout or self.timeout, metadata=pairs)
             except grpc.RpcError as exc:
                 error = error_from_rpc(exc)
                 if (delay := self.retry.delay(attempt, error)) is None:
@@ -126,11 +166,14 @@ class AsyncGrpcClient:
     """Async client with the same methods as :class:`GrpcClient`; its channel is opened on first use, in the
     running event loop."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = DEFAULT_TIMEOUT_S,
-                 retry: RetryPolicy | None = None):
+    def __init__(self, target: str = DEFAULT_TARGET, *, api_key: str | None = None, lane: str | None = None,
+                 metadata: Metadata | None = None, timeout: float | None = DEFAULT_TIMEOUT_S,
+                 retry: RetryPolicy | None = None, credentials: grpc.ChannelCredentials | None = None):
         self.target = target
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
+        self.metadata = client_metadata(api_key, lane, metadata)
+        self._credentials = credentials
         self._channel: grpc.aio.Channel | None = None
 
     async def __aenter__(self) -> AsyncGrpcClient:
@@ -147,25 +190,31 @@ class AsyncGrpcClient:
     @property
     def channel(self) -> grpc.aio.Channel:
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+            self._channel = (grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+                             if self._credentials is None else
+                             grpc.aio.secure_channel(self.target, self._credentials, options=CHANNEL_OPTIONS))
         return self._channel
 
-    def generate(self, prompt: Prompt, *, timeout: float | None = None, resume: bool = True, **fields: Any
+    def generate(self, prompt: Prompt, *, timeout: float | None = None, resume: bool = True,
+                 lane: str | None = None, metadata: Metadata | None = None, **fields: Any
                  ) -> AsyncIterator[rtx_pb2.GenerateResponse]:
         request = generate_request(prompt, **fields)
-        return self._stream(request, StreamProgress(self.retry, resume), timeout)
+        return self._stream(request, StreamProgress(self.retry, resume), timeout,
+                            call_metadata(self.metadata, lane, metadata))
 
-    def resume(self, request_id: str, after_event_id: int = 0, *, timeout: float | None = None
-               ) -> AsyncIterator[rtx_pb2.GenerateResponse]:
-        return self._stream(None, StreamProgress(self.retry, True, request_id, after_event_id), timeout)
+    def resume(self, request_id: str, after_event_id: int = 0, *, timeout: float | None = None,
+               metadata: Metadata | None = None) -> AsyncIterator[rtx_pb2.GenerateResponse]:
+        return self._stream(None, StreamProgress(self.retry, True, request_id, after_event_id), timeout,
+                            call_metadata(self.metadata, None, metadata))
 
     async def _stream(self, request: rtx_pb2.GenerateRequest | None, progress: StreamProgress,
-                      timeout: float | None) -> AsyncIterator[rtx_pb2.GenerateResponse]:
+                      timeout: float | None, metadata: Metadata) -> AsyncIterator[rtx_pb2.GenerateResponse]:
         stub = rtx_pb2_grpc.RtxStub(self.channel)
         while True:
             resume = progress.resume_request()
-            call = (stub.Resume(resume, timeout=timeout or self.timeout) if resume is not None else
-                    stub.Generate(request, timeout=timeout or self.timeout))
+            call = (stub.Resume(resume, timeout=timeout or self.timeout, metadata=metadata)
+                    if resume is not None else
+                    stub.Generate(request, timeout=timeout or self.timeout, metadata=metadata))
             try:
                 async for response in call:
                     progress.received(response)
@@ -180,14 +229,15 @@ class AsyncGrpcClient:
                 call.cancel()
             await asyncio.sleep(delay)
 
-    async def embed(self, inputs: Sequence[Prompt], *, model: str = "", timeout: float | None = None
-                    ) -> rtx_pb2.EmbedResponse:
+    async def embed(self, inputs: Sequence[Prompt], *, model: str = "", timeout: float | None = None,
+                    metadata: Metadata | None = None) -> rtx_pb2.EmbedResponse:
         request = embed_request(inputs, model)
+        pairs = call_metadata(self.metadata, None, metadata)
         stub = rtx_pb2_grpc.RtxStub(self.channel)
         attempt = 1
         while True:
             try:
-                return await stub.Embed(request, timeout=timeout or self.timeout)
+                return await stub.Embed(request, timeout=timeout or self.timeout, metadata=pairs)
             except grpc.RpcError as exc:
                 error = error_from_rpc(exc)
                 if (delay := self.retry.delay(attempt, error)) is None:

@@ -1,7 +1,8 @@
 """The one retry policy every client uses: bounded attempts, the server's ``Retry-After`` when it gives one,
 exponential backoff with jitter when it does not.
 
-Only answers that mean "try again later" are retried: HTTP 429 and 503, gRPC RESOURCE_EXHAUSTED and UNAVAILABLE.
+Only answers that mean "try again later" are retried: HTTP 429 and 503, gRPC UNAVAILABLE and RESOURCE_EXHAUSTED
+with a ``retry-after``.
 A streaming call is retried only before its first event arrives, so nothing is ever delivered twice; the gRPC
 clients also go on after that point, but only from a server's journal, after the last event received
 (:mod:`rtxcore.client.grpc`).
@@ -57,6 +58,10 @@ NO_RETRY = RetryPolicy(max_attempts=1)
 def is_retryable(error: APIError) -> bool:
     if error.status is not None:
         return error.status in RETRYABLE_HTTP_STATUSES
+    if error.code == "RESOURCE_EXHAUSTED":
+        # The server's own (a full queue, a rate limit) always say when to come back; gRPC's library answers a
+        # message over its size limit with the same code and no retry-after, and that would fail again.
+        return error.retry_after is not None
     return error.code in RETRYABLE_GRPC_CODES
 
 

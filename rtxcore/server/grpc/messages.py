@@ -47,7 +47,7 @@ def sampling_params_from(request: rtx_pb2.GenerateRequest) -> SamplingParams:
                           if request.HasField("allowed_token_ids") else None,
                           banned_token_ids=list(request.banned_token_ids) or None,
                           structured_output=_structured_output(request),
-                          logits_processors={name: _json_arg(name, text)
+                          logits_processors={name: _json_arg(f"logits_processors[{name!r}]", text, "logits_processors")
                                              for name, text in request.logits_processors.items()},
                           **fields)
 
@@ -67,16 +67,18 @@ def _structured_output(request: rtx_pb2.GenerateRequest) -> dict[str, Any] | Non
     return {kind: getattr(request, kind)}  # regex, grammar: text as it is
 
 
-def _json_arg(param: str, text: str) -> Any:
+def _json_arg(what: str, text: str, param: str | None = None) -> Any:
+    """``text`` read as JSON; refusals name ``what`` and blame the field ``param`` (``what`` itself by default)."""
+    param = param or what
     try:
         return strict_json.loads(text)
     except strict_json.NotJSONNumber as exc:
-        raise InvalidRequestError(f"{param} must be JSON text: {exc.args[0]} is not a JSON number",
+        raise InvalidRequestError(f"{what} must be JSON text: {exc.args[0]} is not a JSON number",
                                   param=param) from None
     except json.JSONDecodeError as exc:
-        raise InvalidRequestError(f"{param} must be JSON text: {exc}", param=param) from None
+        raise InvalidRequestError(f"{what} must be JSON text: {exc}", param=param) from None
     except RecursionError:  # nested deeper than Python's parser goes (HTTP's read_json answers the same way)
-        raise InvalidRequestError(f"{param} is JSON nested too deeply", param=param) from None
+        raise InvalidRequestError(f"{what} is JSON nested too deeply", param=param) from None
 
 
 def speculation_from(request: rtx_pb2.GenerateRequest) -> Speculation:

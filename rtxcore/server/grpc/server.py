@@ -61,8 +61,11 @@ async def start_grpc_server(runtime: ServingRuntime, host: str = "127.0.0.1", po
 
     :raises OSError: the port cannot be bound.
     """
-    # Without SO_REUSEPORT a second server on a taken port fails instead of silently sharing it.
-    server = grpc.aio.server(options=(("grpc.so_reuseport", 0),))
+    # Without SO_REUSEPORT a second server on a taken port fails instead of silently sharing it. A request may be
+    # as large as an HTTP body (--max-body-bytes), not gRPC's default 4 MiB: gRPC refuses a larger one itself, with
+    # RESOURCE_EXHAUSTED and no retry-after (which the clients do not retry).
+    server = grpc.aio.server(options=(("grpc.so_reuseport", 0),
+                                      ("grpc.max_receive_message_length", runtime.settings.max_body_bytes)))
     rtx_pb2_grpc.add_RtxServicer_to_server(RtxServicer(runtime), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

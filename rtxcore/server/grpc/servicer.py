@@ -93,6 +93,9 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
         runtime = self.runtime
         req_id, after = request.request_id, request.after_event_id
         async with statuses_for(context):
+            if not req_id:
+                raise InvalidRequestError("request_id is required: the id a journaled call's first message (or its "
+                                          "x-rtx-request-id metadata) gave", param="request_id")
             runtime.engine()
             tenant = self._authenticate(dict(context.invocation_metadata() or ()), context)
             entry = find(runtime, req_id, tenant.name if tenant is not None else None)

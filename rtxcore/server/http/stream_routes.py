@@ -36,7 +36,7 @@ class StreamRoutes:
         entry = find(runtime, req_id, tenant_name(request))
         if entry.kind == "grpc":
             raise APIError(400, f"request {req_id!r} was made over gRPC: resume it with the Resume call",
-                           param="request_id")
+                           param="request_id", code="invalid_value")
         after = last_event_id(request, entry)
         runtime.durable.stats.num_stream_resumes += 1
         return await answer(request, entry, after, detached=True)

@@ -132,6 +132,13 @@ def test_resume_refuses_what_it_cannot_follow(server, stub):
 
     over_http = httpx.get(f"{server.base_url}/v1/streams/{done[0].request_id}")
     assert over_http.status_code == 400 and "Resume" in over_http.json()["error"]["message"]
+    assert over_http.json()["error"]["code"] == "invalid_value"
+
+    # No id at all is the caller's mistake, not a request that is not there.
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Resume(rtx_pb2.ResumeRequest(request_id="")))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert dict(info.value.trailing_metadata())["rtx-param"] == "request_id"
 
 
 def test_a_stream_resumes_across_a_kill_and_restart(tmp_path):

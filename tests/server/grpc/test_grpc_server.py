@@ -193,6 +193,8 @@ def test_token_lists_hold_the_sampled_tokens(stub):
     ({"json_schema": "[" * 100_000 + "]" * 100_000}, "json_schema"),  # past Python's parser: RecursionError
     ({"request_id": "x" * 65}, "request_id"),  # it goes into logs and Resume: HTTP's x-request-id bounds
     ({"request_id": "a\nb"}, "request_id"),
+    # The field is logits_processors (as over HTTP), not the processor's name.
+    ({"logits_processors": {"logit_bias": "not json"}}, "logits_processors"),
 ])
 def test_invalid_parameters_are_invalid_argument_naming_the_field(stub, runtime, fields, param):
     with pytest.raises(grpc.RpcError) as info:

@@ -64,11 +64,12 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="where the ranks of every node meet: a free port on node 0, reachable from the others")
     g.add_argument("--chat-template", type=chat_template_file, default=None, metavar="FILE",
                    help="a Jinja chat template to use instead of the model's own")
-    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output accepted")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks (default: sized from memory)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
+    g.add_argument("--max-model-len", type=positive_int, default=None, help="longest prompt + output accepted")
+    g.add_argument("--num-kv-blocks", type=bounded_int(2, 2**31 - 1), default=None,
+                   help="KV-cache blocks (default: sized from memory)")
+    g.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=2048, help="token budget per step")
+    g.add_argument("--max-num-seqs", type=positive_int, default=256, help="most requests running at once")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
     g.add_argument("--enforce-eager", action="store_true", help="run every step eagerly (no CUDA graphs)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],

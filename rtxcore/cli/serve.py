@@ -8,11 +8,19 @@ import os
 import sys
 from collections.abc import Collection
 
-from rtxcore.cli.common import add_engine_options, byte_size, engine_config, finite_float, run_worker_node
+from rtxcore.cli.common import (
+    add_engine_options,
+    bounded_int,
+    byte_size,
+    engine_config,
+    finite_float,
+    positive_int,
+    run_worker_node,
+)
 
 
 def add_parser(sub) -> None:
-    from rtxcore.server.serving.settings import MIN_JOURNAL_COMPACT_BYTES, ServeSettings
+    from rtxcore.server.serving.settings import MAX_BODY_BYTES, MIN_JOURNAL_COMPACT_BYTES, ServeSettings
 
     d = ServeSettings()
     p = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible) and gRPC",
@@ -31,9 +39,9 @@ def add_parser(sub) -> None:
                         "e.g. smollm2-135m)")
     g.add_argument("--request-timeout", type=finite_float, default=d.request_timeout_s,
                    help=f"seconds before a request is aborted (default: {d.request_timeout_s:g})")
-    g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+    g.add_argument("--max-body-bytes", type=bounded_int(1, MAX_BODY_BYTES), default=d.max_body_bytes,
                    help=f"largest request body accepted (default: {d.max_body_bytes})")
-    g.add_argument("--max-active-requests", type=int, default=d.max_active_requests,
+    g.add_argument("--max-active-requests", type=positive_int, default=d.max_active_requests,
                    help=f"requests in flight before answering 429 (default: {d.max_active_requests})")
     g.add_argument("--shutdown-grace", type=finite_float, default=d.shutdown_grace_s,
                    help=f"seconds running requests get to finish on SIGINT/SIGTERM (default: {d.shutdown_grace_s:g})")
@@ -138,8 +146,10 @@ def fleet_settings(args: argparse.Namespace, lanes: Collection[str] | None = Non
 
 def run(args: argparse.Namespace) -> int:
     from rtxcore.cli.progress import Progress
+    from rtxcore.contracts import Scheduler
     from rtxcore.errors import ConfigError
     from rtxcore.models.resolve import resolve_model
+    from rtxcore.registry import load_plugins
     from rtxcore.server.launcher import serve
     from rtxcore.server.serve_config import load_serve_config
     from rtxcore.server.serving.authentication import Authentication
@@ -184,6 +194,10 @@ def run(args: argparse.Namespace) -> int:
         config.kv_disk_dir = os.path.join(args.state_dir, "kv")
     config.scheduling.lanes = config_file.lanes
     config.scheduling.options = config_file.scheduler_options
+    # [scheduler] and [brownout] are the scheduler plugin's to read: asked now, a typo fails before the weights load.
+    scheduler = load_plugins().get("scheduler", config.scheduler).cls
+    if issubclass(scheduler, Scheduler):  # always: registration checks the contract
+        scheduler.check_options(config.scheduling.options)
     # A model that cannot be found (or downloaded) fails now, before the server starts listening.
     resolve_model(config.model, config.revision)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,

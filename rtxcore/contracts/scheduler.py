@@ -7,6 +7,7 @@ back ("does not fit: preempt someone or wait"); block ids stay inside the cache 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -94,6 +95,15 @@ class Scheduler(ABC):
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheAllocator):
         self.config = config
         self.kv_cache = kv_cache
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any]) -> None:
+        """Refuse options this scheduler cannot take (``SchedulerConfig.options``: the config file's
+        ``[scheduler]`` table, ``[brownout]`` under the key ``"brownout"``) by raising
+        :class:`rtxcore.errors.ConfigError` naming the setting. ``rtx serve`` calls it before the model loads, so a
+        typo fails in a second rather than after the weights are read. Optional: by default nothing is checked here
+        (the constructor still may refuse).
+        """
 
     @abstractmethod
     def add_request(self, req: Request) -> None:

@@ -15,6 +15,7 @@ The policy at load time (:func:`check_model_signature`):
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -132,8 +133,18 @@ def verify_model(model_path: str | Path, public_key: str | Path, signature: str 
     try:
         verifying.Config().use_elliptic_key_verifier(public_key=public_key).verify(path, sig)
     except Exception as exc:  # noqa: BLE001 -- the library raises ValueError, protobuf and cryptography errors alike
+        if _unreadable_bundle(exc):
+            raise SignatureError(f"signature check failed for model {path}: {sig} is not a model-signing bundle "
+                                 f"({type(exc).__name__}: {_first_line(exc)})") from None
         raise SignatureError(f"signature check failed for model {path}: {_describe_failure(exc, path)}") from None
     return sig
+
+
+def _unreadable_bundle(exc: BaseException) -> bool:
+    """Whether the library failed reading the signature file itself: not JSON (a JSONDecodeError), JSON of
+    another shape (a KeyError such as 'verificationMaterial', a TypeError), or not the bundle's protobuf schema."""
+    return (isinstance(exc, (KeyError, TypeError, json.JSONDecodeError))
+            or type(exc).__module__.startswith("google.protobuf"))
 
 
 def check_model_signature(model_path: str, policy: SigningPolicy) -> None:

@@ -46,6 +46,22 @@ class _UvicornServer(uvicorn.Server):
         yield
 
 
+class _ShutdownCutFilter(logging.Filter):
+    """Once the grace period is over, uvicorn cancels the responses still sending and logs each at ERROR with a
+    traceback ("Exception in ASGI application"), as it would a crash. That cut is the documented end of a drain,
+    already said in one warning: those records are dropped, nothing else."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cutting = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.cutting:
+            return True
+        cancelled = record.exc_info is not None and isinstance(record.exc_info[1], asyncio.CancelledError)
+        return not (cancelled or "timeout graceful shutdown exceeded" in record.getMessage())
+
+
 class Launcher:
     def __init__(self, runtime: ServingRuntime, out: TextIO = sys.stdout):
         self.runtime = runtime
@@ -54,13 +70,17 @@ class Launcher:
         self._stop_requested: asyncio.Event | None = None
         self._server: _UvicornServer | None = None
         self._num_signals = 0
+        self._cut_filter = _ShutdownCutFilter()
 
     def run(self) -> int:
         """Serve until a signal; returns the exit code. :raises RtxError: the port is taken or the model failed."""
         sock = _bind(self.settings.host, self.settings.port)
+        uvicorn_log = logging.getLogger("uvicorn.error")
+        uvicorn_log.addFilter(self._cut_filter)
         try:
             return asyncio.run(self._serve(sock))
         finally:
+            uvicorn_log.removeFilter(self._cut_filter)
             sock.close()
 
     async def _serve(self, sock: socket.socket) -> int:
@@ -138,7 +158,10 @@ class Launcher:
         while runtime.num_active and time.monotonic() < deadline and self._num_signals < 2:
             await asyncio.sleep(_DRAIN_POLL_S)
         if runtime.num_active:
-            log.warning("shutting down with %d requests still running", runtime.num_active)
+            journaled = "; the journal keeps them for the next start" if runtime.durable is not None else ""
+            log.warning("shutting down with %d requests still running: their streams are cut%s",
+                        runtime.num_active, journaled)
+            self._cut_filter.cutting = True
         # What is left is responses sending their last bytes (or, past the grace period, being cut).
         server.config.timeout_graceful_shutdown = max(1, math.ceil(deadline - time.monotonic()))
 
@@ -148,6 +171,7 @@ class Launcher:
         assert self._stop_requested is not None and self._server is not None
         self._stop_requested.set()
         if self._num_signals > 1:  # a second signal: stop now, cutting running requests
+            self._cut_filter.cutting = True
             self._server.force_exit = True
 
     async def _start_grpc(self) -> GrpcServer | None:

@@ -24,6 +24,14 @@ TENANT = '[tenants.x]\nkey_sha256 = "' + "0" * 64 + '"\n'
     (("--grpc-port", "-1"), "argument --grpc-port: -1 is not a port in [0, 65535]"),
     (("--fleet-peers", ""), "--fleet-peers '' has an empty entry"),
     (("--fleet-peers", "a,,b"), "--fleet-peers 'a,,b' has an empty entry"),
+    # The settings' own names (shutdown_grace_s, max_num_seqs...) used to stand for the flags.
+    (("--shutdown-grace", "-5"), "--shutdown-grace must be >= 0, got -5"),
+    (("--max-body-bytes", "0"), "argument --max-body-bytes: '0' is not at least 1"),
+    (("--max-body-bytes", str(2**31)), "argument --max-body-bytes: '2147483648' is more than 2,147,483,647"),
+    (("--max-active-requests", "0"), "argument --max-active-requests: '0' is not at least 1"),
+    (("--request-timeout", "0"), "--request-timeout must be positive, got 0"),
+    (("--max-num-seqs", "-3"), "argument --max-num-seqs: '-3' is not at least 1"),
+    (("--num-kv-blocks", "1"), "argument --num-kv-blocks: '1' is not at least 2"),
 ])
 def test_bad_serve_flags_are_named_in_one_line(args, fragment):
     assert_one_line_error(run_in_process(*SERVE, *args), fragment)
@@ -79,3 +87,25 @@ def test_kv_disk_dir_may_be_made_but_not_its_missing_parents(tmp_path):
 ])
 def test_tenant_and_lane_counts_are_positive_integers(tmp_path, text, fragment):
     assert_one_line_error(run_in_process(*SERVE, "--config", config_file(tmp_path, text)), fragment)
+
+
+def test_state_dir_may_be_made_but_not_its_missing_parents(tmp_path):
+    """A typo in a mount point used to put the journal on the container's own disk without a word."""
+    typo = tmp_path / "mnt" / "stat" / "rtx"
+    assert_one_line_error(run_in_process(*SERVE, "--state-dir", str(typo)),
+                          f"--state-dir {str(typo)!r}: {typo.parent} does not exist (only the last directory is made")
+    assert not typo.parent.exists()
+
+
+@pytest.mark.parametrize(("text", "fragment"), [
+    ("[brownout]\nenter_presure = 1.0\n", "unknown setting 'enter_presure' in [brownout]"),
+    ("[brownout]\nmax_level = 99\n", "max_level"),
+    ("[scheduler]\nmerge_windows = 0.01\n", "unknown sla-lanes option 'merge_windows'"),
+    ("[scheduler]\nmerge_window_s = -1\n", "merge_window_s must be >= 0"),
+])
+def test_scheduler_and_brownout_settings_fail_before_the_model_is_looked_for(tmp_path, text, fragment):
+    """They were read by the scheduler when the engine was built: after the weights had loaded, with /health
+    answering 200 meanwhile. The model named here does not exist: its error would come first if they still did."""
+    proc = run_in_process("serve", "--model", str(tmp_path / "missing.gguf"), "--scheduler", "sla-lanes",
+                          "--config", config_file(tmp_path, text), "--port", "0", "--no-grpc")
+    assert_one_line_error(proc, fragment)

@@ -78,6 +78,15 @@ def test_verify_refuses_another_signers_key(signed_model, tmp_path):
     assert "Key mismatch" in error
 
 
+@pytest.mark.parametrize("content", ["{}", "not json", '{"verificationMaterial": 5}'])
+def test_a_signature_file_that_is_no_bundle_is_named(signed_model, keys, tmp_path, content):
+    # It used to read "signature check failed for model ...: 'verificationMaterial'" (a KeyError's text).
+    bad = tmp_path / "bad.sig"
+    bad.write_text(content)
+    error = one_line_error(rtx("verify", str(signed_model), "--key", str(keys[1]), "--signature", str(bad)))
+    assert f"{bad} is not a model-signing bundle" in error, error
+
+
 def test_signed_default_model_loads_in_strict_mode(signed_model, keys):
     with start_server("--model", str(signed_model), "--no-grpc", "--num-kv-blocks", "64",
                       "--signing-public-key", str(keys[1]), "--require-signed-models") as server:

@@ -201,6 +201,9 @@ def test_missing_credentials_are_asked_for_in_the_configured_schemes(schemes, hi
     ({"authenticators": ["jwt"], "jwt": {"public_key": "x", "secret": "y"}}, {"a": {}}, "unknown setting 'secret'"),
     ({"authenticators": ["api-key"], "mtls": {}}, {"a": {"key_sha256": sha("k")}}, r"\[auth.mtls\] configures"),
     ({"authenticators": ["nope"]}, {"a": {}}, "no authenticator named 'nope'"),
+    # A misspelt name is named first, not blamed on the tenants (it used to be "need tenants to prove").
+    ({"authenticators": ["apikey"]}, {}, "no authenticator named 'apikey'"),
+    ({"authenticators": ["apikey"]}, {"a": {"key_sha256": sha("k")}}, "no authenticator named 'apikey'"),
     ({"failure_burst": 0}, {}, "failure_burst must be a positive number"),
     ({"failure_burst": 0.5}, {}, "failure_burst must be a whole number"),
 ])

@@ -133,10 +133,22 @@ def test_more_prompts_than_a_limit_allows_is_invalid_not_rate_limited(limits):
     registry = TenantRegistry.from_config({"a": {"key_sha256": sha(KEY_A), **limits}}, environ={})
     tenant = registry.tenants["a"]
     # No wait lets it through: a 429 would have clients retry it for ever (and an infinite Retry-After was a 500).
-    with pytest.raises(InvalidRequestError, match="request holds 3 prompts, more than tenant 'a'") as exc:
+    with pytest.raises(InvalidRequestError, match=r"request runs 3 sequences \(prompts x n\), more than tenant 'a'") \
+            as exc:
         registry.acquire(tenant, 3, 3)
     assert exc.value.param == "prompt"
+    # One prompt with n=3 blames n, which the client sent (it used to name the prompt).
+    with pytest.raises(InvalidRequestError) as exc:
+        registry.acquire(tenant, 3, 3, requests_param="n")
+    assert exc.value.param == "n"
     registry.release(registry.acquire(tenant, 2, 2), 2)
+
+
+def test_embeddings_over_the_token_limit_blame_their_input():
+    registry = TenantRegistry.from_config({"a": {"key_sha256": sha(KEY_A), "tokens_per_minute": 100}}, environ={})
+    with pytest.raises(InvalidRequestError, match=r"needs 800 tokens \(inputs\)") as exc:
+        registry.acquire(registry.tenants["a"], 1, 800, tokens_param="input", tokens_what="inputs")
+    assert exc.value.param == "input"
 
 
 def test_bucket_refills_at_its_rate():

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Any, Callable
 
 from rtx_plugins.schedulers.sla_lanes.brownout import STEPS, BrownoutConfig, BrownoutController
 from rtx_plugins.schedulers.sla_lanes.prediction import LaneQueue, LaneShares, predict_ttft
@@ -66,27 +66,33 @@ class _Budget:
             self.prefill -= num_tokens
 
 
+def _parse_options(options: Mapping[str, Any]) -> tuple[float, BrownoutConfig]:
+    """The merge window (seconds) and the brownout ladder's settings.
+
+    :raises ConfigError: an unknown option or setting, or a wrong value, named.
+    """
+    options = dict(options)
+    merge_window_s = options.pop("merge_window_s", 0.002)
+    if not is_finite_number(merge_window_s):
+        raise ConfigError(f"merge_window_s must be a number of seconds, got {merge_window_s!r}")
+    if merge_window_s < 0:
+        raise ConfigError(f"merge_window_s must be >= 0, got {merge_window_s}")
+    table = options.pop("brownout", None)
+    if table is not None and not isinstance(table, Mapping):
+        raise ConfigError(f"brownout must be a table of settings ([brownout]), got {table!r}")
+    if options:
+        raise ConfigError(f"unknown sla-lanes option {sorted(options)[0]!r} (options: merge_window_s, brownout)")
+    return float(merge_window_s), BrownoutConfig.from_options(table)
+
+
 class SLALanesScheduler(Scheduler):
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheAllocator,
                  clock: Callable[[], float] = time.monotonic):
         super().__init__(config, kv_cache)
-        options = dict(config.options)
-        merge_window_s = options.pop("merge_window_s", 0.002)
-        if not is_finite_number(merge_window_s):
-            raise ConfigError(f"merge_window_s must be a number of seconds, got {merge_window_s!r}")
-        self.merge_window_s = float(merge_window_s)
-        table = options.pop("brownout", None)
-        if table is not None and not isinstance(table, Mapping):
-            raise ConfigError(f"brownout must be a table of settings ([brownout]), got {table!r}")
-        brownout = BrownoutConfig.from_options(table)
+        self.merge_window_s, brownout = _parse_options(config.options)
         if not config.speculative:  # nothing to pause: the ladder ends a step earlier
             brownout.max_level = min(brownout.max_level, STEPS.index("pause_speculation"))
         self.brownout = BrownoutController(brownout)
-        if options:
-            raise ConfigError(f"unknown sla-lanes option {sorted(options)[0]!r} "
-                              "(options: merge_window_s, brownout)")
-        if self.merge_window_s < 0:
-            raise ConfigError(f"merge_window_s must be >= 0, got {self.merge_window_s}")
         self.clock = clock
         self.lanes = [LaneQueue(config.lanes[name]) for name in LANE_NAMES]
         self._by_name = {lane.spec.name: lane for lane in self.lanes}
@@ -111,6 +117,10 @@ class SLALanesScheduler(Scheduler):
         self._last_num_tokens = 0
         self._next_brownout_check = float("-inf")
         self._pressure = 0.0
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any]) -> None:
+        _parse_options(options)
 
     @classmethod
     def describe(cls) -> dict[str, object]:

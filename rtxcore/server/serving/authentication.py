@@ -137,6 +137,12 @@ class Authentication:
         has_keys = any(t.key_hashes for t in tenants.tenants.values())
         default = ["api-key"] if tenants.tenants else []
         names = settings.authenticators if settings.authenticators is not None else default
+        if names and registry is None:
+            from rtxcore.registry import load_plugins
+
+            registry = load_plugins()
+        for name in names:  # first: a misspelt name would make the checks below misleading
+            registry.get("authenticator", name)  # type: ignore[union-attr]
         if names and not tenants.tenants:
             raise ConfigError(f"[auth] authenticators ({', '.join(names)}) need tenants to prove: add [tenants.<name>]")
         if tenants.tenants and not names:
@@ -148,12 +154,8 @@ class Authentication:
             if keyless:
                 raise ConfigError(f"tenant {keyless[0]!r} has no key (set key_sha256, key_env or RTX_API_KEYS, or "
                                   "add an authenticator that proves it another way to [auth] authenticators)")
-        if not names:
+        if not names or registry is None:
             return cls([], tenants)
-        if registry is None:
-            from rtxcore.registry import load_plugins
-
-            registry = load_plugins()
         known = {name: list(t.key_hashes) for name, t in tenants.tenants.items()}
         built = [(name, registry.create("authenticator", name,
                                         AuthenticatorContext(known, dict(settings.options.get(name, {})))))

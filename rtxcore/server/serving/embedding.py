@@ -17,7 +17,7 @@ async def embed(runtime: ServingRuntime, tenant: Tenant | None, token_lists: lis
     engine = runtime.engine()
     num_tokens = sum(len(t) for t in token_lists)
     try:
-        lease = runtime.tenants.acquire(tenant, 1, num_tokens)
+        lease = runtime.tenants.acquire(tenant, 1, num_tokens, tokens_param=param, tokens_what="inputs")
     except RateLimited as exc:
         runtime.metrics.record_rejection(exc.limit, tenant=tenant.name if tenant is not None else None)
         raise

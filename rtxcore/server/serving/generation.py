@@ -163,7 +163,8 @@ class Generation:
         num_choices = len(prompts) * n
         try:
             lease = runtime.tenants.acquire(route.tenant, num_choices,
-                                            n * sum(len(p) for p in prompts) + params.max_tokens * num_choices)
+                                            n * sum(len(p) for p in prompts) + params.max_tokens * num_choices,
+                                            requests_param="n" if n > 1 and len(prompts) == 1 else "prompt")
         except RateLimited as exc:
             metrics.record_rejection(exc.limit, lane=route.lane, tenant=route.tenant_name)
             raise

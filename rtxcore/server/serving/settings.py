@@ -21,6 +21,8 @@ CERT_REQS = ("none", "required")
 # kilobytes: a compaction below this rewrites and fsyncs the file to win back next to nothing, and at 0 an empty
 # journal counts as "mostly garbage" and is rewritten on every sync (5 times a second).
 MIN_JOURNAL_COMPACT_BYTES = 64 << 10
+# A request body or gRPC message: gRPC takes its limit as a signed 32-bit int.
+MAX_BODY_BYTES = 2**31 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,22 +109,29 @@ class ServeSettings:
     fleet: FleetSettings | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "request_timeout_s", "max_active_requests"):
+        # Named by the flags that set them: the fields' names mean nothing to someone running `rtx serve`.
+        for name, flag in (("max_body_bytes", "--max-body-bytes"), ("request_timeout_s", "--request-timeout"),
+                           ("max_active_requests", "--max-active-requests")):
             if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+                raise ConfigError(f"{flag} must be positive, got {getattr(self, name)}")
+        if self.max_body_bytes > MAX_BODY_BYTES:
+            raise ConfigError(f"--max-body-bytes must be at most {MAX_BODY_BYTES} (gRPC's largest message), got "
+                              f"{self.max_body_bytes}")
         if self.journal_retention_s < 0:
             raise ConfigError(f"journal_retention_s must be >= 0, got {self.journal_retention_s}")
         if self.journal_compact_min_bytes < MIN_JOURNAL_COMPACT_BYTES:
             raise ConfigError(f"--journal-compact-bytes must be at least {MIN_JOURNAL_COMPACT_BYTES >> 10}KiB "
                               f"({MIN_JOURNAL_COMPACT_BYTES}), got {self.journal_compact_min_bytes}")
         if self.shutdown_grace_s < 0:
-            raise ConfigError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+            raise ConfigError(f"--shutdown-grace must be >= 0, got {self.shutdown_grace_s}")
         names = [self.served_model_name] if self.served_model_name is not None else []
         for name in names + list(self.served_model_aliases):
             if not name.strip():
                 raise ConfigError("--served-model-name: a model name must not be empty or blank")
         if self.state_dir:
-            check_directory_path(self.state_dir, "--state-dir")
+            # Only the last directory is made, as for --kv-disk-dir: a typo in a mount point must not put the
+            # journal on the container's own disk, where a restart loses it.
+            check_directory_path(self.state_dir, "--state-dir", make_parents=False)
         self.signing_policy()  # a missing key file or strict mode without a key fails here
 
     def signing_policy(self):

@@ -158,15 +158,18 @@ class TenantRegistry:
                     raise ConfigError(f"tenants {other!r} and {tenant.name!r} have the same key: give each its own")
         return cls(list(tenants.values()))
 
-    def acquire(self, tenant: Tenant | None, num_requests: int, num_tokens: int) -> Lease:
+    def acquire(self, tenant: Tenant | None, num_requests: int, num_tokens: int, *,
+                requests_param: str = "prompt", tokens_param: str = "max_tokens",
+                tokens_what: str = "prompt + max_tokens") -> Lease:
         """Take ``num_requests`` requests and ``num_tokens`` tokens from ``tenant``'s limits, all or nothing.
+        The ``*_param`` arguments name the request's field a refusal blames, ``tokens_what`` what the tokens count.
 
         :raises RateLimited: a limit is reached; ``retry_after_s`` says when it will not be.
         :raises InvalidRequestError: the request is larger than a limit allows, so no wait would let it through.
         """
         if tenant is None:
             return Lease(None, num_requests, num_tokens)
-        _check_fits(tenant, num_requests, num_tokens)
+        _check_fits(tenant, num_requests, num_tokens, requests_param, tokens_param, tokens_what)
         now = time.monotonic()
         with self._lock:
             if tenant.max_concurrency is not None and tenant._active + num_requests > tenant.max_concurrency:
@@ -213,19 +216,22 @@ class TenantRegistry:
                 tenant._tokens.give_back(unused, time.monotonic())
 
 
-def _check_fits(tenant: Tenant, num_requests: int, num_tokens: int) -> None:
+def _check_fits(tenant: Tenant, num_requests: int, num_tokens: int, requests_param: str, tokens_param: str,
+                tokens_what: str) -> None:
     """Refuse, as invalid (400), a request no wait would let through: a 429 would have clients retry it for ever.
     Checked before any limit that is only full for now, whose 429 would hide this."""
     if tenant.max_concurrency is not None and num_requests > tenant.max_concurrency:
-        raise InvalidRequestError(f"request holds {num_requests} prompts, more than tenant {tenant.name!r}'s limit of "
-                                  f"{tenant.max_concurrency} concurrent requests", param="prompt")
+        raise InvalidRequestError(f"request runs {num_requests} sequences (prompts x n), more than tenant "
+                                  f"{tenant.name!r}'s limit of {tenant.max_concurrency} concurrent requests",
+                                  param=requests_param)
     if tenant._requests is not None and num_requests > tenant._requests.capacity:
-        raise InvalidRequestError(f"request holds {num_requests} prompts, more than tenant {tenant.name!r}'s burst of "
-                                  f"{tenant._requests.capacity:g} requests", param="prompt")
+        raise InvalidRequestError(f"request runs {num_requests} sequences (prompts x n), more than tenant "
+                                  f"{tenant.name!r}'s burst of {tenant._requests.capacity:g} requests",
+                                  param=requests_param)
     if tenant._tokens is not None and num_tokens > tenant._tokens.capacity:
-        raise InvalidRequestError(f"request needs {num_tokens} tokens (prompt + max_tokens), more than tenant "
+        raise InvalidRequestError(f"request needs {num_tokens} tokens ({tokens_what}), more than tenant "
                                   f"{tenant.name!r}'s limit of {tenant.tokens_per_minute} tokens per minute",
-                                  param="max_tokens")
+                                  param=tokens_param)
 
 
 def cache_salt(tenant: Tenant | None, salt: str | None) -> str | None:

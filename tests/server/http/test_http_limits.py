@@ -94,3 +94,24 @@ def test_sigterm_drains_running_streams_then_exits_0():
         assert "draining 1 active requests" in srv.stdout and "rtx serve: stopped" in srv.stdout
     finally:
         srv.stop(signal.SIGKILL)
+
+
+def test_a_stream_cut_past_the_grace_period_is_one_warning_not_a_traceback():
+    """uvicorn logged each response it cancelled at the end of the grace period at ERROR with a traceback, which
+    log-based alerting reads as a crash. The default model: slow enough that 2000 tokens outlive a 1 s grace."""
+    srv = start_server("--no-grpc", "--shutdown-grace", "1")
+    try:
+        with httpx.stream("POST", srv.base_url + "/generate", timeout=120,
+                          json={"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True}) as r:
+            events = sse_events(r)
+            next(events)
+            srv.send_signal(signal.SIGTERM)
+            with pytest.raises(httpx.HTTPError):  # cut, without a last event
+                for event in events:
+                    assert not event.get("finished"), "the stream finished inside the grace period"
+        assert srv.proc.wait(timeout=60) == 0, srv.output()  # on its own: the one SIGTERM above
+        assert wait_for(lambda: "rtx serve: stopped" in srv.stdout, timeout=10)
+        assert "shutting down with 1 requests still running: their streams are cut" in srv.stderr
+        assert "Traceback" not in srv.stderr and "Exception in ASGI application" not in srv.stderr, srv.stderr
+    finally:
+        srv.stop(signal.SIGKILL)

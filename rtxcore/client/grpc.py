@@ -137,6 +137,17 @@ class GrpcClient:
                 call.cancel()  # no-op once the call has ended; aborts the request when the caller left early
             time.sleep(delay)
 
+    def cancel(self, request_id: str, *, timeout: float | None = None, metadata: Metadata | None = None) -> bool:
+        """Stop journaled request ``request_id`` (closing its iterator does not, with a journal): its streams end
+        with finish_reason "abort". Returns whether it was still running."""
+        try:
+            response = self._stub.Cancel(rtx_pb2.CancelRequest(request_id=request_id),
+                                         timeout=timeout or self.timeout,
+                                         metadata=call_metadata(self.metadata, None, metadata))
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from None
+        return bool(response.cancelled)
+
     def embed(self, inputs: Sequence[Prompt], *, model: str = "", timeout: float | None = None,
               metadata: Metadata | None = None) -> rtx_pb2.EmbedResponse:
         request = embed_request(inputs, model)
@@ -228,6 +239,17 @@ class AsyncGrpcClient:
             finally:
                 call.cancel()
             await asyncio.sleep(delay)
+
+    async def cancel(self, request_id: str, *, timeout: float | None = None,
+                     metadata: Metadata | None = None) -> bool:
+        stub = rtx_pb2_grpc.RtxStub(self.channel)
+        try:
+            response = await stub.Cancel(rtx_pb2.CancelRequest(request_id=request_id),
+                                         timeout=timeout or self.timeout,
+                                         metadata=call_metadata(self.metadata, None, metadata))
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from None
+        return bool(response.cancelled)
 
     async def embed(self, inputs: Sequence[Prompt], *, model: str = "", timeout: float | None = None,
                     metadata: Metadata | None = None) -> rtx_pb2.EmbedResponse:

@@ -168,6 +168,22 @@ class AsyncEngine:
                 self._inbox.put(_Abort(sub))
                 self._wake.set()
 
+    async def cancel(self, req_id: str) -> bool:
+        """End a running request now, finished with finish_reason "abort": unlike leaving its stream (which aborts
+        it unseen), its stream gets that last output and ends as any finished request does. Returns whether it was
+        still running."""
+        return bool(await self.run_on_engine(functools.partial(self._cancel, req_id)))
+
+    def _cancel(self, req_id: str, core: EngineCore) -> bool:
+        out = core.abort(req_id)
+        if out is None:  # finished already: its last output went to its stream
+            return False
+        self._observe("on_abort", core, out)
+        sink = self._sinks.pop(req_id, None)
+        if sink is not None:
+            self._deliver(req_id, sink, out)
+        return True
+
     async def embed(self, inputs: Sequence[Prompt], param: str = "input") -> list[list[float]]:
         """Each input's embedding, one group of inputs (a step's token budget) between two engine steps; cancelling
         the call drops the groups not yet run.

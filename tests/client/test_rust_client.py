@@ -27,7 +27,7 @@ from tests.helpers.server import start_server
 CRATE = Path(__file__).resolve().parents[2] / "clients" / "rust" / "rtx-client"
 EXAMPLES = CRATE / "target" / "debug" / "examples"
 BUILD_TIMEOUT_S = 900
-NUM_LIVE_TESTS = 8
+NUM_LIVE_TESTS = 9
 
 
 def find_cargo() -> str | None:

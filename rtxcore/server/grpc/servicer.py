@@ -32,7 +32,7 @@ from rtxcore.server.serving.authentication import certificate_subject
 from rtxcore.server.serving.embedding import embed
 from rtxcore.server.serving.formats import ResponseSpec
 from rtxcore.server.serving.generation import Generation, tokenize
-from rtxcore.server.serving.lifecycle import Started, begin, find
+from rtxcore.server.serving.lifecycle import Started, begin, cancel, find
 from rtxcore.server.serving.limits import MAX_BATCH, RETRY_AFTER_S
 from rtxcore.server.serving.routing import route
 from rtxcore.server.serving.runtime import ServingRuntime
@@ -93,15 +93,7 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
         runtime = self.runtime
         req_id, after = request.request_id, request.after_event_id
         async with statuses_for(context):
-            if not req_id:
-                raise InvalidRequestError("request_id is required: the id a journaled call's first message (or its "
-                                          "x-rtx-request-id metadata) gave", param="request_id")
-            runtime.engine()
-            tenant = self._authenticate(dict(context.invocation_metadata() or ()), context)
-            entry = find(runtime, req_id, tenant.name if tenant is not None else None)
-            if entry.kind != "grpc":
-                raise RequestError(ErrorCode.FAILED_PRECONDITION, f"request {req_id!r} was made over HTTP: resume it "
-                                   f"with GET /v1/streams/{req_id}", param="request_id")
+            entry = self._find_journaled(req_id, context, "resume it with GET /v1/streams/{}")
             if after > entry.last_seq:
                 raise RequestError(ErrorCode.OUT_OF_RANGE, f"after_event_id {after}: request {req_id!r} has sent "
                                    f"{entry.last_seq} messages so far", param="after_event_id")
@@ -109,6 +101,30 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
         runtime.durable.stats.num_stream_resumes += 1
         await context.send_initial_metadata(((RTX_REQUEST_ID_METADATA, entry.req_id),))
         await self._follow(context, entry, after, None)
+
+    async def Cancel(self, request: rtx_pb2.CancelRequest, context: grpc.aio.ServicerContext
+                     ) -> rtx_pb2.CancelResponse:
+        async with statuses_for(context):
+            entry = self._find_journaled(request.request_id, context, "cancel it with DELETE /v1/streams/{}")
+            return rtx_pb2.CancelResponse(cancelled=await cancel(entry))
+        raise AssertionError("statuses_for aborts the call on an error")  # pragma: no cover
+
+    def _find_journaled(self, req_id: str, context: grpc.aio.ServicerContext, over_http: str) -> ServedRequest:
+        """The journaled gRPC request ``req_id`` of the caller's tenant.
+
+        :param over_http: what to do instead for a request made over HTTP (``{}``: its id).
+        :raises RequestError: no id, no journal, no such request of this tenant, or one made over HTTP.
+        """
+        if not req_id:
+            raise InvalidRequestError("request_id is required: the id a journaled call's first message (or its "
+                                      "x-rtx-request-id metadata) gave", param="request_id")
+        self.runtime.engine()
+        tenant = self._authenticate(dict(context.invocation_metadata() or ()), context)
+        entry = find(self.runtime, req_id, tenant.name if tenant is not None else None)
+        if entry.kind != "grpc":
+            raise RequestError(ErrorCode.FAILED_PRECONDITION, f"request {req_id!r} was made over HTTP: "
+                               f"{over_http.format(req_id)}", param="request_id")
+        return entry
 
     async def _follow(self, context: grpc.aio.ServicerContext, entry: ServedRequest, after: int,
                       request_id: str | None) -> None:

@@ -259,6 +259,12 @@ class Generation:
         finally:
             self.close()
 
+    async def cancel(self) -> bool:
+        """End every choice still running, finished with finish_reason "abort" (its outputs() then ends as for any
+        finished generation). Returns whether any was still running."""
+        cancelled = await asyncio.gather(*(self._engine.cancel(req_id) for req_id in self._req_ids))
+        return any(cancelled)
+
     def close(self) -> None:
         """Abort whatever still runs and give back the admission slots; safe to call more than once."""
         if self._closed:

@@ -76,8 +76,21 @@ async def begin(runtime: ServingRuntime, started: Started, claim: IdempotencyCla
             raise
         durable.add(entry)
     fmt = make_format(spec, gen.tokenizer)
+    entry.generation = gen
     entry.producer = start_producer(produce(entry, gen, fmt, journal, opening=True), gen)
     return entry
+
+
+async def cancel(entry: ServedRequest) -> bool:
+    """Stop a journaled request its client no longer wants (with a journal, leaving a stream does not): each choice
+    still running finishes with finish_reason "abort", and the request ends as any finished one does, journaled,
+    its streams closing with that last event. Returns whether it was still running."""
+    if entry.finished:
+        return False
+    entry.cancel_requested = True
+    if entry.generation is None:  # resuming after a restart, not running yet: _resume cancels it once it is
+        return True
+    return bool(await entry.generation.cancel())
 
 
 def start_producer(producing: Awaitable[None], gen: Generation) -> asyncio.Task:

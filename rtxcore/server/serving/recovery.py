@@ -115,6 +115,9 @@ async def _resume(runtime: ServingRuntime, durable: DurableRequests, entry: Serv
         except RtxError as exc:  # the engine failed
             _end_with_error(entry, journal, spec, RequestError(ErrorCode.INTERNAL, str(exc)))
             return
+    entry.generation = gen
+    if entry.cancel_requested:  # its client cancelled it while it waited to be resumed
+        await gen.cancel()
     # A crash between the accept and the first event leaves no opening event (a chat stream's role chunk) yet.
     await produce(entry, gen, make_format(spec, gen.tokenizer), journal,
                   opening=not journaled.events)

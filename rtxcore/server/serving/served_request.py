@@ -55,6 +55,10 @@ class ServedRequest:
     producer: asyncio.Task | None = None
     # Set when this process stops producing it unfinished (shutdown): followers stop waiting; the next start resumes.
     abandoned: bool = False
+    # Its Generation while one runs it (rtxcore.server.serving.generation; Any: that module imports this one).
+    generation: Any = None
+    # Its client cancelled it (DELETE /v1/streams/{id}, gRPC Cancel): a generation started later is cancelled too.
+    cancel_requested: bool = False
     _changed: asyncio.Event | None = None
 
     @property

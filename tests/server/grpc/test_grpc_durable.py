@@ -13,7 +13,7 @@ import grpc
 import httpx
 import pytest
 
-from rtxcore.client import AsyncGrpcClient, GrpcClient
+from rtxcore.client import APIError, AsyncGrpcClient, GrpcClient
 from rtxcore.server.grpc.codegen import ensure_generated
 from tests.helpers.server import metric, start_server
 
@@ -111,6 +111,29 @@ def test_the_clients_resume_a_request_they_left(server):
     replayed = asyncio.run(replay_with_the_async_client())
     assert [m.event_id for m in replayed] == [m.event_id for m in first + rest]
     assert tokens(replayed) == tokens(whole)
+
+
+def test_cancel_ends_a_journaled_request_with_abort_for_every_follower(server):
+    """With a journal, closing a call leaves its request running; Cancel stops it, each follower's stream ending
+    with finish_reason "abort" (a chat's stop button). The HTTP route is tested in test_durable_http.py."""
+    with GrpcClient(server.grpc_target) as client:
+        stream = client.generate(PROMPT, max_tokens=2000, ignore_eos=True)
+        first = next(stream)
+        req_id = first.request_id
+        follower = client.resume(req_id)
+        next(follower)
+        assert client.cancel(req_id) is True
+        for got in (list(stream), list(follower)):
+            assert got[-1].finished and got[-1].finish_reason == "abort"
+            assert sum(len(m.token_ids) for m in got) < 2000
+        assert client.cancel(req_id) is False  # finished already
+        replayed = list(client.resume(req_id))  # the journal has its end
+        assert replayed[-1].finish_reason == "abort"
+        for bad, code in (("rq-nothing-like-it", "NOT_FOUND"), ("", "INVALID_ARGUMENT")):
+            with pytest.raises(APIError) as info:
+                client.cancel(bad)
+            assert info.value.code == code and info.value.param == "request_id"
+    assert metric(server, "rtx_num_requests_running") == 0
 
 
 def test_resume_refuses_what_it_cannot_follow(server, stub):

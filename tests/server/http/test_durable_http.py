@@ -210,6 +210,40 @@ def test_a_resumed_request_counts_towards_its_tenants_concurrency(tmp_path):
         assert not entry.finished
 
 
+def test_delete_stops_a_request_and_gives_back_its_tenants_slot(tmp_path):
+    """With a journal, a client that leaves does not stop its request: it ran to its end, holding the tenant's
+    concurrency meanwhile. DELETE /v1/streams/{id} stops it, here while it resumes after a restart."""
+    def tenants():
+        return TenantRegistry.from_config({"alice": {"key_env": "ALICE_KEY", "max_concurrency": 1}},
+                                          environ={"ALICE_KEY": KEYS["alice"]})
+
+    alice = {"Authorization": f"Bearer {KEYS['alice']}"}
+    body = {"prompt": [3, 14, 15], "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with serving(make_runtime(tmp_path / "a", tenants())) as client:
+        req_id = client.post("/generate", json=body, headers=alice).headers["x-rtx-request-id"]
+    crashed = crash_copy(tmp_path / "a", tmp_path / "b",
+                         lambda r, i: r["id"] == req_id and r["t"] != "finish" and r.get("seq", 0) <= 4)
+    runtime = make_runtime(crashed, tenants())
+    with serving(runtime) as client:
+        (entry,) = [e for e in runtime.durable.entries() if not e.finished]
+        assert client.delete(f"/v1/streams/{req_id}").status_code == 401
+        cancelled = client.delete(f"/v1/streams/{req_id}", headers=alice)
+        assert cancelled.status_code == 200 and cancelled.json() == {
+            "id": req_id, "object": "stream.cancellation", "cancelled": True}
+        rest = events(client.get(f"/v1/streams/{req_id}", headers=alice).text)
+        last = json.loads(rest[-1][1])
+        assert last["finished"] and last["finish_reason"] == "abort" and len(rest) < 1500, last
+        assert entry.finished
+        # Its slot is free: the next request of the tenant is not refused (it was, 429, until the 1,500 tokens).
+        assert client.post("/generate", json={**body, "max_tokens": 2}, headers=alice).status_code == 200
+        again = client.delete(f"/v1/streams/{req_id}", headers=alice)
+        assert again.status_code == 200 and again.json()["cancelled"] is False
+        missing = client.delete("/v1/streams/rq-000000000000000000000000", headers=alice)
+        assert missing.status_code == 404 and missing.json()["error"]["param"] == "request_id"
+    # The journal has its end: a restart does not run it again.
+    assert any(r["t"] == "finish" and r["id"] == req_id for r in records(crashed))
+
+
 # -- durability --------------------------------------------------------------------------------------------------
 
 

@@ -5,18 +5,19 @@ use std::io::Read;
 use std::sync::Arc;
 
 use reqwest::blocking::Response;
+use reqwest::header::CONTENT_TYPE;
 use reqwest::Method;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::client::{user_agent, ClientBuilder, Streaming};
 use crate::error::{ApiError, Error};
-use crate::options::{header_value, Config, RequestOptions, LAST_EVENT_ID};
+use crate::options::{header_value, json_body, Config, RequestOptions, LAST_EVENT_ID};
 use crate::retry::RetryPolicy;
 use crate::stream::{EventDecoder, StreamCursor, StreamEvent};
 use crate::types::{
     ChatChunk, ChatCompletion, ChatRequest, Completion, CompletionRequest, EmbedRequest, EmbedResponse,
-    EmbeddingsRequest, EmbeddingsResponse, GenerateEvent, GenerateRequest, Generation, ModelList,
+    EmbeddingsRequest, EmbeddingsResponse, GenerateEvent, GenerateRequest, Generation, ModelList, StreamCancellation,
 };
 
 /// Blocking client of rtx-serve's HTTP API; cheap to clone. Streaming methods return an [`Events`] iterator;
@@ -106,6 +107,11 @@ impl Client {
         Ok(Events::new(response, cursor.last_event_id))
     }
 
+    /// Stops a journaled request, as [`Client::cancel`](crate::Client::cancel).
+    pub fn cancel(&self, cursor: &StreamCursor, options: &RequestOptions) -> Result<StreamCancellation, Error> {
+        self.call::<(), _>(Method::DELETE, &["v1", "streams", &cursor.request_id], None, options)
+    }
+
     fn call<B: Serialize + ?Sized, T: DeserializeOwned>(
         &self,
         method: Method,
@@ -116,10 +122,11 @@ impl Client {
         let url = self.config.url(route);
         let headers = self.config.headers(options)?;
         let timeout = self.config.timeout(options);
+        let body = body.map(json_body).transpose()?;
         let response = self.send(self.config.retry(options), || {
             let mut request = self.http.request(method.clone(), url.clone()).headers(headers.clone());
-            if let Some(body) = body {
-                request = request.json(body);
+            if let Some(body) = &body {
+                request = request.header(CONTENT_TYPE, "application/json").body(body.clone());
             }
             request.timeout(timeout).send().map_err(Error::from_transport)
         })?;
@@ -138,8 +145,10 @@ impl Client {
         // The client's timeout bounds each read; a request's own bounds the whole stream (reqwest's blocking
         // client has no other way).
         let timeout = options.timeout_override();
+        let body = json_body(body)?;
         let response = self.send(self.config.retry(options), || {
-            let mut request = self.http.post(url.clone()).headers(headers.clone()).json(body);
+            let mut request = self.http.post(url.clone()).headers(headers.clone());
+            request = request.header(CONTENT_TYPE, "application/json").body(body.clone());
             if let Some(timeout) = timeout {
                 request = request.timeout(timeout);
             }

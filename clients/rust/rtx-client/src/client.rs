@@ -8,18 +8,19 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures_core::Stream;
+use reqwest::header::CONTENT_TYPE;
 use reqwest::{Method, Response};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio::time::{Instant, Sleep};
 
 use crate::error::{ApiError, Error};
-use crate::options::{header_value, Config, RequestOptions, LAST_EVENT_ID};
+use crate::options::{header_value, json_body, Config, RequestOptions, LAST_EVENT_ID};
 use crate::retry::RetryPolicy;
 use crate::stream::{EventDecoder, StreamCursor, StreamEvent};
 use crate::types::{
     ChatChunk, ChatCompletion, ChatRequest, Completion, CompletionRequest, EmbedRequest, EmbedResponse,
-    EmbeddingsRequest, EmbeddingsResponse, GenerateEvent, GenerateRequest, Generation, ModelList,
+    EmbeddingsRequest, EmbeddingsResponse, GenerateEvent, GenerateRequest, Generation, ModelList, StreamCancellation,
 };
 
 /// Settings of a [`Client`] (and of a [`blocking::Client`](crate::blocking::Client)).
@@ -172,6 +173,13 @@ impl Client {
         Ok(EventStream::new(response, cursor.last_event_id, timeout))
     }
 
+    /// Stops a journaled request (`DELETE /v1/streams/{id}`), which dropping its stream does not: each choice still
+    /// running finishes with `finish_reason` `"abort"`, and its streams end with that event. Only `cursor`'s
+    /// `request_id` is read.
+    pub async fn cancel(&self, cursor: &StreamCursor, options: &RequestOptions) -> Result<StreamCancellation, Error> {
+        self.call::<(), _>(Method::DELETE, &["v1", "streams", &cursor.request_id], None, options).await
+    }
+
     // -- transport ------------------------------------------------------------------------------------------------
 
     async fn call<B: Serialize + ?Sized, T: DeserializeOwned>(
@@ -184,11 +192,12 @@ impl Client {
         let url = self.config.url(route);
         let headers = self.config.headers(options)?;
         let timeout = self.config.timeout(options);
+        let body = body.map(json_body).transpose()?;
         let response = self
             .send(self.config.retry(options), || {
                 let mut request = self.http.request(method.clone(), url.clone()).headers(headers.clone());
-                if let Some(body) = body {
-                    request = request.json(body);
+                if let Some(body) = &body {
+                    request = request.header(CONTENT_TYPE, "application/json").body(body.clone());
                 }
                 let request = request.timeout(timeout);
                 async move { request.send().await.map_err(Error::from_transport) }
@@ -207,9 +216,11 @@ impl Client {
         let url = self.config.url(route);
         let headers = self.config.headers(options)?;
         let timeout = self.config.timeout(options);
+        let body = json_body(body)?;
         let response = self
             .send(self.config.retry(options), || {
-                let request = self.http.post(url.clone()).headers(headers.clone()).json(body);
+                let request = self.http.post(url.clone()).headers(headers.clone());
+                let request = request.header(CONTENT_TYPE, "application/json").body(body.clone());
                 with_timeout(timeout, request.send())
             })
             .await?;

@@ -255,8 +255,12 @@ fn chain(error: &(dyn std::error::Error + 'static)) -> String {
     let mut message = error.to_string();
     let mut source = error.source();
     while let Some(cause) = source {
-        message.push_str(": ");
-        message.push_str(&cause.to_string());
+        let text = cause.to_string();
+        // hyper's and reqwest's messages often repeat their source's already: keep each text once.
+        if !message.contains(&text) {
+            message.push_str(": ");
+            message.push_str(&text);
+        }
         source = cause.source();
     }
     message

@@ -53,7 +53,7 @@ pub use types::{
     ChatChoice, ChatChunk, ChatChunkChoice, ChatCompletion, ChatDelta, ChatMessage, ChatRequest, Completion,
     CompletionChoice, CompletionChunk, CompletionRequest, EmbedRequest, EmbedResponse, Embedding, EmbeddingsRequest,
     EmbeddingsResponse, GenerateEvent, GenerateRequest, Generation, Model, ModelList, Prompt, PromptTokensDetails,
-    Prompts, SamplingParams, Usage,
+    Prompts, SamplingParams, StreamCancellation, Usage,
 };
 
 /// What every call returns.

@@ -164,6 +164,11 @@ pub(crate) fn header_value(what: &str, value: &str) -> Result<HeaderValue, Error
     HeaderValue::from_str(value).map_err(|_| Error::InvalidInput(format!("{what} is not a valid header value")))
 }
 
+/// A request's JSON body, or the reason it cannot be one (a NaN temperature, say): refused before anything is sent.
+pub(crate) fn json_body<B: serde::Serialize + ?Sized>(body: &B) -> Result<Vec<u8>, Error> {
+    serde_json::to_vec(body).map_err(|e| Error::InvalidInput(e.to_string()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

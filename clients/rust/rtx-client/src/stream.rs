@@ -34,6 +34,8 @@ pub struct StreamCursor {
 pub(crate) struct EventDecoder<T> {
     sse: SseDecoder,
     request_id: Option<String>,
+    // x-request-id: the id of the server's logs, which an error event ending the stream carries as a refusal does.
+    log_id: Option<String>,
     traceparent: Option<String>,
     last_event_id: u64,
     state: State,
@@ -57,6 +59,7 @@ impl<T> EventDecoder<T> {
         EventDecoder {
             sse: SseDecoder::default(),
             request_id: header(RTX_REQUEST_ID),
+            log_id: header("x-request-id"),
             traceparent: header(TRACEPARENT),
             last_event_id: after,
             state: State::Open,
@@ -140,7 +143,9 @@ impl<T: StreamEvent> EventDecoder<T> {
         // An error ends a stream that had started: `{"error": {...}}` and nothing else.
         if value.as_object().is_some_and(|o| o.len() == 1 && o.contains_key("error")) {
             if let Ok(body) = serde_json::from_value::<ErrorBody>(value.clone()) {
-                return Err(self.fail(Error::from(body.into_api_error(None))));
+                let mut error = body.into_api_error(None);
+                error.request_id = self.log_id.clone();
+                return Err(self.fail(Error::from(error)));
             }
         }
         match serde_json::from_value::<T>(value) {
@@ -201,12 +206,15 @@ mod tests {
         assert_eq!(drain(&mut decoder).len(), 1);
         assert!(matches!(decoder.end_of_body(), Some(Error::Connection(m)) if m.contains("after event 1")));
 
-        let mut decoder = EventDecoder::<GenerateEvent>::new(&HeaderMap::new(), 0);
+        let mut with_log_id = HeaderMap::new();
+        with_log_id.insert("x-request-id", HeaderValue::from_static("log-7"));
+        let mut decoder = EventDecoder::<GenerateEvent>::new(&with_log_id, 0);
         decoder
             .feed(b"data: {\"error\":{\"message\":\"deadline\",\"type\":\"timeout_error\",\"code\":\"timeout\"}}\n\n");
         let items = drain(&mut decoder);
         let error = items[0].as_ref().unwrap_err().api().unwrap();
         assert_eq!((error.kind, error.message.as_str()), (ErrorKind::DeadlineExceeded, "deadline"));
+        assert_eq!(error.request_id.as_deref(), Some("log-7"), "as the response's own refusals carry it");
         assert!(decoder.is_done() && decoder.cursor().is_none());
     }
 }

@@ -1,7 +1,7 @@
 //! Request and response bodies of the HTTP API, as serde types. Responses accept fields they do not know (the
 //! server may add some); requests take any further body field with their `param` method.
 
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Serialize, Serializer};
 use serde_json::{Map, Value};
 
 use crate::options::RequestOptions;
@@ -59,14 +59,15 @@ impl<P: Into<Prompt>> FromIterator<P> for Prompts {
 pub struct SamplingParams {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_tokens: Option<u32>,
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none", serialize_with = "finite_temperature")]
     pub temperature: Option<f32>,
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none", serialize_with = "finite_top_p")]
     pub top_p: Option<f32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub top_k: Option<i32>,
+    /// Any 64-bit integer (the server takes negative ones too).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub seed: Option<u64>,
+    pub seed: Option<i64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stop: Option<Vec<String>>,
     /// Generate `max_tokens` whatever the model's end-of-sequence token says.
@@ -75,6 +76,23 @@ pub struct SamplingParams {
     /// Any other body field (`logprobs`, `response_format`, `tools`, `cache_salt`, `stream_options`...).
     #[serde(flatten)]
     pub extra: Map<String, Value>,
+}
+
+// serde_json writes NaN and infinities as null, which the server would read as "not set" or refuse naming null:
+// the request is refused before it is sent instead (Error::InvalidInput), naming the field.
+fn finite_temperature<S: Serializer>(value: &Option<f32>, serializer: S) -> Result<S::Ok, S::Error> {
+    finite("temperature", value, serializer)
+}
+
+fn finite_top_p<S: Serializer>(value: &Option<f32>, serializer: S) -> Result<S::Ok, S::Error> {
+    finite("top_p", value, serializer)
+}
+
+fn finite<S: Serializer>(name: &str, value: &Option<f32>, serializer: S) -> Result<S::Ok, S::Error> {
+    match value {
+        Some(v) if !v.is_finite() => Err(serde::ser::Error::custom(format!("{name} must be a finite number, got {v}"))),
+        _ => value.serialize(serializer),
+    }
 }
 
 /// The builder methods every request has: its sampling fields, further body fields and its options.
@@ -100,7 +118,7 @@ macro_rules! request_setters {
             self
         }
 
-        pub fn seed(mut self, seed: u64) -> Self {
+        pub fn seed(mut self, seed: i64) -> Self {
             self.params.seed = Some(seed);
             self
         }
@@ -464,6 +482,14 @@ pub struct EmbedResponse {
     pub num_tokens: Vec<u32>,
 }
 
+/// The answer of `DELETE /v1/streams/{id}` ([`Client::cancel`](crate::Client::cancel)).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct StreamCancellation {
+    pub id: String,
+    /// Whether it was still running (false: it had finished already).
+    pub cancelled: bool,
+}
+
 /// `/v1/models`.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 pub struct ModelList {
@@ -486,6 +512,23 @@ pub struct Model {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn non_finite_sampling_numbers_are_refused_before_sending() {
+        // serde_json wrote them as null, which the server refused as "got None".
+        for (request, field) in [
+            (GenerateRequest::new("hi").temperature(f32::NAN), "temperature"),
+            (GenerateRequest::new("hi").top_p(f32::INFINITY), "top_p"),
+        ] {
+            let error = crate::options::json_body(&request).unwrap_err();
+            assert!(
+                matches!(&error, crate::Error::InvalidInput(m) if m.contains(&format!("{field} must be a finite number"))),
+                "{error}"
+            );
+        }
+        let negative_seed = crate::options::json_body(&GenerateRequest::new("hi").seed(-7)).unwrap();
+        assert!(String::from_utf8(negative_seed).unwrap().contains("\"seed\":-7"));
+    }
 
     #[test]
     fn requests_send_only_what_was_set() {

@@ -164,6 +164,24 @@ async fn a_stream_cut_by_the_client_resumes_with_no_gap_and_no_duplicate() {
     assert_eq!(text, client.chat(&request).await.unwrap().text(), "the same text as without a cut");
 }
 
+#[tokio::test]
+#[ignore = "needs a live rtx serve (tests/client/test_rust_client.py)"]
+async fn a_cancelled_stream_ends_with_abort() {
+    let client = client();
+    let request = GenerateRequest::new(PROMPT).max_tokens(2000).ignore_eos(true);
+    let mut stream = client.stream_generate(&request).await.unwrap();
+    stream.next().await.unwrap().unwrap();
+    let cursor = stream.cursor().unwrap();
+    let answer = client.cancel(&cursor, &RequestOptions::new()).await.unwrap();
+    assert_eq!((answer.id.as_str(), answer.cancelled), (cursor.request_id.as_str(), true));
+    let rest = collect(&mut stream).await;
+    let (_, last) = rest.last().unwrap();
+    assert!(last.finished && rest.len() < 2000, "ended early");
+    assert_eq!(last.finish_reason.as_deref(), Some("abort"));
+    // Finished already: nothing to stop.
+    assert!(!client.cancel(&cursor, &RequestOptions::new()).await.unwrap().cancelled);
+}
+
 #[test]
 #[ignore = "needs a live rtx serve (tests/client/test_rust_client.py)"]
 fn a_blocking_native_stream_cut_and_resumed() {

@@ -68,6 +68,10 @@ def add_parser(sub) -> None:
     g.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGIN",
                    help="answer browsers from ORIGIN (CORS, with preflight); repeat or separate by commas; '*' for "
                         "any (default: none)")
+    g.add_argument("--forwarded-allow-ips", action="append", default=None, metavar="IPS",
+                   help="proxies (addresses, networks such as 10.0.0.0/8, or '*') whose X-Forwarded-For names the "
+                        "client, for per-address limits and logs; repeat or separate by commas (default: 127.0.0.1). "
+                        "Behind a load balancer or Ingress, name it: else every client shares its address")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log level on stderr (default: info)")
     durable = p.add_argument_group("durable restarts (docs/serving.md)")
@@ -179,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
         signing_public_key=args.signing_public_key,
         require_signed_models=args.require_signed_models, state_dir=args.state_dir,
         **{k: v for k, v in journal.items() if v is not None},
-        allowed_origins=tuple(o.strip() for item in args.allowed_origins or () for o in item.split(",") if o.strip()),
+        allowed_origins=_comma_list(args.allowed_origins),
+        forwarded_allow_ips=_comma_list(args.forwarded_allow_ips) if args.forwarded_allow_ips else None,
         tls=tls, fleet=fleet_settings(args, config_file.lanes))
     tenants = TenantRegistry.from_config(config_file.tenants, api_keys=args.api_key or ())
     auth = Authentication.from_config(config_file.auth, tenants)
@@ -211,3 +216,8 @@ def run(args: argparse.Namespace) -> int:
     # The bar of `rtx generate`, unless the log is asked to keep to warnings.
     progress = Progress("weights") if args.log_level in ("debug", "info") else None
     return serve(ServingRuntime(config, settings, tenants, progress=progress, auth=auth))
+
+
+def _comma_list(items: list[str] | None) -> tuple[str, ...]:
+    """A repeatable option's values, each of which may hold several separated by commas."""
+    return tuple(x.strip() for item in items or () for x in item.split(",") if x.strip())

@@ -132,6 +132,7 @@ def test_values_schema_rejects_canary_weight_over_100(helm):
     ("signing.requireSignedModels=true", "/signing/publicKeySecret"),
     ("autoscaling.mode=cpu", "/autoscaling/mode"),
     ("canary.extraSteps={50,0}", "/canary/extraSteps/1"),
+    ("server.forwardedAllowIps={ingress-nginx}", "/server/forwardedAllowIps/0"),
 ])
 def test_values_schema_names_the_bad_value(helm, bad, where):
     result = run_helm(helm, "template", "rtx", str(CHART), "--set", bad)
@@ -148,6 +149,15 @@ def test_container_args_are_accepted_by_rtx_serve(helm, variant):
         args = build_parser().parse_args(container(workload)["args"])
         assert args.command == "serve" and args.host == "0.0.0.0"
         assert args.config == "/etc/rtx-serve/config/serve.toml"
+
+
+def test_trusted_proxies_reach_rtx_serve(helm):
+    """Behind the Ingress, per-address limits need the clients' own addresses (docs/deployment.md)."""
+    (workload,) = workloads(render(helm, "default", "server.forwardedAllowIps={10.0.0.0/8,fd00::/8}"))
+    args = build_parser().parse_args(container(workload)["args"])
+    assert args.forwarded_allow_ips == ["10.0.0.0/8,fd00::/8"]
+    (default,) = workloads(render(helm, "default"))
+    assert build_parser().parse_args(container(default)["args"]).forwarded_allow_ips is None
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -243,8 +243,10 @@ key_sha256 = "{sha(KEY_ACME)}"
     server.stop()
 
 
-def _complete(server: ServerProcess, authorization: str | None, **kwargs) -> httpx.Response:
+def _complete(server: ServerProcess, authorization: str | None, extra_headers: dict | None = None,
+              **kwargs) -> httpx.Response:
     headers = {"authorization": authorization} if authorization is not None else {}
+    headers.update(extra_headers or {})
     return httpx.post(f"{server.base_url}/v1/completions", headers=headers, timeout=60,
                       json={"prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0}, **kwargs)
 
@@ -299,6 +301,53 @@ def test_an_address_that_keeps_failing_is_refused_with_retry_after(jwt_server, t
     # Good credentials from that address wait too: a guesser cannot tell a hit from the limit.
     assert _complete(jwt_server, "Bearer " + tokens.token()).status_code == 429
     assert 'reason="auth_rate_limited"' in httpx.get(f"{jwt_server.base_url}/metrics").text
+
+
+# -- behind a proxy -------------------------------------------------------------------------------------------------
+
+
+def _proxy_server(tmp_path, *args: str) -> ServerProcess:
+    config = tmp_path / "serve.toml"
+    config.write_text(f'[auth]\nfailure_burst = 3\nfailures_per_minute = 1\n\n'
+                      f'[tenants.acme]\nkey_sha256 = "{sha(KEY_ACME)}"\n')
+    return start_server("--model", "dummy:tiny", "--config", str(config), *args)
+
+
+def test_behind_a_trusted_proxy_one_guessing_client_locks_out_only_itself(tmp_path):
+    """Every request through a load balancer comes from its address: one client guessing keys used to lock every
+    tenant behind it out. From a trusted proxy (127.0.0.1 by default, as here), X-Forwarded-For names the client."""
+    from rtxcore._generated import rtx_pb2, rtx_pb2_grpc
+
+    server = _proxy_server(tmp_path)
+    try:
+        guesser, other = {"x-forwarded-for": "198.51.100.7"}, {"x-forwarded-for": "198.51.100.8"}
+        codes = [_complete(server, "Bearer sk-guess", guesser).status_code for _ in range(5)]
+        assert codes[-1] == 429 and set(codes) == {401, 429}, codes
+        assert _complete(server, f"Bearer {KEY_ACME}", other).status_code == 200
+        assert _complete(server, f"Bearer {KEY_ACME}", guesser).status_code == 429
+        with grpc.insecure_channel(server.grpc_target) as channel:
+            stub = rtx_pb2_grpc.RtxStub(channel)
+            ok = list(stub.Generate(rtx_pb2.GenerateRequest(token_ids=rtx_pb2.TokenIds(ids=[1, 2, 3]), max_tokens=1),
+                                    metadata=(("authorization", f"Bearer {KEY_ACME}"),
+                                              ("x-forwarded-for", "198.51.100.9")), timeout=30))
+            assert ok[-1].finished
+            with pytest.raises(grpc.RpcError) as refused:
+                list(stub.Generate(rtx_pb2.GenerateRequest(token_ids=rtx_pb2.TokenIds(ids=[1, 2, 3]), max_tokens=1),
+                                   metadata=(("authorization", f"Bearer {KEY_ACME}"),
+                                             ("x-forwarded-for", "198.51.100.7")), timeout=30))
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        server.stop()
+
+
+def test_an_untrusted_peer_cannot_dodge_the_limit_with_x_forwarded_for(tmp_path):
+    server = _proxy_server(tmp_path, "--forwarded-allow-ips", "10.0.0.0/8")  # 127.0.0.1 is no proxy of its
+    try:
+        codes = [_complete(server, "Bearer sk-guess", {"x-forwarded-for": f"198.51.100.{i}"}).status_code
+                 for i in range(5)]
+        assert codes[-1] == 429, codes
+    finally:
+        server.stop()
 
 
 # -- mutual TLS -----------------------------------------------------------------------------------------------------

@@ -149,6 +149,9 @@ spec:
         - --request-timeout={{ $v.server.requestTimeoutSeconds }}
         - --max-active-requests={{ $v.server.maxActiveRequests }}
         - --log-level={{ $v.server.logLevel }}
+        {{- with $v.server.forwardedAllowIps }}
+        - --forwarded-allow-ips={{ join "," . }}
+        {{- end }}
         - --eviction-policy={{ $v.kvCache.evictionPolicy }}
         - --kv-host-bytes={{ $v.kvCache.hostBytes }}
         {{- if $v.state.enabled }}

@@ -34,6 +34,7 @@ from rtxcore.server.serving.formats import ResponseSpec
 from rtxcore.server.serving.generation import Generation, tokenize
 from rtxcore.server.serving.lifecycle import Started, begin, cancel, find
 from rtxcore.server.serving.limits import MAX_BATCH, RETRY_AFTER_S
+from rtxcore.server.serving.proxies import DEFAULT_TRUSTED, TrustedProxies
 from rtxcore.server.serving.routing import route
 from rtxcore.server.serving.runtime import ServingRuntime
 from rtxcore.server.serving.served_request import ServedRequest
@@ -56,6 +57,8 @@ SERVICE_NAME = rtx_pb2.DESCRIPTOR.services_by_name["Rtx"].full_name
 class RtxServicer(rtx_pb2_grpc.RtxServicer):
     def __init__(self, runtime: ServingRuntime):
         self.runtime = runtime
+        # Who the caller is behind a proxy, as uvicorn works it out for HTTP (rtxcore.server.serving.proxies).
+        self._proxies = TrustedProxies(runtime.settings.forwarded_allow_ips or DEFAULT_TRUSTED)
 
     async def Generate(self, request: rtx_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         received_at = time.monotonic()
@@ -184,9 +187,9 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
         if not auth.required:
             return None
         pem = (context.auth_context() or {}).get("x509_pem_cert")
+        peer = self._proxies.client(_peer_address(context.peer()), metadata.get("x-forwarded-for"))
         credentials = Credentials(authorization=metadata.get("authorization"), api_key=metadata.get("x-api-key"),
-                                  client_cert_subject=certificate_subject(pem[0]) if pem else None,
-                                  peer=_peer_address(context.peer()))
+                                  client_cert_subject=certificate_subject(pem[0]) if pem else None, peer=peer)
         try:
             return auth.authenticate(credentials)
         except RequestError as exc:

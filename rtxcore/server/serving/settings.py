@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from rtxcore.errors import ConfigError
 from rtxcore.files import check_directory_path
+from rtxcore.server.serving.proxies import TrustedProxies
 
 if TYPE_CHECKING:
     from rtxcore.server.fleet import FleetSettings
@@ -103,6 +104,9 @@ class ServeSettings:
     journal_compact_min_bytes: int = 4 << 20
     # Browser origins answered with CORS headers (and preflight); "*" for any; empty: no CORS.
     allowed_origins: tuple[str, ...] = ()
+    # The proxies (addresses or networks, "*" for any) whose X-Forwarded-For names the client: the address that
+    # per-address limits (failed authentications) and logs see. None: uvicorn's default, 127.0.0.1 only.
+    forwarded_allow_ips: tuple[str, ...] | None = None
     # TLS (and mutual TLS) for both servers; None serves plain text.
     tls: TlsSettings | None = None
     # The peers whose /metrics the dashboard's autoscaling panel reads (rtxcore.server.fleet); None: no panel.
@@ -128,6 +132,8 @@ class ServeSettings:
         for name in names + list(self.served_model_aliases):
             if not name.strip():
                 raise ConfigError("--served-model-name: a model name must not be empty or blank")
+        if self.forwarded_allow_ips is not None:
+            TrustedProxies(self.forwarded_allow_ips)  # refuses an entry that is no address or network
         if self.state_dir:
             # Only the last directory is made, as for --kv-disk-dir: a typo in a mount point must not put the
             # journal on the container's own disk, where a restart loses it.

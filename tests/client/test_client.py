@@ -444,3 +444,25 @@ def test_a_request_over_the_size_limit_is_refused_not_retried(tenant_grpc_server
         assert info.value.code == "INVALID_ARGUMENT", info.value
     assert not is_retryable(APIError("Received message larger than max", code="RESOURCE_EXHAUSTED"))
     assert is_retryable(APIError("queue full", code="RESOURCE_EXHAUSTED", retry_after=1.0))
+
+
+def test_grpc_takes_the_stop_string_and_special_token_fields_of_http(server, expected_text):
+    """include_stop_str_in_output and skip_special_tokens were HTTP-only."""
+    stop = expected_text.split()[1]  # a word of the greedy completion: it ends the output there
+    chat = "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"
+    with GrpcClient(server.grpc_target) as client:
+        def text(chat_prompt: str | None = PROMPT, **fields) -> str:
+            return "".join(r.text for r in client.generate(chat_prompt or chat, **{**GREEDY, **fields}))
+
+        cut, kept = text(stop=[stop]), text(stop=[stop], include_stop_str_in_output=True)
+        assert not cut.endswith(stop) and kept == cut + stop and expected_text.startswith(kept), (cut, kept)
+        texts = {}
+        for skip in (True, False):
+            # <|im_end|> (id 2) forced three times: in the text only when special tokens are not skipped.
+            over_http = httpx.post(f"{server.base_url}/generate", timeout=60, json={
+                "prompt": chat, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "logit_bias": {"2": 100},
+                "skip_special_tokens": skip, "stream": False})
+            texts[skip] = text(chat_prompt=None, max_tokens=3, ignore_eos=True, logit_bias={2: 100.0},
+                               skip_special_tokens=skip)
+            assert texts[skip] == over_http.json()["text"], (skip, texts[skip], over_http.json()["text"])
+        assert texts == {True: "", False: "<|im_end|>" * 3}, texts

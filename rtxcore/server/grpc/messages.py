@@ -18,7 +18,7 @@ from rtxcore._generated import rtx_pb2  # noqa: E402
 # Optional GenerateRequest fields copied to SamplingParams when set (proto3 `optional` tracks presence).
 OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                             "frequency_penalty", "repetition_penalty", "logprobs", "early_exit_threshold",
-                            "min_tokens")
+                            "min_tokens", "skip_special_tokens")
 
 
 def response_from_event(req_id: str, seq: int, event: dict) -> rtx_pb2.GenerateResponse:
@@ -42,7 +42,8 @@ def prompt_from(request: rtx_pb2.GenerateRequest) -> str | list[int]:
 def sampling_params_from(request: rtx_pb2.GenerateRequest) -> SamplingParams:
     fields = {name: getattr(request, name) for name in OPTIONAL_SAMPLING_FIELDS if request.HasField(name)}
     return SamplingParams(stop=list(request.stop), stop_token_ids=list(request.stop_token_ids),
-                          ignore_eos=request.ignore_eos, logit_bias=dict(request.logit_bias) or None,
+                          ignore_eos=request.ignore_eos, include_stop_str_in_output=request.include_stop_str_in_output,
+                          logit_bias=dict(request.logit_bias) or None,
                           allowed_token_ids=list(request.allowed_token_ids.ids)
                           if request.HasField("allowed_token_ids") else None,
                           banned_token_ids=list(request.banned_token_ids) or None,

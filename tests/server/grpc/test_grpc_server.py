@@ -330,7 +330,7 @@ def test_reflection_lists_and_describes_the_service(channel):
     files = [descriptor_pb2.FileDescriptorProto.FromString(b)
              for b in described.file_descriptor_response.file_descriptor_proto]
     methods = {m.name for f in files for s in f.service if s.name == "Rtx" for m in s.method}
-    assert methods == {"Generate", "Resume", "Embed"}
+    assert methods == {"Generate", "Resume", "Cancel", "Embed"}
 
 
 def test_health_follows_loading_and_draining():

@@ -163,6 +163,9 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
             engine = runtime.engine()
             tenant = self._authenticate(dict(context.invocation_metadata() or ()), context)
             runtime.check_model(request.model or None)
+            if request.inputs and request.token_inputs:
+                # Concatenated, the answer's order would say nothing of which embedding is whose.
+                raise InvalidRequestError("set inputs or token_inputs, not both", param="token_inputs")
             inputs = [*request.inputs, *(list(t.ids) for t in request.token_inputs)]
             if not inputs:
                 raise InvalidRequestError("inputs must hold at least one input", param="inputs")

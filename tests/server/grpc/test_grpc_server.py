@@ -155,6 +155,13 @@ def test_two_calls_may_use_the_same_request_id(stub):
     assert {r.request_id for r in rest + second} == {"same"}
 
 
+def test_embed_takes_text_or_token_inputs_not_both(stub):
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Embed(rtx_pb2.EmbedRequest(inputs=["hi"], token_inputs=[rtx_pb2.TokenIds(ids=[5, 6])]))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert dict(info.value.trailing_metadata())["rtx-param"] == "token_inputs"
+
+
 def test_embed_matches_the_engine(runtime, stub, registry):
     inputs = [[5, 6, 7], [9, 9, 9, 9, 9]]
     response = stub.Embed(rtx_pb2.EmbedRequest(token_inputs=[rtx_pb2.TokenIds(ids=x) for x in inputs]))

@@ -49,9 +49,13 @@ def time_limit(seconds: float | None, what: str) -> Iterator[None]:
     previous = signal.getsignal(signal.SIGALRM)
     outer_left, outer_interval = signal.getitimer(signal.ITIMER_REAL)
     outer_deadline = time.monotonic() + outer_left if outer_left > 0 else None
+    outer_fired = False
 
     def expire(signum: int, frame: FrameType | None) -> None:
-        if outer_deadline is not None and time.monotonic() >= outer_deadline - 1e-3 and callable(previous):
+        nonlocal outer_fired
+        outer_due = outer_deadline is not None and time.monotonic() >= outer_deadline - 1e-3
+        if outer_due and not outer_fired and callable(previous):
+            outer_fired = True  # once: its later firings are this limit's own repeats
             previous(signum, frame)
             return
         raise CheckTimedOut(f"{what} did not finish within {seconds:g} s (the --timeout of each check)")
@@ -63,5 +67,7 @@ def time_limit(seconds: float | None, what: str) -> Iterator[None]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
-        if outer_deadline is not None:
+        if outer_deadline is not None and not outer_fired:
             signal.setitimer(signal.ITIMER_REAL, max(outer_deadline - time.monotonic(), 1e-3), outer_interval)
+        elif outer_fired and outer_interval > 0:
+            signal.setitimer(signal.ITIMER_REAL, outer_interval, outer_interval)

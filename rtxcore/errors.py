@@ -38,6 +38,8 @@ class ErrorCode(enum.Enum):
     RESOURCE_EXHAUSTED = "resource_exhausted"
     UNAVAILABLE = "unavailable"
     DEADLINE_EXCEEDED = "deadline_exceeded"
+    # Its client cancelled it (DELETE /v1/streams/{id}, gRPC Cancel) before it could run again after a restart.
+    CANCELLED = "cancelled"
     INTERNAL = "internal"
 
 

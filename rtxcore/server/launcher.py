@@ -27,7 +27,7 @@ from rtxcore.errors import RtxError
 from rtxcore.server.fleet import FleetWatcher
 from rtxcore.server.http import build_app
 from rtxcore.server.http.tls import uvicorn_tls_options
-from rtxcore.server.serving.proxies import DEFAULT_TRUSTED
+from rtxcore.server.serving.proxies import DEFAULT_TRUSTED, TrustedProxies
 from rtxcore.server.serving.recovery import recover
 from rtxcore.server.serving.runtime import ServingRuntime
 
@@ -90,7 +90,8 @@ class Launcher:
         fleet = self._fleet_watcher()
         config = uvicorn.Config(build_app(self.runtime, fleet), log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=max(1, math.ceil(self.settings.shutdown_grace_s)),
-                                forwarded_allow_ips=list(self.settings.forwarded_allow_ips or DEFAULT_TRUSTED),
+                                forwarded_allow_ips=TrustedProxies(self.settings.forwarded_allow_ips
+                                                                   or DEFAULT_TRUSTED).for_uvicorn(),
                                 **uvicorn_tls_options(self.settings.tls))
         self._server = server = _UvicornServer(config)
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -434,10 +434,13 @@ def test_grpc_clients_send_the_api_key_lane_and_metadata(tenant_grpc_server):
 def test_a_request_over_the_size_limit_is_refused_not_retried(tenant_grpc_server):
     """gRPC's own size limit answers RESOURCE_EXHAUSTED with no retry-after: that is not worth a retry. The limit is
     the server's --max-body-bytes, not gRPC's 4 MiB default."""
-    with GrpcClient(tenant_grpc_server, api_key=KEY) as client:
+    patient = RetryPolicy(max_attempts=3, backoff_s=5.0)  # a retry would wait 2.5 s at least
+    with GrpcClient(tenant_grpc_server, api_key=KEY, retry=patient) as client:
+        started = time.monotonic()
         with pytest.raises(APIError) as info:
             list(client.generate("x" * (100 << 10), max_tokens=2))
         assert info.value.code == "RESOURCE_EXHAUSTED" and info.value.retry_after is None
+        assert time.monotonic() - started < 2.5, "it was retried"
         # Under 64 KiB the request reaches the server, which finds it longer than the model's context.
         with pytest.raises(APIError) as info:
             list(client.generate("x " * (20 << 10), max_tokens=2))

@@ -77,14 +77,24 @@ def test_an_outer_alarm_that_comes_first_fires_through_its_own_handler():
     class OuterFired(Exception):
         pass
 
+    calls = []
+
     def outer(signum, frame):
+        calls.append(signum)
         raise OuterFired
 
+    saved = signal.getitimer(signal.ITIMER_REAL)
     previous = signal.signal(signal.SIGALRM, outer)
-    saved = signal.setitimer(signal.ITIMER_REAL, 0.2)
+    signal.setitimer(signal.ITIMER_REAL, 0.2)
     try:
         with pytest.raises(OuterFired), time_limit(30, "check x"):
             time.sleep(5)
+        # Fired once: not armed again afterwards, to go off a second time in whatever runs next.
+        assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+        time.sleep(0.05)
+        assert len(calls) == 1
     finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-        signal.setitimer(signal.ITIMER_REAL, *saved)
+        if saved[0] > 0:
+            signal.setitimer(signal.ITIMER_REAL, *saved)

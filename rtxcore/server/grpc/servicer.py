@@ -109,7 +109,7 @@ class RtxServicer(rtx_pb2_grpc.RtxServicer):
                      ) -> rtx_pb2.CancelResponse:
         async with statuses_for(context):
             entry = self._find_journaled(request.request_id, context, "cancel it with DELETE /v1/streams/{}")
-            return rtx_pb2.CancelResponse(cancelled=await cancel(entry))
+            return rtx_pb2.CancelResponse(cancelled=await cancel(self.runtime, entry))
         raise AssertionError("statuses_for aborts the call on an error")  # pragma: no cover
 
     def _find_journaled(self, req_id: str, context: grpc.aio.ServicerContext, over_http: str) -> ServedRequest:

@@ -23,6 +23,7 @@ STATUS = {
     ErrorCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     ErrorCode.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
+    ErrorCode.CANCELLED: grpc.StatusCode.CANCELLED,
     ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
 }
 

@@ -28,6 +28,8 @@ STATUS = {
     ErrorCode.RESOURCE_EXHAUSTED: 429,
     ErrorCode.UNAVAILABLE: 503,
     ErrorCode.DEADLINE_EXCEEDED: 504,
+    # nginx's "client closed request": what the client asked for, no failure of the server.
+    ErrorCode.CANCELLED: 499,
     ErrorCode.INTERNAL: 500,
 }
 # OpenAI's ``type`` for the HTTP-only errors.

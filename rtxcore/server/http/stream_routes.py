@@ -43,7 +43,7 @@ class StreamRoutes:
 
     async def cancel(self, request: Request) -> Response:
         entry = self._find(request)
-        cancelled = await cancel(entry)
+        cancelled = await cancel(self.runtime, entry)
         return JSONResponse({"id": entry.req_id, "object": "stream.cancellation", "cancelled": cancelled})
 
     def _find(self, request: Request) -> ServedRequest:

@@ -32,6 +32,7 @@ _OPENAI_TYPES = {
     ErrorCode.RESOURCE_EXHAUSTED: "rate_limit_error",
     ErrorCode.UNAVAILABLE: "service_unavailable_error",
     ErrorCode.DEADLINE_EXCEEDED: "timeout_error",
+    ErrorCode.CANCELLED: "invalid_request_error",
     ErrorCode.INTERNAL: "server_error",
 }
 _OPENAI_CODES = {
@@ -41,6 +42,7 @@ _OPENAI_CODES = {
     ErrorCode.RESOURCE_EXHAUSTED: "server_overloaded",
     ErrorCode.UNAVAILABLE: "not_ready",
     ErrorCode.DEADLINE_EXCEEDED: "timeout",
+    ErrorCode.CANCELLED: "cancelled",
     ErrorCode.INTERNAL: "internal_error",
 }
 

@@ -81,16 +81,28 @@ async def begin(runtime: ServingRuntime, started: Started, claim: IdempotencyCla
     return entry
 
 
-async def cancel(entry: ServedRequest) -> bool:
+async def cancel(runtime: ServingRuntime, entry: ServedRequest) -> bool:
     """Stop a journaled request its client no longer wants (with a journal, leaving a stream does not): each choice
     still running finishes with finish_reason "abort", and the request ends as any finished one does, journaled,
-    its streams closing with that last event. Returns whether it was still running."""
+    its streams closing with that last event. Returns whether it was still running.
+
+    A cancel record is fsynced first, so a crash before the request's end is journaled does not run it again;
+    a request still waiting to be resumed after a restart ends with a ``cancelled`` error instead.
+    """
     if entry.finished:
         return False
+    if not entry.cancel_requested and runtime.durable is not None:
+        runtime.durable.journal.append({"t": "cancel", "id": entry.req_id, "time": time.time()})
+        await runtime.durable.journal.commit()
     entry.cancel_requested = True
-    if entry.generation is None:  # resuming after a restart, not running yet: _resume cancels it once it is
+    if entry.generation is None:  # resuming after a restart, not running yet: _resume ends it
         return True
     return bool(await entry.generation.cancel())
+
+
+def cancelled_error() -> RequestError:
+    return RequestError(ErrorCode.CANCELLED, "cancelled by its client before it ran again after a restart",
+                        reason="cancelled")
 
 
 def start_producer(producing: Awaitable[None], gen: Generation) -> asyncio.Task:
@@ -196,6 +208,7 @@ def conclude(entry: ServedRequest, journal: Journal | None, texts: list[str], er
                                        "error": error.to_json() if error is not None else None, "body": body}])
     for text in texts:
         entry.add_event(text)
+    entry.generation = None  # what it held (every choice's text) is in its events and body now
     entry.finish(error, body)
 
 

@@ -33,10 +33,16 @@ class TrustedProxies:
             if entry == "*":
                 continue
             try:
-                self.networks.append(ipaddress.ip_network(entry, strict=False))
+                # strict: uvicorn reads 10.0.0.1/8 (host bits set) as a host name that never matches, so HTTP would
+                # ignore what gRPC believed.
+                self.networks.append(ipaddress.ip_network(entry))
             except ValueError:
                 raise ConfigError(f"--forwarded-allow-ips: {entry!r} is not an IP address or network (e.g. "
-                                  "10.0.0.0/8), nor '*'") from None
+                                  "10.0.0.0/8, with no host bits set), nor '*'") from None
+
+    def for_uvicorn(self) -> list[str]:
+        """The same list as uvicorn's forwarded_allow_ips takes it (it trusts any peer only for exactly ["*"])."""
+        return ["*"] if self.any else list(self.entries)
 
     def trusts(self, address: str) -> bool:
         if self.any:
@@ -45,7 +51,9 @@ class TrustedProxies:
             ip = ipaddress.ip_address(address)
         except ValueError:
             return False
-        return any(ip in network for network in self.networks)
+        # A dual-stack socket (--host ::) sees IPv4 peers as ::ffff:10.1.2.3.
+        mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+        return any(ip in network or (mapped is not None and mapped in network) for network in self.networks)
 
     def client(self, peer: str | None, forwarded_for: str | None) -> str | None:
         """The client's address: ``peer``, unless it is a trusted proxy that forwarded the request; then the right-most

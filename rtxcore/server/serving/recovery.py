@@ -22,7 +22,7 @@ from rtxcore.server.serving.durable.registry import DurableRequests
 from rtxcore.server.serving.durable.replay import JournaledRequest, group_records
 from rtxcore.server.serving.formats import FORMATS, ResponseSpec, event_text, make_format
 from rtxcore.server.serving.generation import Choice, Generation, Speculation
-from rtxcore.server.serving.lifecycle import conclude, produce
+from rtxcore.server.serving.lifecycle import cancelled_error, conclude, produce
 from rtxcore.server.serving.routing import Route
 from rtxcore.server.serving.runtime import ServingRuntime
 from rtxcore.server.serving.served_request import IdempotencyClaim, ServedRequest
@@ -102,6 +102,9 @@ async def _resume(runtime: ServingRuntime, durable: DurableRequests, entry: Serv
     tenant = runtime.tenants.tenants.get(accept["tenant"]) if accept["tenant"] is not None else None
     route = Route(tenant, accept["lane"], accept["cache_salt"])
     while True:
+        if journaled.cancelled or entry.cancel_requested:  # its client stopped it: nothing to run again
+            _end_with_error(entry, journal, spec, cancelled_error())
+            return
         try:
             gen = await Generation.resume(runtime, accept["gen_id"], prompts, params, route, choices, token_ids, trace,
                                           "grpc" if spec.kind == "grpc" else "http", speculation, n)
@@ -116,8 +119,12 @@ async def _resume(runtime: ServingRuntime, durable: DurableRequests, entry: Serv
             _end_with_error(entry, journal, spec, RequestError(ErrorCode.INTERNAL, str(exc)))
             return
     entry.generation = gen
-    if entry.cancel_requested:  # its client cancelled it while it waited to be resumed
-        await gen.cancel()
+    if entry.cancel_requested:  # cancelled during the resume's last await
+        try:
+            await gen.cancel()
+        except BaseException:
+            gen.close()  # produce() would have: the engine requests, admission slots and lease go back
+            raise
     # A crash between the accept and the first event leaves no opening event (a chat stream's role chunk) yet.
     await produce(entry, gen, make_format(spec, gen.tokenizer), journal,
                   opening=not journaled.events)

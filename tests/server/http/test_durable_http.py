@@ -240,8 +240,26 @@ def test_delete_stops_a_request_and_gives_back_its_tenants_slot(tmp_path):
         assert again.status_code == 200 and again.json()["cancelled"] is False
         missing = client.delete("/v1/streams/rq-000000000000000000000000", headers=alice)
         assert missing.status_code == 404 and missing.json()["error"]["param"] == "request_id"
-    # The journal has its end: a restart does not run it again.
-    assert any(r["t"] == "finish" and r["id"] == req_id for r in records(crashed))
+    # The journal has the cancel (fsynced before the answer) and the end: a restart does not run it again.
+    kinds = [r["t"] for r in records(crashed) if r["id"] == req_id]
+    assert "cancel" in kinds and kinds[-1] == "finish", kinds
+
+
+def test_a_cancel_in_the_journal_is_not_run_again_after_a_crash(tmp_path):
+    """A crash after the cancel was acknowledged, before the request's end reached the journal: the restart ends
+    it with a `cancelled` error rather than running it to max_tokens."""
+    body = {"prompt": [3, 14, 15], "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with serving(make_runtime(tmp_path / "a")) as client:
+        req_id = client.post("/generate", json=body).headers["x-rtx-request-id"]
+    crashed = crash_copy(tmp_path / "a", tmp_path / "b",
+                         lambda r, i: r["id"] == req_id and r["t"] != "finish" and r.get("seq", 0) <= 4)
+    log = crashed / "journal" / "journal.log"
+    log.write_bytes(log.read_bytes() + encode_record({"t": "cancel", "id": req_id, "time": time.time()}))
+    runtime = make_runtime(crashed)
+    with serving(runtime) as client:
+        rest = events(client.get(f"/v1/streams/{req_id}?last_event_id=4").text)
+        assert len(rest) == 1, rest
+        assert json.loads(rest[0][1])["error"]["code"] == "cancelled"
 
 
 # -- durability --------------------------------------------------------------------------------------------------

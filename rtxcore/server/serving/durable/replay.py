@@ -6,6 +6,7 @@ Record types (every record has ``t``, its type, and ``id``, the request id):
 - ``out``: one engine output (``o``: choice, token ids, text, logprobs, finish reason) and/or the SSE event sent for
   it (``seq``, ``ev``: the exact payload); written before the event goes to the client.
 - ``finish``: the request ended; ``status`` and ``body`` are the response of a non-streaming request.
+- ``cancel``: its client cancelled it (fsynced before the cancel is acknowledged): a restart does not run it again.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class JournaledRequest:
     finish: dict[str, Any] | None = None
     # An event is missing (a damaged record in the middle): its stream cannot be resumed without a gap.
     damaged: bool = False
+    # A cancel record: its client stopped it, though it had not finished.
+    cancelled: bool = False
 
 
 def group_records(records: list[dict[str, Any]]) -> list[JournaledRequest]:
@@ -51,6 +54,8 @@ def group_records(records: list[dict[str, Any]]) -> list[JournaledRequest]:
                     req.events.append(record["ev"])
         elif kind == "finish":
             req.finish = record
+        elif kind == "cancel":
+            req.cancelled = True
         else:
             log.warning("journal: record of unknown type %r for request %s skipped", kind, req.req_id)
     kept = []

@@ -57,3 +57,17 @@ def crash_copy(state_dir: Path, to: Path, keep) -> Path:
     (to / "journal").mkdir(parents=True)
     (to / "journal" / "journal.log").write_bytes(b"".join(encode_record(r) for r in kept))
     return to
+
+
+# A request long enough to be running still when a test looks at it after a restart.
+LONG_STREAM = {"prompt": [3, 14, 15], "max_tokens": 1500, "ignore_eos": True, "stream": True}
+
+
+def crashed_mid_stream(tmp_path: Path, tenants=None, headers: dict | None = None) -> tuple[str, Path]:
+    """A state dir (``tmp_path/b``) as a crash after LONG_STREAM's fourth event left it: the request id and the
+    dir. ``tenants`` is a callable making the registry (each runtime gets its own)."""
+    with serving(make_runtime(tmp_path / "a", tenants() if tenants else None)) as client:
+        req_id = client.post("/generate", json=LONG_STREAM, headers=headers or {}).headers["x-rtx-request-id"]
+    crashed = crash_copy(tmp_path / "a", tmp_path / "b",
+                         lambda r, i: r["id"] == req_id and r["t"] != "finish" and r.get("seq", 0) <= 4)
+    return req_id, crashed

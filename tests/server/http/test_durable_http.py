@@ -22,7 +22,15 @@ from rtxcore.server.http import build_app
 from rtxcore.server.serving.durable.records import decode_records, encode_record
 from rtxcore.server.serving.runtime import ServingRuntime
 from rtxcore.server.serving.tenants import TenantRegistry
-from tests.helpers.durable_app import crash_copy, events, make_runtime, records, serving
+from tests.helpers.durable_app import (
+    LONG_STREAM,
+    crash_copy,
+    crashed_mid_stream,
+    events,
+    make_runtime,
+    records,
+    serving,
+)
 
 PROMPT = [3, 14, 15, 92, 65, 35]
 STREAM = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True}
@@ -191,75 +199,22 @@ def test_a_tenant_resumes_only_its_own_requests(tmp_path):
         assert bobs.status_code == 200 and bobs.headers["x-rtx-request-id"] != req_id
 
 
-def test_a_resumed_request_counts_towards_its_tenants_concurrency(tmp_path):
-    def tenants():
-        return TenantRegistry.from_config({"alice": {"key_env": "ALICE_KEY", "max_concurrency": 1}},
-                                          environ={"ALICE_KEY": KEYS["alice"]})
+def alice_limited_to_one():
+    return TenantRegistry.from_config({"alice": {"key_env": "ALICE_KEY", "max_concurrency": 1}},
+                                      environ={"ALICE_KEY": KEYS["alice"]})
 
-    alice = {"Authorization": f"Bearer {KEYS['alice']}"}
-    body = {"prompt": [3, 14, 15], "max_tokens": 1500, "ignore_eos": True, "stream": True}
-    with serving(make_runtime(tmp_path / "a", tenants())) as client:
-        req_id = client.post("/generate", json=body, headers=alice).headers["x-rtx-request-id"]
-    crashed = crash_copy(tmp_path / "a", tmp_path / "b",
-                         lambda r, i: r["id"] == req_id and r["t"] != "finish" and r.get("seq", 0) <= 4)
-    runtime = make_runtime(crashed, tenants())
+
+ALICE = {"Authorization": f"Bearer {KEYS['alice']}"}
+
+
+def test_a_resumed_request_counts_towards_its_tenants_concurrency(tmp_path):
+    req_id, crashed = crashed_mid_stream(tmp_path, alice_limited_to_one, ALICE)
+    runtime = make_runtime(crashed, alice_limited_to_one())
     with serving(runtime) as client:
         (entry,) = [e for e in runtime.durable.entries() if not e.finished]  # resumed, 1,500 tokens to go
-        refused = client.post("/generate", json={**body, "max_tokens": 2}, headers=alice)
+        refused = client.post("/generate", json={**LONG_STREAM, "max_tokens": 2}, headers=ALICE)
         assert refused.status_code == 429 and "limit of 1 concurrent" in refused.text, refused.text
         assert not entry.finished
-
-
-def test_delete_stops_a_request_and_gives_back_its_tenants_slot(tmp_path):
-    """With a journal, a client that leaves does not stop its request: it ran to its end, holding the tenant's
-    concurrency meanwhile. DELETE /v1/streams/{id} stops it, here while it resumes after a restart."""
-    def tenants():
-        return TenantRegistry.from_config({"alice": {"key_env": "ALICE_KEY", "max_concurrency": 1}},
-                                          environ={"ALICE_KEY": KEYS["alice"]})
-
-    alice = {"Authorization": f"Bearer {KEYS['alice']}"}
-    body = {"prompt": [3, 14, 15], "max_tokens": 1500, "ignore_eos": True, "stream": True}
-    with serving(make_runtime(tmp_path / "a", tenants())) as client:
-        req_id = client.post("/generate", json=body, headers=alice).headers["x-rtx-request-id"]
-    crashed = crash_copy(tmp_path / "a", tmp_path / "b",
-                         lambda r, i: r["id"] == req_id and r["t"] != "finish" and r.get("seq", 0) <= 4)
-    runtime = make_runtime(crashed, tenants())
-    with serving(runtime) as client:
-        (entry,) = [e for e in runtime.durable.entries() if not e.finished]
-        assert client.delete(f"/v1/streams/{req_id}").status_code == 401
-        cancelled = client.delete(f"/v1/streams/{req_id}", headers=alice)
-        assert cancelled.status_code == 200 and cancelled.json() == {
-            "id": req_id, "object": "stream.cancellation", "cancelled": True}
-        rest = events(client.get(f"/v1/streams/{req_id}", headers=alice).text)
-        last = json.loads(rest[-1][1])
-        assert last["finished"] and last["finish_reason"] == "abort" and len(rest) < 1500, last
-        assert entry.finished
-        # Its slot is free: the next request of the tenant is not refused (it was, 429, until the 1,500 tokens).
-        assert client.post("/generate", json={**body, "max_tokens": 2}, headers=alice).status_code == 200
-        again = client.delete(f"/v1/streams/{req_id}", headers=alice)
-        assert again.status_code == 200 and again.json()["cancelled"] is False
-        missing = client.delete("/v1/streams/rq-000000000000000000000000", headers=alice)
-        assert missing.status_code == 404 and missing.json()["error"]["param"] == "request_id"
-    # The journal has the cancel (fsynced before the answer) and the end: a restart does not run it again.
-    kinds = [r["t"] for r in records(crashed) if r["id"] == req_id]
-    assert "cancel" in kinds and kinds[-1] == "finish", kinds
-
-
-def test_a_cancel_in_the_journal_is_not_run_again_after_a_crash(tmp_path):
-    """A crash after the cancel was acknowledged, before the request's end reached the journal: the restart ends
-    it with a `cancelled` error rather than running it to max_tokens."""
-    body = {"prompt": [3, 14, 15], "max_tokens": 1500, "ignore_eos": True, "stream": True}
-    with serving(make_runtime(tmp_path / "a")) as client:
-        req_id = client.post("/generate", json=body).headers["x-rtx-request-id"]
-    crashed = crash_copy(tmp_path / "a", tmp_path / "b",
-                         lambda r, i: r["id"] == req_id and r["t"] != "finish" and r.get("seq", 0) <= 4)
-    log = crashed / "journal" / "journal.log"
-    log.write_bytes(log.read_bytes() + encode_record({"t": "cancel", "id": req_id, "time": time.time()}))
-    runtime = make_runtime(crashed)
-    with serving(runtime) as client:
-        rest = events(client.get(f"/v1/streams/{req_id}?last_event_id=4").text)
-        assert len(rest) == 1, rest
-        assert json.loads(rest[0][1])["error"]["code"] == "cancelled"
 
 
 # -- durability --------------------------------------------------------------------------------------------------
